@@ -1,0 +1,86 @@
+# ampfuse developer entry points.
+#   make demo    - run the mixed-precision demo (bootstraps everything on a fresh machine)
+#   make test    - build the native library and run the C++ and Python test suites
+#   make bench   - CPU benchmarks against torch (results under benchmarks/results/)
+#   make build   - configure + build the native library, install it into python/ampfuse
+#
+# The Python environment lives outside the clone in a cache keyed by requirements-dev.txt
+# (AMPFUSE_CACHE, default ~/.cache/ampfuse) and .venv links to it, so a second run (or a second
+# clone) reinstalls nothing. Build options: AMPFUSE_CUDA=auto|ON|OFF, DEBUG=1, MAX_JOBS=N,
+# CUDA_ARCHS="80;90".
+
+SHELL := /bin/bash
+PYTHON_BOOTSTRAP ?= python3
+AMPFUSE_CACHE ?= $(HOME)/.cache/ampfuse
+REQS := requirements-dev.txt
+REQ_HASH := $(shell cat $(REQS) | sha256sum | cut -c1-16)-$(shell $(PYTHON_BOOTSTRAP) -c 'import sys;print("py%d%d" % sys.version_info[:2])')
+VENV_DIR := $(AMPFUSE_CACHE)/venv-$(REQ_HASH)
+VENV_STAMP := $(VENV_DIR)/.ampfuse-complete
+PY := .venv/bin/python
+BUILD_DIR ?= build
+AMPFUSE_CUDA ?= auto
+CUDA_ARCHS ?= 80;90
+BUILD_TYPE := $(if $(DEBUG),Debug,Release)
+MAX_JOBS ?= $(shell nproc)
+
+.PHONY: all venv sysdeps build test test-cpp test-py demo bench clean
+
+all: build
+
+# --- system packages (GoogleTest headers/sources, ccache) from Debian --------------------------
+sysdeps:
+	@missing=""; \
+	for p in libgtest-dev ccache; do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+# --- python environment --------------------------------------------------------------------------
+$(VENV_STAMP): $(REQS)
+	@echo "creating $(VENV_DIR)"
+	rm -rf $(VENV_DIR)
+	mkdir -p $(AMPFUSE_CACHE)
+	$(PYTHON_BOOTSTRAP) -m venv $(VENV_DIR)
+	$(VENV_DIR)/bin/python -m pip install -q --upgrade pip
+	$(VENV_DIR)/bin/python -m pip install -q -r $(REQS)
+	touch $(VENV_STAMP)
+
+.venv: $(VENV_STAMP)
+	@if [ "$$(readlink .venv)" != "$(VENV_DIR)" ]; then rm -rf .venv; ln -s $(VENV_DIR) .venv; fi
+
+venv: .venv
+
+# --- native build ----------------------------------------------------------------------------------
+$(BUILD_DIR)/build.ninja: CMakeLists.txt | venv sysdeps
+	cmake -S . -B $(BUILD_DIR) -G Ninja \
+	  -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) \
+	  -DAMPFUSE_PYTHON=$(abspath $(PY)) \
+	  -DAMPFUSE_CUDA=$(AMPFUSE_CUDA) \
+	  -DCMAKE_CUDA_ARCHITECTURES="$(CUDA_ARCHS)" \
+	  -DAMPFUSE_BUILD_TESTS=ON \
+	  -DCMAKE_INSTALL_PREFIX=$(abspath python/ampfuse)
+
+build: $(BUILD_DIR)/build.ninja
+	cmake --build $(BUILD_DIR) -j $(MAX_JOBS)
+	cmake --install $(BUILD_DIR) > /dev/null
+
+# --- tests -------------------------------------------------------------------------------------------
+test-cpp: build
+	cd $(BUILD_DIR) && ctest --output-on-failure
+
+test-py: build
+	PYTHONPATH=python $(PY) -m pytest -q tests
+
+test: test-cpp test-py
+
+# --- demo and benchmarks -----------------------------------------------------------------------------
+demo: build
+	PYTHONPATH=python $(PY) -m ampfuse.demo $(ARGS)
+
+bench: build
+	PYTHONPATH=python $(PY) benchmarks/run.py $(ARGS)
+
+clean:
+	rm -rf $(BUILD_DIR) python/ampfuse/lib python/ampfuse/include python/ampfuse/share

@@ -1,0 +1,57 @@
+// C++ entry points for the ampfuse ops: typed dispatcher calls, so C++ callers reach exactly the
+// kernels Python reaches through torch.ops.ampfuse.
+#include "ampfuse/ops.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+namespace ampfuse {
+namespace {
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+}  // namespace
+
+void unscale_check_(at::TensorList tensors, const at::Tensor& found_inf,
+                    const at::Tensor& inv_scale) {
+  static auto handle =
+      op<void(at::TensorList, const at::Tensor&, const at::Tensor&)>("ampfuse::unscale_check_");
+  handle.call(tensors, found_inf, inv_scale);
+}
+
+using NormSig = std::tuple<at::Tensor, at::Tensor>(at::TensorList, const at::Tensor&,
+                                                   const at::Tensor&, double,
+                                                   std::optional<double>,
+                                                   const std::optional<at::Tensor>&);
+
+std::tuple<at::Tensor, at::Tensor> unscale_check_norm_(
+    at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+    double norm_type, std::optional<double> max_norm,
+    const std::optional<at::Tensor>& per_tensor_found_inf) {
+  static auto handle = op<NormSig>("ampfuse::unscale_check_norm_");
+  return handle.call(tensors, found_inf, inv_scale, norm_type, max_norm, per_tensor_found_inf);
+}
+
+std::tuple<at::Tensor, at::Tensor> check_norm_(
+    at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+    double norm_type, std::optional<double> max_norm,
+    const std::optional<at::Tensor>& per_tensor_found_inf) {
+  static auto handle = op<NormSig>("ampfuse::check_norm_");
+  return handle.call(tensors, found_inf, inv_scale, norm_type, max_norm, per_tensor_found_inf);
+}
+
+void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                   const at::Tensor& found_inf, double growth_factor, double backoff_factor,
+                   int64_t growth_interval, const UpdateScaleOptions& o) {
+  static auto handle =
+      op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double, int64_t,
+              int64_t, const std::optional<at::Tensor>&, bool, std::optional<double>,
+              std::optional<double>, const std::optional<at::Tensor>&)>("ampfuse::update_scale_");
+  handle.call(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval,
+              o.hysteresis, o.hysteresis_tracker, o.consecutive_hysteresis, o.min_scale,
+              o.max_scale, o.stats);
+}
+
+}  // namespace ampfuse

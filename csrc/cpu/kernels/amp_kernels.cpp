@@ -1,0 +1,195 @@
+// CPU kernels for the loss-scaling ops (compiled once per CPU capability; see kernels.h).
+#include "cpu/kernels/vec_utils.h"
+
+#include <cmath>
+
+namespace ampfuse::cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+// Result of one chunk of unscale_check: whether a non-finite value was seen, and the chunk's
+// partial norm (sum of squares, or max |x|) of the unscaled values.
+struct ChunkResult {
+  bool nonfinite;
+  float partial;
+};
+
+// Unscales elements [0, n) of `data` (a reduced type or fp32): math in fp32, identical in the
+// vector body and the scalar tail, matching torch's CPU kernel bit for bit.
+template <typename T, NormKind norm, bool scale, bool store>
+ChunkResult unscale_span(T* data, int64_t n, float inv) {
+  using L = FloatLanes<T>;
+  const FVec vinv(inv);
+  FVec bad(0.0f);
+  FVec acc0(0.0f), acc1(0.0f);
+  int64_t i = 0;
+  for (; i + L::kLanes <= n; i += L::kLanes) {
+    FVec v[L::kVecs];
+    L::load(data + i, v);
+    for (int k = 0; k < L::kVecs; ++k) bad = bad | nonfinite_bits(v[k]);
+    if constexpr (scale) {
+      for (int k = 0; k < L::kVecs; ++k) v[k] = v[k] * vinv;
+      if constexpr (store) L::store(data + i, v);
+    }
+    if constexpr (norm == NormKind::L2) {
+      acc0 = at::vec::fmadd(v[0], v[0], acc0);
+      if constexpr (L::kVecs == 2) acc1 = at::vec::fmadd(v[1], v[1], acc1);
+    } else if constexpr (norm == NormKind::Inf) {
+      acc0 = at::vec::maximum(acc0, v[0].abs());
+      if constexpr (L::kVecs == 2) acc1 = at::vec::maximum(acc1, v[1].abs());
+    }
+  }
+  ChunkResult r{any_lane_nonzero(bad), 0.0f};
+  float part = 0.0f;
+  if constexpr (norm == NormKind::L2) {
+    part = at::vec::vec_reduce_all<float>([](const FVec& a, const FVec& b) { return a + b; },
+                                          acc0 + acc1);
+  } else if constexpr (norm == NormKind::Inf) {
+    part = at::vec::vec_reduce_all<float>(
+        [](const FVec& a, const FVec& b) { return at::vec::maximum(a, b); },
+        at::vec::maximum(acc0, acc1));
+  }
+  for (; i < n; ++i) {
+    float v = static_cast<float>(data[i]);
+    if (!std::isfinite(v)) r.nonfinite = true;
+    if constexpr (scale) {
+      v = v * inv;
+      if constexpr (store) data[i] = static_cast<T>(v);
+    }
+    if constexpr (norm == NormKind::L2) {
+      part += v * v;
+    } else if constexpr (norm == NormKind::Inf) {
+      const float a = std::abs(v);
+      part = (a > part || a != a) ? a : part;
+    }
+  }
+  r.partial = part;
+  return r;
+}
+
+// fp64 tensors: math in double like torch (x * double(inv)); the norm accumulates in fp32.
+ChunkResult unscale_span_double(double* data, int64_t n, float inv, bool store, NormKind norm) {
+  using DVec = Vectorized<double>;
+  const bool scale = inv != 1.0f;
+  const DVec vinv(static_cast<double>(inv));
+  DVec bad(0.0);
+  int64_t i = 0;
+  float part = 0.0f;
+  for (; i + DVec::size() <= n; i += DVec::size()) {
+    DVec v = DVec::loadu(data + i);
+    bad = bad | nonfinite_bits(v);
+    if (scale) {
+      v = v * vinv;
+      if (store) v.store(data + i);
+    }
+    if (norm != NormKind::None) {
+      double buf[DVec::size()];
+      v.store(buf);
+      for (int k = 0; k < DVec::size(); ++k) {
+        const float f = static_cast<float>(buf[k]);
+        if (norm == NormKind::L2) {
+          part += f * f;
+        } else {
+          const float a = std::abs(f);
+          part = (a > part || a != a) ? a : part;
+        }
+      }
+    }
+  }
+  ChunkResult r{any_lane_nonzero(bad), 0.0f};
+  for (; i < n; ++i) {
+    double v = data[i];
+    if (!std::isfinite(v)) r.nonfinite = true;
+    if (scale) {
+      v = v * static_cast<double>(inv);
+      if (store) data[i] = v;
+    }
+    const float f = static_cast<float>(v);
+    if (norm == NormKind::L2) {
+      part += f * f;
+    } else if (norm == NormKind::Inf) {
+      const float a = std::abs(f);
+      part = (a > part || a != a) ? a : part;
+    }
+  }
+  r.partial = part;
+  return r;
+}
+
+template <NormKind norm, bool scale, bool store>
+ChunkResult unscale_chunk(const Span& s, int64_t begin, int64_t end, float inv) {
+  const int64_t n = end - begin;
+  switch (s.dtype) {
+    case c10::kFloat:
+      return unscale_span<float, norm, scale, store>(static_cast<float*>(s.data) + begin, n, inv);
+    case c10::kHalf:
+      return unscale_span<c10::Half, norm, scale, store>(static_cast<c10::Half*>(s.data) + begin,
+                                                         n, inv);
+    case c10::kBFloat16:
+      return unscale_span<c10::BFloat16, norm, scale, store>(
+          static_cast<c10::BFloat16*>(s.data) + begin, n, inv);
+    case c10::kDouble:
+      return unscale_span_double(static_cast<double*>(s.data) + begin, n, inv, store, norm);
+    default:
+      return {false, 0.0f};  // unreachable: dtypes are validated by the caller
+  }
+}
+
+template <NormKind norm, bool scale, bool store>
+void unscale_all(const UnscaleCheckArgs& a, const std::vector<Chunk>& chunks,
+                 std::vector<ChunkResult>& results) {
+  parallel_chunks(chunks, [&](int64_t c) {
+    const Chunk& ch = chunks[c];
+    results[c] = unscale_chunk<norm, scale, store>(a.tensors[ch.tensor], ch.begin, ch.end,
+                                                   a.inv_scale);
+  });
+}
+
+template <NormKind norm>
+void unscale_all(const UnscaleCheckArgs& a, const std::vector<Chunk>& chunks,
+                 std::vector<ChunkResult>& results) {
+  if (a.inv_scale == 1.0f) {
+    unscale_all<norm, false, false>(a, chunks, results);  // x * 1 == x: nothing to store
+  } else if (a.write_back) {
+    unscale_all<norm, true, true>(a, chunks, results);
+  } else {
+    unscale_all<norm, true, false>(a, chunks, results);
+  }
+}
+
+void unscale_check(const UnscaleCheckArgs& a) {
+  const auto chunks = make_chunks(a.num_tensors, [&](int64_t t) { return a.tensors[t].numel; });
+  std::vector<ChunkResult> results(chunks.size());
+  switch (a.norm) {
+    case NormKind::None: unscale_all<NormKind::None>(a, chunks, results); break;
+    case NormKind::L2: unscale_all<NormKind::L2>(a, chunks, results); break;
+    case NormKind::Inf: unscale_all<NormKind::Inf>(a, chunks, results); break;
+  }
+  // Reduce in chunk order: the result does not depend on the number of threads.
+  double sum = 0.0;
+  float mx = 0.0f;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const ChunkResult& r = results[c];
+    if (r.nonfinite) {
+      *a.any_nonfinite = true;
+      if (a.per_tensor_nonfinite) a.per_tensor_nonfinite[chunks[c].tensor] = 1;
+    }
+    sum += r.partial;
+    mx = (r.partial > mx || r.partial != r.partial) ? r.partial : mx;
+  }
+  if (a.norm == NormKind::L2) {
+    *a.total_norm = static_cast<float>(std::sqrt(sum));
+  } else if (a.norm == NormKind::Inf) {
+    *a.total_norm = mx;
+  }
+}
+
+}  // namespace
+
+const KernelTable& kernel_table() {
+  static const KernelTable table{C10_STRINGIZE(CPU_CAPABILITY), &unscale_check};
+  return table;
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace ampfuse::cpu

@@ -1,0 +1,54 @@
+// Interface between the CPU dispatcher glue (csrc/cpu/ops_cpu.cpp) and the CPU kernels, which are
+// compiled once per CPU capability (DEFAULT, AVX2, AVX512) into namespaces of those names. The
+// glue validates arguments and prepares flat tensors; kernels only compute.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+#include "ops/rules.h"
+
+namespace ampfuse::cpu {
+
+// Elements per parallel work item: every pass flattens its tensor list into chunks of at most
+// this many elements and runs one at::parallel_for over all of them.
+constexpr int64_t kChunkElements = 16384;
+
+// A flat run of `numel` elements of `dtype` starting at `data`.
+struct Span {
+  void* data;
+  int64_t numel;
+  c10::ScalarType dtype;
+};
+
+struct UnscaleCheckArgs {
+  const Span* tensors;
+  int64_t num_tensors;
+  float inv_scale;
+  bool write_back;  // store the unscaled values (skipped when inv_scale == 1: x * 1 == x)
+  NormKind norm;
+  // Outputs.
+  bool* any_nonfinite;             // set to true if any element is inf/NaN (never reset)
+  uint8_t* per_tensor_nonfinite;   // optional, num_tensors entries, set to 1 where found
+  float* total_norm;               // written when norm != None (norm of the unscaled values)
+};
+
+struct KernelTable {
+  const char* capability;
+  void (*unscale_check)(const UnscaleCheckArgs&);
+};
+
+#define AMPFUSE_DECLARE_CPU_TABLE(cap) \
+  namespace cap {                      \
+  const KernelTable& kernel_table();   \
+  }
+AMPFUSE_DECLARE_CPU_TABLE(DEFAULT)
+AMPFUSE_DECLARE_CPU_TABLE(AVX2)
+AMPFUSE_DECLARE_CPU_TABLE(AVX512)
+#undef AMPFUSE_DECLARE_CPU_TABLE
+
+// The table for the capability torch itself runs with (honours ATEN_CPU_CAPABILITY).
+const KernelTable& kernels();
+
+}  // namespace ampfuse::cpu

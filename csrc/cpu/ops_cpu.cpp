@@ -1,0 +1,145 @@
+// CPU implementations of the ampfuse ops: argument checks, flat views, capability dispatch, and the
+// TORCH_LIBRARY_IMPL(ampfuse, CPU) block at the bottom. The math is in csrc/cpu/kernels/.
+#include <ATen/ops/empty.h>
+#include <ATen/Version.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <vector>
+
+#include "cpu/kernels/kernels.h"
+#include "ops/checks.h"
+
+namespace ampfuse::cpu {
+
+const KernelTable& kernels() {
+  static const KernelTable* table = [] {
+    const std::string cap = at::get_cpu_capability();
+#ifdef AMPFUSE_HAVE_AVX512
+    if (cap == "AVX512") return &AVX512::kernel_table();
+#endif
+#ifdef AMPFUSE_HAVE_AVX2
+    if (cap == "AVX2" || cap == "AVX512") return &AVX2::kernel_table();
+#endif
+    return &DEFAULT::kernel_table();
+  }();
+  return *table;
+}
+
+namespace {
+
+using detail::FlatTensor;
+
+std::vector<FlatTensor> flatten_all(at::TensorList tensors) {
+  std::vector<FlatTensor> flat;
+  flat.reserve(tensors.size());
+  for (const auto& t : tensors) flat.push_back(detail::flatten_for_kernel(t));
+  return flat;
+}
+
+std::vector<Span> spans_of(const std::vector<FlatTensor>& flat) {
+  std::vector<Span> spans;
+  spans.reserve(flat.size());
+  for (const auto& f : flat) spans.push_back({f.flat.data_ptr(), f.flat.numel(), f.flat.scalar_type()});
+  return spans;
+}
+
+// Shared body of unscale_check_, unscale_check_norm_ and check_norm_.
+std::tuple<at::Tensor, at::Tensor> unscale_check_impl(
+    at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+    bool write_back, NormKind norm, std::optional<double> max_norm,
+    const std::optional<at::Tensor>& per_tensor_found_inf) {
+  const auto flat = flatten_all(tensors);
+  const auto spans = spans_of(flat);
+  std::vector<uint8_t> per_tensor(per_tensor_found_inf ? tensors.size() : 0, 0);
+  bool any_nonfinite = false;
+  float total_norm = 0.0f;
+  UnscaleCheckArgs args{spans.data(),
+                        static_cast<int64_t>(spans.size()),
+                        *inv_scale.const_data_ptr<float>(),
+                        write_back,
+                        norm,
+                        &any_nonfinite,
+                        per_tensor_found_inf ? per_tensor.data() : nullptr,
+                        &total_norm};
+  kernels().unscale_check(args);
+  if (write_back) {
+    for (const auto& f : flat) f.finish();
+  }
+  if (any_nonfinite) *found_inf.mutable_data_ptr<float>() = 1.0f;
+  if (per_tensor_found_inf) {
+    float* flags = per_tensor_found_inf->mutable_data_ptr<float>();
+    for (size_t i = 0; i < per_tensor.size(); ++i) {
+      if (per_tensor[i]) flags[i] = 1.0f;
+    }
+  }
+  if (norm == NormKind::None) return {};
+  const float coef = max_norm ? clip_coefficient(total_norm, static_cast<float>(*max_norm)) : 1.0f;
+  auto opts = at::TensorOptions().dtype(at::kFloat).device(found_inf.device());
+  at::Tensor norm_t = at::empty({}, opts);
+  at::Tensor coef_t = at::empty({}, opts);
+  *norm_t.mutable_data_ptr<float>() = total_norm;
+  *coef_t.mutable_data_ptr<float>() = coef;
+  return {norm_t, coef_t};
+}
+
+// unscale_check_: see the contract in csrc/ops/registration.cpp.
+//   tensors: fp16/bf16/fp32/fp64 tensors on the CPU, any layout; multiplied in place.
+//   found_inf: 1-element fp32; set to 1.0 if any element is inf/NaN. The caller zeroes it.
+//   inv_scale: 1-element fp32.
+void unscale_check_cpu(at::TensorList tensors, const at::Tensor& found_inf,
+                       const at::Tensor& inv_scale) {
+  detail::check_unscale_args(tensors, found_inf, inv_scale);
+  unscale_check_impl(tensors, found_inf, inv_scale, /*write_back=*/true, NormKind::None,
+                     std::nullopt, std::nullopt);
+}
+
+// unscale_check_norm_ / check_norm_: as unscale_check_, plus the norm (2 or inf) of the unscaled
+// values and the clip coefficient. Returns (total_norm, clip_coef) as 0-dim fp32 tensors.
+std::tuple<at::Tensor, at::Tensor> unscale_check_norm_cpu(
+    at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+    double norm_type, std::optional<double> max_norm,
+    const std::optional<at::Tensor>& per_tensor_found_inf) {
+  detail::check_unscale_args(tensors, found_inf, inv_scale);
+  detail::check_norm_args(norm_type, max_norm, per_tensor_found_inf, tensors.size(),
+                          found_inf.device());
+  return unscale_check_impl(tensors, found_inf, inv_scale, /*write_back=*/true,
+                            detail::norm_kind(norm_type), max_norm, per_tensor_found_inf);
+}
+
+std::tuple<at::Tensor, at::Tensor> check_norm_cpu(
+    at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+    double norm_type, std::optional<double> max_norm,
+    const std::optional<at::Tensor>& per_tensor_found_inf) {
+  detail::check_unscale_args(tensors, found_inf, inv_scale);
+  detail::check_norm_args(norm_type, max_norm, per_tensor_found_inf, tensors.size(),
+                          found_inf.device());
+  return unscale_check_impl(tensors, found_inf, inv_scale, /*write_back=*/false,
+                            detail::norm_kind(norm_type), max_norm, per_tensor_found_inf);
+}
+
+// update_scale_: one application of the scale rule (csrc/ops/rules.h) to CPU state tensors.
+void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                      const at::Tensor& found_inf, double growth_factor, double backoff_factor,
+                      int64_t growth_interval, int64_t hysteresis,
+                      const std::optional<at::Tensor>& hysteresis_tracker,
+                      bool consecutive_hysteresis, std::optional<double> min_scale,
+                      std::optional<double> max_scale, const std::optional<at::Tensor>& stats) {
+  const ScaleRuleParams p = detail::check_update_scale_args(
+      scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval, hysteresis,
+      hysteresis_tracker, consecutive_hysteresis, min_scale, max_scale, stats);
+  update_scale_rule(scale.mutable_data_ptr<float>(), growth_tracker.mutable_data_ptr<int32_t>(),
+                    *found_inf.const_data_ptr<float>(),
+                    hysteresis_tracker ? hysteresis_tracker->mutable_data_ptr<int32_t>() : nullptr,
+                    stats ? stats->mutable_data_ptr<int64_t>() : nullptr, p);
+}
+
+}  // namespace
+}  // namespace ampfuse::cpu
+
+TORCH_LIBRARY_IMPL(ampfuse, CPU, m) {
+  m.impl("unscale_check_", &ampfuse::cpu::unscale_check_cpu);
+  m.impl("unscale_check_norm_", &ampfuse::cpu::unscale_check_norm_cpu);
+  m.impl("check_norm_", &ampfuse::cpu::check_norm_cpu);
+  m.impl("update_scale_", &ampfuse::cpu::update_scale_cpu);
+}

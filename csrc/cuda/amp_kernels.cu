@@ -1,0 +1,230 @@
+// CUDA kernels for the loss-scaling ops: unscale + inf/NaN check (+ norm, + clip coefficient) in
+// one multi-tensor pass, and the one-thread scale update. Contracts: csrc/ops/registration.cpp.
+#include <type_traits>
+
+#include "cuda/launch.h"
+#include "cuda/multi_tensor_apply.cuh"
+
+namespace ampfuse::cuda {
+namespace {
+
+constexpr int kILP = 4;  // independent 16-byte loads in flight per thread
+
+// Math type: fp32 for reduced types and fp32, fp64 for fp64 (as torch's unscale kernel).
+template <typename T>
+using opmath_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <typename T>
+__device__ __forceinline__ opmath_t<T> load_op(T x) {
+  if constexpr (std::is_same_v<T, double>) {
+    return x;
+  } else {
+    return to_float(x);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ T store_op(opmath_t<T> x) {
+  if constexpr (std::is_same_v<T, double>) {
+    return x;
+  } else {
+    return from_float<T>(x);
+  }
+}
+
+template <NormKind kNorm>
+__device__ __forceinline__ void accumulate(float& acc, float v) {
+  if constexpr (kNorm == NormKind::L2) {
+    acc = fmaf(v, v, acc);
+  } else if constexpr (kNorm == NormKind::Inf) {
+    const float a = fabsf(v);
+    acc = (a > acc || a != a) ? a : acc;
+  }
+}
+
+// One element: check, unscale, accumulate; returns the value to store.
+template <typename T, NormKind kNorm>
+__device__ __forceinline__ T unscale_one(T x, opmath_t<T> inv, bool scale, bool& bad, float& acc) {
+  opmath_t<T> v = load_op(x);
+  bad |= !isfinite(v);
+  if (scale) v = v * inv;
+  accumulate<kNorm>(acc, static_cast<float>(v));
+  return scale ? store_op<T>(v) : x;
+}
+
+// Elements [begin, end) of one tensor, processed by the whole block.
+template <typename T, NormKind kNorm>
+__device__ void unscale_chunk(T* p, int64_t begin, int64_t end, float inv_f, bool store,
+                              bool& bad, float& acc) {
+  using V = Vec16<T>;
+  const opmath_t<T> inv = static_cast<opmath_t<T>>(inv_f);
+  const bool scale = inv_f != 1.0f;
+  const bool write = store && scale;  // x * 1 == x: nothing to write
+  if (is_aligned16(p)) {
+    // begin is a multiple of kChunkSize, hence of V::kSize; a chunk has < 2^31 vectors.
+    V* vp = reinterpret_cast<V*>(p + begin);
+    const int nvec = static_cast<int>((end - begin) / V::kSize);
+    const int stride = static_cast<int>(blockDim.x);
+    int i = threadIdx.x;
+    for (; i + (kILP - 1) * stride < nvec; i += kILP * stride) {
+      V r[kILP];
+#pragma unroll
+      for (int u = 0; u < kILP; ++u) r[u] = vp[i + u * stride];
+#pragma unroll
+      for (int u = 0; u < kILP; ++u) {
+#pragma unroll
+        for (int k = 0; k < V::kSize; ++k) r[u].v[k] = unscale_one<T, kNorm>(r[u].v[k], inv, scale, bad, acc);
+      }
+      if (write) {
+#pragma unroll
+        for (int u = 0; u < kILP; ++u) vp[i + u * stride] = r[u];
+      }
+    }
+    for (; i < nvec; i += stride) {
+      V r = vp[i];
+#pragma unroll
+      for (int k = 0; k < V::kSize; ++k) r.v[k] = unscale_one<T, kNorm>(r.v[k], inv, scale, bad, acc);
+      if (write) vp[i] = r;
+    }
+    begin += nvec * V::kSize;
+  }
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const T y = unscale_one<T, kNorm>(p[i], inv, scale, bad, acc);
+    if (write) p[i] = y;
+  }
+}
+
+template <NormKind kNorm>
+__global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
+    unscale_check_kernel(const __grid_constant__ TensorListMeta<1> meta, const float* inv_scale,
+                         float* found_inf, float* per_tensor_found_inf, bool store,
+                         float* partials, unsigned int* counter, float* total_norm,
+                         float* clip_coef, bool has_max_norm, float max_norm) {
+  const float inv = *inv_scale;
+  float acc = 0.0f;
+  const int32_t nchunks = meta.chunk_start[meta.count];
+  for (int32_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const int t = find_tensor(meta, c);
+    const int64_t begin = static_cast<int64_t>(c - meta.chunk_start[t]) * kChunkSize;
+    const int64_t end = min(begin + kChunkSize, meta.numel[t]);
+    bool bad = false;
+    void* p = meta.ptr[0][t];
+    switch (meta.dtype[t]) {
+      case kHalf:
+        unscale_chunk<__half, kNorm>(static_cast<__half*>(p), begin, end, inv, store, bad, acc);
+        break;
+      case kBFloat16:
+        unscale_chunk<__nv_bfloat16, kNorm>(static_cast<__nv_bfloat16*>(p), begin, end, inv,
+                                            store, bad, acc);
+        break;
+      case kFloat:
+        unscale_chunk<float, kNorm>(static_cast<float*>(p), begin, end, inv, store, bad, acc);
+        break;
+      default:
+        unscale_chunk<double, kNorm>(static_cast<double*>(p), begin, end, inv, store, bad, acc);
+        break;
+    }
+    if (bad) {  // benign race: every writer stores 1
+      *found_inf = 1.0f;
+      if (per_tensor_found_inf) per_tensor_found_inf[meta.index[t]] = 1.0f;
+    }
+  }
+
+  if constexpr (kNorm != NormKind::None) {
+    constexpr bool kMax = kNorm == NormKind::Inf;
+    __shared__ float shared[kBlockSize / 32];
+    __shared__ bool is_last;
+    const float block_total = block_reduce<kMax>(acc, shared);
+    if (threadIdx.x == 0) {
+      partials[meta.block_offset + blockIdx.x] = block_total;
+      __threadfence();
+      const unsigned int ticket = atomicAdd(counter, 1u);
+      is_last = ticket == static_cast<unsigned int>(meta.total_blocks - 1);
+    }
+    __syncthreads();
+    if (is_last) {
+      // Every block of every launch of this pass has published its partial: reduce them in a
+      // fixed order (deterministic for a given grid), bypassing L1.
+      __threadfence();
+      float v = 0.0f;
+      for (int i = threadIdx.x; i < meta.total_blocks; i += blockDim.x) {
+        const float o = __ldcg(partials + i);
+        v = kMax ? ((o > v || o != o) ? o : v) : v + o;
+      }
+      const float total = block_reduce<kMax>(v, shared);
+      if (threadIdx.x == 0) {
+        const float norm = kMax ? total : sqrtf(total);
+        *total_norm = norm;
+        *clip_coef = has_max_norm ? clip_coefficient(norm, max_norm) : 1.0f;
+        *counter = 0u;
+      }
+    }
+  }
+}
+
+__global__ void update_scale_kernel(float* scale, int32_t* growth_tracker, const float* found_inf,
+                                    int32_t* hysteresis_left, int64_t* stats,
+                                    ScaleRuleParams params) {
+  update_scale_rule(scale, growth_tracker, *found_inf, hysteresis_left, stats, params);
+}
+
+constexpr size_t kCounterBytes = 16;
+
+int64_t num_launches(int64_t num_tensors) {
+  const int64_t cap = TensorListMeta<1>::kMax;
+  return num_tensors == 0 ? 1 : (num_tensors + cap - 1) / cap;
+}
+
+}  // namespace
+
+size_t unscale_check_workspace_bytes(const UnscaleCheckLaunch& a) {
+  if (a.norm == NormKind::None) return 0;
+  const int64_t max_grid = static_cast<int64_t>(a.num_sms) * kBlocksPerSM;
+  return kCounterBytes + sizeof(float) * static_cast<size_t>(num_launches(a.num_tensors) * max_grid);
+}
+
+cudaError_t launch_unscale_check(const UnscaleCheckLaunch& a, void* workspace,
+                                 cudaStream_t stream) {
+  std::vector<HostTensor<1>> tensors(a.num_tensors);
+  for (int64_t i = 0; i < a.num_tensors; ++i) {
+    tensors[i] = {{a.tensors[i].data}, a.tensors[i].numel, static_cast<int32_t>(i),
+                  static_cast<uint8_t>(a.tensors[i].dtype)};
+  }
+  unsigned int* counter = static_cast<unsigned int*>(workspace);
+  float* partials = workspace ? reinterpret_cast<float*>(static_cast<char*>(workspace) + kCounterBytes)
+                              : nullptr;
+  if (a.norm != NormKind::None) {
+    const cudaError_t err = cudaMemsetAsync(counter, 0, sizeof(unsigned int), stream);
+    if (err != cudaSuccess) return err;
+  }
+  const int max_grid = a.num_sms * kBlocksPerSM;
+  return multi_tensor_apply<1>(tensors, max_grid, [&](const TensorListMeta<1>& meta, int grid) {
+    switch (a.norm) {
+      case NormKind::None:
+        unscale_check_kernel<NormKind::None><<<grid, kBlockSize, 0, stream>>>(
+            meta, a.inv_scale, a.found_inf, a.per_tensor_found_inf, a.write_back, partials,
+            counter, a.total_norm, a.clip_coef, a.has_max_norm, a.max_norm);
+        break;
+      case NormKind::L2:
+        unscale_check_kernel<NormKind::L2><<<grid, kBlockSize, 0, stream>>>(
+            meta, a.inv_scale, a.found_inf, a.per_tensor_found_inf, a.write_back, partials,
+            counter, a.total_norm, a.clip_coef, a.has_max_norm, a.max_norm);
+        break;
+      case NormKind::Inf:
+        unscale_check_kernel<NormKind::Inf><<<grid, kBlockSize, 0, stream>>>(
+            meta, a.inv_scale, a.found_inf, a.per_tensor_found_inf, a.write_back, partials,
+            counter, a.total_norm, a.clip_coef, a.has_max_norm, a.max_norm);
+        break;
+    }
+  });
+}
+
+cudaError_t launch_update_scale(float* scale, int32_t* growth_tracker, const float* found_inf,
+                                int32_t* hysteresis_left, int64_t* stats,
+                                const ScaleRuleParams& params, cudaStream_t stream) {
+  update_scale_kernel<<<1, 1, 0, stream>>>(scale, growth_tracker, found_inf, hysteresis_left,
+                                           stats, params);
+  return cudaGetLastError();
+}
+
+}  // namespace ampfuse::cuda

@@ -1,0 +1,188 @@
+// ampfuse's multi-tensor apply: process a list of tensors with a number of kernel launches that
+// does not depend on how many tensors there are (up to the metadata capacity of one launch, which
+// uses the 32 KB kernel-parameter space of CUDA >= 12.1) nor on their sizes.
+//
+// - Tensor metadata (pointers for N lists, int64 element counts, chunk offsets) is passed by value
+//   as a __grid_constant__ kernel parameter: no host-to-device copy, safe under CUDA-graph capture.
+// - Each tensor is cut into chunks of kChunkSize elements; a fixed-size grid walks all chunks of the
+//   launch with a grid-stride loop, finding a chunk's tensor by binary search over the offsets.
+// - Kernels use 16-byte vector accesses when every list's pointer is 16-byte aligned, and a
+//   bounds-checked scalar path otherwise and for the tail.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace ampfuse::cuda {
+
+constexpr int64_t kChunkSize = 32768;  // elements per chunk (a multiple of every vector width)
+constexpr int kBlockSize = 256;
+constexpr int kBlocksPerSM = 4;
+// CUDA >= 12.1 on Volta+ accepts 32764 bytes of kernel parameters; keep a margin for the
+// functor's own arguments.
+constexpr int kMetaBytes = 30000;
+
+template <int N>
+constexpr int max_tensors_per_launch() {
+  // ptr[N] + numel + chunk_start + index + dtype
+  return (kMetaBytes - 64) / (8 * N + 8 + 4 + 4 + 1);
+}
+
+template <int N>
+struct TensorListMeta {
+  static constexpr int kMax = max_tensors_per_launch<N>();
+  void* ptr[N][kMax];
+  int64_t numel[kMax];
+  int32_t chunk_start[kMax + 1];  // chunk_start[count] == chunks in this launch
+  int32_t index[kMax];            // position of the tensor in the caller's list
+  uint8_t dtype[kMax];
+  int32_t count;
+  int32_t block_offset;  // blocks of all previous launches of the same pass
+  int32_t total_blocks;  // blocks of all launches of the pass
+};
+
+// Host-side description of one tensor (N lists).
+template <int N>
+struct HostTensor {
+  void* ptr[N];
+  int64_t numel;
+  int32_t index;
+  uint8_t dtype;
+};
+
+// The tensor holding chunk `c` (binary search over the chunk offsets).
+template <int N>
+__device__ __forceinline__ int find_tensor(const TensorListMeta<N>& meta, int32_t c) {
+  int lo = 0, hi = meta.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (meta.chunk_start[mid] <= c) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+template <typename T>
+__device__ __forceinline__ bool is_aligned16(const T* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+// Element conversions (round to nearest even on the way down).
+template <typename T>
+__device__ __forceinline__ float to_float(T x);
+template <>
+__device__ __forceinline__ float to_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// 16 bytes of T.
+template <typename T>
+struct alignas(16) Vec16 {
+  static constexpr int kSize = 16 / sizeof(T);
+  T v[kSize];
+};
+
+// Splits the tensors into launches of at most TensorListMeta<N>::kMax tensors, sizes each grid
+// (at most max_grid blocks, at least one so every launch takes part in cross-block reductions),
+// and calls launch(meta, grid) for each.
+template <int N, typename LaunchFn>
+cudaError_t multi_tensor_apply(const std::vector<HostTensor<N>>& tensors, int max_grid,
+                               LaunchFn&& launch) {
+  using Meta = TensorListMeta<N>;
+  struct Batch {
+    size_t begin, end;
+    int64_t chunks;
+  };
+  std::vector<Batch> batches;
+  size_t b = 0;
+  do {
+    Batch batch{b, std::min(tensors.size(), b + static_cast<size_t>(Meta::kMax)), 0};
+    for (size_t i = batch.begin; i < batch.end; ++i) {
+      batch.chunks += (tensors[i].numel + kChunkSize - 1) / kChunkSize;
+    }
+    batches.push_back(batch);
+    b = batch.end;
+  } while (b < tensors.size());
+
+  int32_t total_blocks = 0;
+  std::vector<int> grids;
+  for (const Batch& batch : batches) {
+    const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(batch.chunks, max_grid)));
+    grids.push_back(grid);
+    total_blocks += grid;
+  }
+
+  int32_t block_offset = 0;
+  for (size_t k = 0; k < batches.size(); ++k) {
+    Meta meta;
+    meta.count = static_cast<int32_t>(batches[k].end - batches[k].begin);
+    int32_t chunk = 0;
+    for (int32_t j = 0; j < meta.count; ++j) {
+      const HostTensor<N>& t = tensors[batches[k].begin + j];
+      for (int l = 0; l < N; ++l) meta.ptr[l][j] = t.ptr[l];
+      meta.numel[j] = t.numel;
+      meta.index[j] = t.index;
+      meta.dtype[j] = t.dtype;
+      meta.chunk_start[j] = chunk;
+      chunk += static_cast<int32_t>((t.numel + kChunkSize - 1) / kChunkSize);
+    }
+    meta.chunk_start[meta.count] = chunk;
+    meta.block_offset = block_offset;
+    meta.total_blocks = total_blocks;
+    launch(meta, grids[k]);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    block_offset += grids[k];
+  }
+  return cudaSuccess;
+}
+
+// Deterministic block-wide reduction (sum or max) of one float per thread; the result is valid in
+// thread 0. `shared` holds kBlockSize / 32 floats.
+template <bool kMax>
+__device__ __forceinline__ float block_reduce(float v, float* shared) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float o = __shfl_down_sync(0xffffffffu, v, off);
+    v = kMax ? ((o > v || o != o) ? o : v) : v + o;
+  }
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < (kBlockSize / 32) ? shared[lane] : (kMax ? 0.0f : 0.0f);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float o = __shfl_down_sync(0xffffffffu, v, off);
+      v = kMax ? ((o > v || o != o) ? o : v) : v + o;
+    }
+  }
+  __syncthreads();
+  return v;
+}
+
+}  // namespace ampfuse::cuda

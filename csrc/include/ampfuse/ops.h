@@ -1,0 +1,60 @@
+// ampfuse ops as C++ functions. Each call goes through the torch dispatcher, so C++ and Python
+// callers reach the same registered CPU/CUDA kernels (see csrc/ops/registration.cpp for the
+// schemas and the contracts).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+namespace ampfuse {
+
+// Registers nothing by itself (registration is static), but referencing it keeps libampfuse
+// linked into an application even under --as-needed. Returns true.
+bool ensure_registered();
+
+namespace detail {
+inline const bool kOpsRegistered = ::ampfuse::ensure_registered();
+}  // namespace detail
+
+// Version of torch that libampfuse was built against, e.g. "2.14.1".
+const char* built_with_torch_version();
+
+// Multiplies every tensor in place by inv_scale and sets found_inf to 1.0 if any element is inf or
+// NaN (found_inf is never reset). Drop-in for at::_amp_foreach_non_finite_check_and_unscale_.
+void unscale_check_(at::TensorList tensors, const at::Tensor& found_inf,
+                    const at::Tensor& inv_scale);
+
+// unscale_check_ plus, in the same pass, the global norm of the unscaled values (fp32
+// accumulation; norm_type 2 or inf) and the clip coefficient min(1, max_norm / (norm + 1e-6))
+// (1 when max_norm is not given). Optionally records per-tensor non-finite flags.
+// Returns (total_norm, clip_coef), both 0-dim float32 tensors on the tensors' device.
+std::tuple<at::Tensor, at::Tensor> unscale_check_norm_(
+    at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+    double norm_type = 2.0, std::optional<double> max_norm = std::nullopt,
+    const std::optional<at::Tensor>& per_tensor_found_inf = std::nullopt);
+
+// Read-only variant of unscale_check_norm_: the tensors are not written.
+std::tuple<at::Tensor, at::Tensor> check_norm_(
+    at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+    double norm_type = 2.0, std::optional<double> max_norm = std::nullopt,
+    const std::optional<at::Tensor>& per_tensor_found_inf = std::nullopt);
+
+// Options of update_scale_ beyond torch's rule.
+struct UpdateScaleOptions {
+  int64_t hysteresis = 1;                         // back off only on the N-th overflow
+  std::optional<at::Tensor> hysteresis_tracker;   // int32 1-element, required if hysteresis > 1
+  bool consecutive_hysteresis = false;            // refill the budget after every clean step
+  std::optional<double> min_scale;                // floor (the scale never goes below FLT_MIN)
+  std::optional<double> max_scale;                // ceiling
+  std::optional<at::Tensor> stats;                // int64[4]: updates, overflows, backoffs, floor hits
+};
+
+// Updates scale and growth_tracker in place on their device (no host sync). With default options,
+// bit-for-bit at::_amp_update_scale_ except that the scale never falls below FLT_MIN.
+void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                   const at::Tensor& found_inf, double growth_factor, double backoff_factor,
+                   int64_t growth_interval, const UpdateScaleOptions& options = {});
+
+}  // namespace ampfuse

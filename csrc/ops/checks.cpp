@@ -1,0 +1,176 @@
+#include "ops/checks.h"
+
+#include <c10/util/Exception.h>
+
+#include <cfloat>
+#include <cmath>
+#include <limits>
+
+namespace ampfuse::detail {
+
+std::string dtype_name(c10::ScalarType t) {
+  switch (t) {
+    case c10::kHalf: return "torch.float16";
+    case c10::kBFloat16: return "torch.bfloat16";
+    case c10::kFloat: return "torch.float32";
+    case c10::kDouble: return "torch.float64";
+    case c10::kInt: return "torch.int32";
+    case c10::kLong: return "torch.int64";
+    case c10::kShort: return "torch.int16";
+    case c10::kChar: return "torch.int8";
+    case c10::kByte: return "torch.uint8";
+    case c10::kBool: return "torch.bool";
+    case c10::kComplexFloat: return "torch.complex64";
+    case c10::kComplexDouble: return "torch.complex128";
+    case c10::kComplexHalf: return "torch.complex32";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+bool is_supported_float(c10::ScalarType t) {
+  return t == c10::kHalf || t == c10::kBFloat16 || t == c10::kFloat || t == c10::kDouble;
+}
+
+void check_scalar_tensor(const at::Tensor& t, const char* name, c10::ScalarType dtype,
+                         const c10::Device& device) {
+  TORCH_CHECK(t.defined(), name, " must be a defined tensor.");
+  TORCH_CHECK(t.layout() == c10::kStrided, name, " must be a strided (dense) tensor.");
+  TORCH_CHECK(t.numel() == 1, name, " must be a 1-element tensor, got ", t.numel(),
+              " elements.");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be a ", dtype_name(dtype),
+              " tensor, got ", dtype_name(t.scalar_type()), ".");
+  TORCH_CHECK(t.device() == device, name, " must be on ", device, ", got ", t.device(), ".");
+}
+
+void check_float_list(at::TensorList tensors, const char* name, const c10::Device& device) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(t.defined(), name, "[", i, "] is undefined.");
+    TORCH_CHECK(t.layout() == c10::kStrided, name, "[", i, "] has layout ", t.layout(),
+                "; only strided (dense) tensors are supported. For a sparse gradient pass its "
+                "coalesced values() instead.");
+    TORCH_CHECK(is_supported_float(t.scalar_type()), name, "[", i, "] has dtype ",
+                dtype_name(t.scalar_type()),
+                "; expected torch.float16, torch.bfloat16, torch.float32 or torch.float64.");
+    TORCH_CHECK(t.device() == device, name, "[", i, "] is on ", t.device(),
+                " but found_inf is on ", device, "; all tensors must be on one device.");
+  }
+}
+
+void check_unscale_args(at::TensorList tensors, const at::Tensor& found_inf,
+                        const at::Tensor& inv_scale) {
+  TORCH_CHECK(found_inf.defined(), "found_inf must be a defined tensor.");
+  const c10::Device device = found_inf.device();
+  check_scalar_tensor(found_inf, "found_inf", c10::kFloat, device);
+  check_scalar_tensor(inv_scale, "inv_scale", c10::kFloat, device);
+  check_float_list(tensors, "tensors", device);
+}
+
+NormKind norm_kind(double norm_type) {
+  if (norm_type == 2.0) return NormKind::L2;
+  if (std::isinf(norm_type) && norm_type > 0) return NormKind::Inf;
+  TORCH_CHECK(false, "norm_type must be 2.0 or inf, got ", norm_type,
+              " (other p-norms are not fused; use torch.nn.utils.clip_grad_norm_).");
+}
+
+void check_norm_args(double norm_type, std::optional<double> max_norm,
+                     const std::optional<at::Tensor>& per_tensor_found_inf, int64_t num_tensors,
+                     const c10::Device& device) {
+  (void)norm_kind(norm_type);
+  if (max_norm) {
+    TORCH_CHECK(std::isfinite(*max_norm) && *max_norm > 0, "max_norm must be a positive finite "
+                "number, got ", *max_norm, ".");
+  }
+  if (per_tensor_found_inf) {
+    const at::Tensor& f = *per_tensor_found_inf;
+    TORCH_CHECK(f.layout() == c10::kStrided && f.dim() == 1 && f.size(0) == num_tensors &&
+                    f.is_contiguous(),
+                "per_tensor_found_inf must be a contiguous 1-D tensor with one element per "
+                "tensor (", num_tensors, "), got shape ", f.sizes(), ".");
+    TORCH_CHECK(f.scalar_type() == c10::kFloat, "per_tensor_found_inf must be a torch.float32 "
+                "tensor, got ", dtype_name(f.scalar_type()), ".");
+    TORCH_CHECK(f.device() == device, "per_tensor_found_inf must be on ", device, ", got ",
+                f.device(), ".");
+  }
+}
+
+ScaleRuleParams check_update_scale_args(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                                        const at::Tensor& found_inf, double growth_factor,
+                                        double backoff_factor, int64_t growth_interval,
+                                        int64_t hysteresis,
+                                        const std::optional<at::Tensor>& hysteresis_tracker,
+                                        bool consecutive_hysteresis,
+                                        std::optional<double> min_scale,
+                                        std::optional<double> max_scale,
+                                        const std::optional<at::Tensor>& stats) {
+  TORCH_CHECK(scale.defined(), "scale must be a defined tensor.");
+  const c10::Device device = scale.device();
+  check_scalar_tensor(scale, "scale", c10::kFloat, device);
+  check_scalar_tensor(growth_tracker, "growth_tracker", c10::kInt, device);
+  check_scalar_tensor(found_inf, "found_inf", c10::kFloat, device);
+  TORCH_CHECK(growth_factor > 1.0 && std::isfinite(growth_factor),
+              "growth_factor must be a finite number > 1.0, got ", growth_factor, ".");
+  TORCH_CHECK(backoff_factor > 0.0 && backoff_factor < 1.0,
+              "backoff_factor must be in (0, 1), got ", backoff_factor, ".");
+  TORCH_CHECK(growth_interval >= 1 && growth_interval <= std::numeric_limits<int32_t>::max(),
+              "growth_interval must be an integer >= 1, got ", growth_interval, ".");
+  TORCH_CHECK(hysteresis >= 1 && hysteresis <= std::numeric_limits<int32_t>::max(),
+              "hysteresis must be an integer >= 1, got ", hysteresis, ".");
+  if (hysteresis_tracker) {
+    check_scalar_tensor(*hysteresis_tracker, "hysteresis_tracker", c10::kInt, device);
+  } else {
+    TORCH_CHECK(hysteresis == 1 && !consecutive_hysteresis,
+                "hysteresis_tracker (a 1-element torch.int32 tensor holding the remaining "
+                "overflows tolerated) is required when hysteresis > 1 or consecutive_hysteresis "
+                "is set.");
+  }
+  float floor = FLT_MIN;
+  float ceiling = FLT_MAX;
+  if (min_scale) {
+    TORCH_CHECK(std::isfinite(*min_scale) && *min_scale >= 0,
+                "min_scale must be a finite number >= 0, got ", *min_scale, ".");
+    floor = std::max(floor, static_cast<float>(*min_scale));
+  }
+  if (max_scale) {
+    TORCH_CHECK(!std::isnan(*max_scale) && *max_scale > 0, "max_scale must be > 0, got ",
+                *max_scale, ".");
+    if (std::isfinite(*max_scale)) ceiling = static_cast<float>(*max_scale);
+  }
+  if (min_scale && max_scale) {
+    TORCH_CHECK(*min_scale <= *max_scale, "min_scale (", *min_scale,
+                ") must not be greater than max_scale (", *max_scale, ").");
+  }
+  TORCH_CHECK(floor <= ceiling, "max_scale (", ceiling,
+              ") is below the smallest normal float32 scale (", FLT_MIN, ").");
+  if (stats) {
+    const at::Tensor& st = *stats;
+    TORCH_CHECK(st.layout() == c10::kStrided && st.dim() == 1 && st.numel() == kNumScaleStats &&
+                    st.is_contiguous(),
+                "stats must be a contiguous 1-D tensor of ", static_cast<int>(kNumScaleStats),
+                " elements, got shape ", st.sizes(), ".");
+    TORCH_CHECK(st.scalar_type() == c10::kLong, "stats must be a torch.int64 tensor, got ",
+                dtype_name(st.scalar_type()), ".");
+    TORCH_CHECK(st.device() == device, "stats must be on ", device, ", got ", st.device(), ".");
+  }
+  return ScaleRuleParams{growth_factor, backoff_factor, growth_interval,
+                         static_cast<int32_t>(hysteresis), consecutive_hysteresis, floor,
+                         ceiling};
+}
+
+FlatTensor flatten_for_kernel(const at::Tensor& t) {
+  FlatTensor out;
+  out.original = t;
+  if (t.is_non_overlapping_and_dense()) {
+    out.flat = t;
+  } else {
+    out.flat = t.contiguous();
+    out.copied = true;
+  }
+  return out;
+}
+
+bool same_layout(const at::Tensor& ref, const at::Tensor& other) {
+  return ref.sizes() == other.sizes() && (ref.numel() <= 1 || ref.strides() == other.strides());
+}
+
+}  // namespace ampfuse::detail

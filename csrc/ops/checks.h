@@ -1,0 +1,65 @@
+// Argument validation shared by the CPU and CUDA kernels, so both backends reject bad input with
+// the same messages before anything is modified.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ops/rules.h"
+
+namespace ampfuse::detail {
+
+// "torch.float16" style name for error messages.
+std::string dtype_name(c10::ScalarType t);
+
+bool is_supported_float(c10::ScalarType t);
+
+// A 1-element tensor of dtype `dtype` on `device` (any shape with one element, as torch accepts).
+void check_scalar_tensor(const at::Tensor& t, const char* name, c10::ScalarType dtype,
+                         const c10::Device& device);
+
+// Every element of `tensors` is a strided floating-point tensor (fp16/bf16/fp32/fp64) on `device`.
+void check_float_list(at::TensorList tensors, const char* name, const c10::Device& device);
+
+// unscale_check_ / unscale_check_norm_ / check_norm_ preconditions.
+void check_unscale_args(at::TensorList tensors, const at::Tensor& found_inf,
+                        const at::Tensor& inv_scale);
+void check_norm_args(double norm_type, std::optional<double> max_norm,
+                     const std::optional<at::Tensor>& per_tensor_found_inf, int64_t num_tensors,
+                     const c10::Device& device);
+
+// update_scale_ preconditions; returns the rule parameters.
+ScaleRuleParams check_update_scale_args(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                                        const at::Tensor& found_inf, double growth_factor,
+                                        double backoff_factor, int64_t growth_interval,
+                                        int64_t hysteresis,
+                                        const std::optional<at::Tensor>& hysteresis_tracker,
+                                        bool consecutive_hysteresis,
+                                        std::optional<double> min_scale,
+                                        std::optional<double> max_scale,
+                                        const std::optional<at::Tensor>& stats);
+
+NormKind norm_kind(double norm_type);
+
+// A tensor whose elements occupy exactly [data_ptr, data_ptr + numel) in memory, so that a kernel
+// may treat it as a flat array: the tensor itself when it is non-overlapping and dense (contiguous,
+// transposed, channels-last, ...), otherwise a contiguous copy that `finish()` writes back.
+struct FlatTensor {
+  at::Tensor flat;
+  at::Tensor original;
+  bool copied = false;
+  void finish() const {
+    if (copied) const_cast<at::Tensor&>(original).copy_(flat);
+  }
+};
+FlatTensor flatten_for_kernel(const at::Tensor& t);
+
+// True when every tensor of `group` has the same sizes and strides as `ref` (elementwise kernels
+// over several lists may then walk all of them as flat arrays in the same order).
+bool same_layout(const at::Tensor& ref, const at::Tensor& other);
+
+}  // namespace ampfuse::detail

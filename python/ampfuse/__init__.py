@@ -1,0 +1,17 @@
+"""ampfuse: fused, sync-free mixed-precision training steps for PyTorch.
+
+- :class:`ampfuse.GradScaler`: drop-in replacement for ``torch.amp.GradScaler``.
+- :mod:`ampfuse.optim`: SGD / Adam / AdamW with fp32 master weights, fused into one pass.
+- :class:`ampfuse.GradAccumulator`: loss-scaling-correct gradient accumulation in fp32.
+- :mod:`ampfuse.ops`: the fused kernels as torch custom ops (``torch.ops.ampfuse.*``).
+"""
+
+from ampfuse._library import build_info, cmake_prefix_path, library_path, load_library
+
+load_library()
+
+from ampfuse import ops  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = ["ops", "build_info", "cmake_prefix_path", "library_path", "__version__"]

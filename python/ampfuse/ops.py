@@ -1,0 +1,250 @@
+"""Typed wrappers around the ``torch.ops.ampfuse`` custom ops, and their fake kernels.
+
+The schemas and kernels live in the native library (``csrc/``); these wrappers only give the ops
+Python signatures and docstrings. The fake kernels (``torch.library.register_fake``) let
+``torch.compile`` and ``FakeTensorMode`` trace the ops; their checks mirror the C++ ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ampfuse._library import load_library
+
+load_library()
+
+__all__ = [
+    "unscale_check_",
+    "unscale_check_norm_",
+    "check_norm_",
+    "update_scale_",
+    "NUM_SCALE_STATS",
+    "ScaleStat",
+]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+#: Number of int64 counters in the ``stats`` tensor of :func:`update_scale_`.
+NUM_SCALE_STATS = 4
+
+
+class ScaleStat:
+    """Indices into the ``stats`` tensor written by :func:`update_scale_`."""
+
+    UPDATES = 0  #: update_scale_ calls
+    OVERFLOWS = 1  #: calls that saw found_inf != 0 (skipped steps)
+    BACKOFFS = 2  #: overflows that reduced the scale
+    FLOOR_HITS = 3  #: backoffs clamped at the floor (min_scale or the smallest normal fp32)
+
+
+def unscale_check_(
+    tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
+    """Multiply every tensor in place by ``inv_scale`` and flag non-finite values.
+
+    A drop-in for ``torch._amp_foreach_non_finite_check_and_unscale_`` (same positional
+    arguments and semantics) that accepts fp16, bf16, fp32 and fp64 tensors mixed in one list,
+    any layout, on CPU or CUDA (bf16 included), in one pass.
+
+    Args:
+        tensors: tensors on one device, unscaled in place (even when non-finite values are
+            present; an ``inv_scale`` of exactly 1 leaves them untouched).
+        found_inf: 1-element float32 tensor on the same device; set to 1.0 if any element of
+            any tensor is inf or NaN, never reset (the caller zeroes it).
+        inv_scale: 1-element float32 tensor on the same device.
+    """
+    torch.ops.ampfuse.unscale_check_(tensors, found_inf, inv_scale)
+
+
+def unscale_check_norm_(
+    tensors: Sequence[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor,
+    *,
+    norm_type: float = 2.0,
+    max_norm: float | None = None,
+    per_tensor_found_inf: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`unscale_check_` plus the global norm and the clip coefficient, in the same pass.
+
+    Args:
+        tensors, found_inf, inv_scale: as for :func:`unscale_check_`.
+        norm_type: 2.0 or ``inf``; the norm of all unscaled values, accumulated in fp32.
+        max_norm: if given, ``clip_coef = min(1, max_norm / (total_norm + 1e-6))`` as
+            ``torch.nn.utils.clip_grad_norm_`` computes it; otherwise ``clip_coef`` is 1.
+        per_tensor_found_inf: optional float32 tensor of shape ``[len(tensors)]``; entry ``i``
+            is set to 1.0 if ``tensors[i]`` holds a non-finite value (never reset).
+
+    Returns:
+        ``(total_norm, clip_coef)``: 0-dim float32 tensors on the tensors' device (the tensors
+        are not multiplied by ``clip_coef``).
+    """
+    return torch.ops.ampfuse.unscale_check_norm_(
+        tensors,
+        found_inf,
+        inv_scale,
+        norm_type=norm_type,
+        max_norm=max_norm,
+        per_tensor_found_inf=per_tensor_found_inf,
+    )
+
+
+def check_norm_(
+    tensors: Sequence[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor,
+    *,
+    norm_type: float = 2.0,
+    max_norm: float | None = None,
+    per_tensor_found_inf: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read-only :func:`unscale_check_norm_`: the tensors are read once and never written.
+
+    This is the check pass of the fused optimizer step: it sets ``found_inf`` and returns the
+    norm and clip coefficient of ``tensors * inv_scale`` without materialising them.
+    """
+    return torch.ops.ampfuse.check_norm_(
+        tensors,
+        found_inf,
+        inv_scale,
+        norm_type=norm_type,
+        max_norm=max_norm,
+        per_tensor_found_inf=per_tensor_found_inf,
+    )
+
+
+def update_scale_(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    *,
+    hysteresis: int = 1,
+    hysteresis_tracker: torch.Tensor | None = None,
+    consecutive_hysteresis: bool = False,
+    min_scale: float | None = None,
+    max_scale: float | None = None,
+    stats: torch.Tensor | None = None,
+) -> None:
+    """Update the loss scale in place on its device (no host sync).
+
+    The first six arguments are those of ``torch._amp_update_scale_``. With the defaults the
+    rule is torch's bit for bit (backoff on overflow, growth after ``growth_interval`` clean
+    steps, no growth past finite fp32), except that the scale never falls below the smallest
+    normal float32 (torch lets it decay to denormals and 0, which silently stops training).
+
+    Args:
+        scale: 1-element float32 tensor, updated in place.
+        growth_tracker: 1-element int32 tensor (consecutive clean steps), updated in place.
+        found_inf: 1-element float32 tensor; non-zero means this step overflowed.
+        growth_factor: > 1. backoff_factor: in (0, 1). growth_interval: >= 1.
+        hysteresis: back off only on the ``hysteresis``-th overflow since the budget was last
+            refilled (1 = every overflow, torch's rule).
+        hysteresis_tracker: 1-element int32 tensor holding the remaining budget (initialise it to
+            ``hysteresis``); required when ``hysteresis > 1`` or ``consecutive_hysteresis``.
+        consecutive_hysteresis: refill the budget after every clean step (default: only when the
+            scale grows).
+        min_scale, max_scale: bounds for the scale.
+        stats: optional int64 tensor of :data:`NUM_SCALE_STATS` counters (see :class:`ScaleStat`),
+            incremented in place.
+    """
+    torch.ops.ampfuse.update_scale_(
+        scale,
+        growth_tracker,
+        found_inf,
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        hysteresis=hysteresis,
+        hysteresis_tracker=hysteresis_tracker,
+        consecutive_hysteresis=consecutive_hysteresis,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        stats=stats,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Fake kernels: shape/dtype/device propagation with the same preconditions as the C++ checks.
+# --------------------------------------------------------------------------------------------
+
+
+def _check_scalar(t: torch.Tensor, name: str, dtype: torch.dtype, device: torch.device) -> None:
+    torch._check(t.numel() == 1, lambda: f"{name} must be a 1-element tensor, got {t.numel()} elements.")
+    torch._check(t.dtype == dtype, lambda: f"{name} must be a {dtype} tensor, got {t.dtype}.")
+    torch._check(t.device == device, lambda: f"{name} must be on {device}, got {t.device}.")
+
+
+def _check_unscale(tensors, found_inf, inv_scale) -> None:
+    device = found_inf.device
+    _check_scalar(found_inf, "found_inf", torch.float32, device)
+    _check_scalar(inv_scale, "inv_scale", torch.float32, device)
+    for i, t in enumerate(tensors):
+        torch._check(t.layout == torch.strided, lambda: f"tensors[{i}] has layout {t.layout}; only strided tensors are supported.")
+        torch._check(t.dtype in _FLOAT_DTYPES, lambda: f"tensors[{i}] has dtype {t.dtype}; expected torch.float16, torch.bfloat16, torch.float32 or torch.float64.")
+        torch._check(t.device == device, lambda: f"tensors[{i}] is on {t.device} but found_inf is on {device}; all tensors must be on one device.")
+
+
+def _check_norm(tensors, found_inf, norm_type, max_norm, per_tensor_found_inf) -> None:
+    torch._check(
+        norm_type == 2.0 or (math.isinf(norm_type) and norm_type > 0),
+        lambda: f"norm_type must be 2.0 or inf, got {norm_type}.",
+    )
+    if max_norm is not None:
+        torch._check(math.isfinite(max_norm) and max_norm > 0, lambda: f"max_norm must be a positive finite number, got {max_norm}.")
+    if per_tensor_found_inf is not None:
+        torch._check(
+            per_tensor_found_inf.dim() == 1 and per_tensor_found_inf.shape[0] == len(tensors),
+            lambda: f"per_tensor_found_inf must be a contiguous 1-D tensor with one element per tensor ({len(tensors)}).",
+        )
+        torch._check(per_tensor_found_inf.dtype == torch.float32, lambda: "per_tensor_found_inf must be a torch.float32 tensor.")
+
+
+@torch.library.register_fake("ampfuse::unscale_check_")
+def _unscale_check_fake(tensors, found_inf, inv_scale):
+    _check_unscale(tensors, found_inf, inv_scale)
+
+
+def _norm_fake(tensors, found_inf, inv_scale, *, norm_type=2.0, max_norm=None, per_tensor_found_inf=None):
+    _check_unscale(tensors, found_inf, inv_scale)
+    _check_norm(tensors, found_inf, norm_type, max_norm, per_tensor_found_inf)
+    return found_inf.new_empty(()), found_inf.new_empty(())
+
+
+torch.library.register_fake("ampfuse::unscale_check_norm_")(_norm_fake)
+torch.library.register_fake("ampfuse::check_norm_")(_norm_fake)
+
+
+@torch.library.register_fake("ampfuse::update_scale_")
+def _update_scale_fake(
+    scale,
+    growth_tracker,
+    found_inf,
+    growth_factor,
+    backoff_factor,
+    growth_interval,
+    *,
+    hysteresis=1,
+    hysteresis_tracker=None,
+    consecutive_hysteresis=False,
+    min_scale=None,
+    max_scale=None,
+    stats=None,
+):
+    device = scale.device
+    _check_scalar(scale, "scale", torch.float32, device)
+    _check_scalar(growth_tracker, "growth_tracker", torch.int32, device)
+    _check_scalar(found_inf, "found_inf", torch.float32, device)
+    torch._check(growth_factor > 1.0, lambda: f"growth_factor must be a finite number > 1.0, got {growth_factor}.")
+    torch._check(0.0 < backoff_factor < 1.0, lambda: f"backoff_factor must be in (0, 1), got {backoff_factor}.")
+    torch._check(growth_interval >= 1, lambda: f"growth_interval must be an integer >= 1, got {growth_interval}.")
+    torch._check(hysteresis >= 1, lambda: f"hysteresis must be an integer >= 1, got {hysteresis}.")
+    if hysteresis_tracker is not None:
+        _check_scalar(hysteresis_tracker, "hysteresis_tracker", torch.int32, device)
+    if stats is not None:
+        torch._check(stats.numel() == NUM_SCALE_STATS and stats.dtype == torch.int64, lambda: "stats must be a contiguous 1-D torch.int64 tensor of 4 elements.")
