@@ -137,9 +137,25 @@ void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
 }  // namespace
 }  // namespace ampfuse::cpu
 
+// Diagnostics for tests and bug reports (read from Python through ctypes).
+extern "C" __attribute__((visibility("default"))) const char* ampfuse_cpu_capability() {
+  return ampfuse::cpu::kernels().capability;
+}
+extern "C" __attribute__((visibility("default"))) int ampfuse_cpu_parallel_threads_used() {
+  return ampfuse::cpu::kernels().parallel_threads_used();
+}
+
 TORCH_LIBRARY_IMPL(ampfuse, CPU, m) {
   m.impl("unscale_check_", &ampfuse::cpu::unscale_check_cpu);
   m.impl("unscale_check_norm_", &ampfuse::cpu::unscale_check_norm_cpu);
   m.impl("check_norm_", &ampfuse::cpu::check_norm_cpu);
   m.impl("update_scale_", &ampfuse::cpu::update_scale_cpu);
+}
+
+// Sparse tensors are rejected with a clear message by the shared argument checks (GradScaler passes
+// a sparse gradient's coalesced values() instead, as torch's does).
+TORCH_LIBRARY_IMPL(ampfuse, SparseCPU, m) {
+  m.impl("unscale_check_", &ampfuse::cpu::unscale_check_cpu);
+  m.impl("unscale_check_norm_", &ampfuse::cpu::unscale_check_norm_cpu);
+  m.impl("check_norm_", &ampfuse::cpu::check_norm_cpu);
 }

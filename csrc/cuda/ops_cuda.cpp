@@ -149,3 +149,11 @@ TORCH_LIBRARY_IMPL(ampfuse, CUDA, m) {
   m.impl("check_norm_", &ampfuse::cuda::check_norm_cuda);
   m.impl("update_scale_", &ampfuse::cuda::update_scale_cuda);
 }
+
+// Sparse tensors are rejected with a clear message by the shared argument checks (GradScaler passes
+// a sparse gradient's coalesced values() instead, as torch's does).
+TORCH_LIBRARY_IMPL(ampfuse, SparseCUDA, m) {
+  m.impl("unscale_check_", &ampfuse::cuda::unscale_check_cuda);
+  m.impl("unscale_check_norm_", &ampfuse::cuda::unscale_check_norm_cuda);
+  m.impl("check_norm_", &ampfuse::cuda::check_norm_cuda);
+}

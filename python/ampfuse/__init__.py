@@ -6,7 +6,7 @@
 - :mod:`ampfuse.ops`: the fused kernels as torch custom ops (``torch.ops.ampfuse.*``).
 """
 
-from ampfuse._library import build_info, cmake_prefix_path, library_path, load_library
+from ampfuse._library import build_info, cmake_prefix_path, cpu_kernel_info, library_path, load_library
 
 load_library()
 
@@ -14,4 +14,4 @@ from ampfuse import ops  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "build_info", "cmake_prefix_path", "library_path", "__version__"]
+__all__ = ["ops", "build_info", "cpu_kernel_info", "cmake_prefix_path", "library_path", "__version__"]

@@ -69,3 +69,19 @@ def load_library() -> None:
         torch.ops.load_library(path)
     except OSError as e:
         raise ImportError(f"ampfuse: loading {path} failed: {e}") from e
+
+
+def cpu_kernel_info() -> dict[str, Any]:
+    """Which CPU kernel build runs (``DEFAULT``/``AVX2``/``AVX512``, chosen like torch's own and
+    honouring ``ATEN_CPU_CAPABILITY``) and how many threads one parallel pass used."""
+    import ctypes
+
+    load_library()
+    lib = ctypes.CDLL(library_path())
+    lib.ampfuse_cpu_capability.restype = ctypes.c_char_p
+    lib.ampfuse_cpu_parallel_threads_used.restype = ctypes.c_int
+    return {
+        "capability": lib.ampfuse_cpu_capability().decode(),
+        "threads_used": int(lib.ampfuse_cpu_parallel_threads_used()),
+        "torch_num_threads": torch.get_num_threads(),
+    }

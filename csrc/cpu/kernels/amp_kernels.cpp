@@ -1,6 +1,7 @@
 // CPU kernels for the loss-scaling ops (compiled once per CPU capability; see kernels.h).
 #include "cpu/kernels/vec_utils.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace ampfuse::cpu {
@@ -184,10 +185,23 @@ void unscale_check(const UnscaleCheckArgs& a) {
   }
 }
 
+int parallel_threads_used() {
+  std::vector<Chunk> chunks(256, Chunk{0, 0, 0});
+  std::vector<int> thread_of(chunks.size(), -1);
+  parallel_chunks(chunks, [&](int64_t c) {
+    volatile double x = 0;  // a little work per chunk so that every thread gets some
+    for (int i = 0; i < 20000; ++i) x = x + i;
+    thread_of[c] = at::get_thread_num();
+  });
+  std::sort(thread_of.begin(), thread_of.end());
+  return static_cast<int>(std::unique(thread_of.begin(), thread_of.end()) - thread_of.begin());
+}
+
 }  // namespace
 
 const KernelTable& kernel_table() {
-  static const KernelTable table{C10_STRINGIZE(CPU_CAPABILITY), &unscale_check};
+  static const KernelTable table{C10_STRINGIZE(CPU_CAPABILITY), &parallel_threads_used,
+                                 &unscale_check};
   return table;
 }
 

@@ -36,6 +36,9 @@ struct UnscaleCheckArgs {
 
 struct KernelTable {
   const char* capability;
+  // Diagnostics: how many distinct threads one parallel pass of this build used (proves the
+  // kernels were compiled with OpenMP rather than silently serial).
+  int (*parallel_threads_used)();
   void (*unscale_check)(const UnscaleCheckArgs&);
 };
 
