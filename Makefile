@@ -38,7 +38,9 @@ sysdeps:
 	fi
 
 # --- python environment --------------------------------------------------------------------------
-$(VENV_STAMP): $(REQS)
+# No file prerequisite: the hash in VENV_DIR already keys the environment on $(REQS), and a fresh
+# clone (new mtimes) must reuse it.
+$(VENV_STAMP):
 	@echo "creating $(VENV_DIR)"
 	rm -rf $(VENV_DIR)
 	mkdir -p $(AMPFUSE_CACHE)
