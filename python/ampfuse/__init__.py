@@ -11,7 +11,17 @@ from ampfuse._library import build_info, cmake_prefix_path, cpu_kernel_info, lib
 load_library()
 
 from ampfuse import ops  # noqa: E402
+from ampfuse.grad_scaler import GradScaler, OverflowReport  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "build_info", "cpu_kernel_info", "cmake_prefix_path", "library_path", "__version__"]
+__all__ = [
+    "GradScaler",
+    "OverflowReport",
+    "ops",
+    "build_info",
+    "cmake_prefix_path",
+    "cpu_kernel_info",
+    "library_path",
+    "__version__",
+]

@@ -1,0 +1,525 @@
+"""``ampfuse.GradScaler``: a drop-in replacement for ``torch.amp.GradScaler``.
+
+It subclasses torch's scaler, so ``isinstance`` checks, the per-optimizer state machine
+(``_per_optimizer_states`` with torch's ``OptState``), the error messages, ``state_dict`` keys and
+pickling rules are torch's. What changes:
+
+* ``unscale_`` and the inf/NaN check run the fused multi-tensor op: one pass per device over
+  every gradient, whatever their dtypes (torch launches per device *and* dtype, and its check for
+  ``_step_supports_amp_scaling`` optimizers writes every gradient back multiplied by 1.0; ours only
+  reads them).
+* ``update`` runs ``ampfuse.ops.update_scale_``, which adds (all keyword-only, off by default so
+  the defaults stay bit-identical to torch) hysteresis, ``min_scale``/``max_scale``, a floor at the
+  smallest normal float32, and device counters.
+* ``unscale_and_clip_`` does unscale + check + global norm + clip in one read of the gradients
+  (read-only for ampfuse's fused optimizers, which apply the clip coefficient in their own pass).
+* Skips are visible without a host sync: ``last_found_inf`` and ``stats()`` are device tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import defaultdict
+from typing import Any, Literal
+
+import torch
+from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
+
+from ampfuse import ops
+
+__all__ = ["GradScaler", "OverflowReport"]
+
+OnMinScale = Literal["warn", "raise", "ignore"]
+
+
+class OverflowReport(list):
+    """A list of ``(group_index, param_index, name)`` for parameters whose gradient is non-finite."""
+
+
+def _is_fused_ampfuse_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    return bool(getattr(optimizer, "_ampfuse_fused_step", False))
+
+
+class GradScaler(torch.amp.GradScaler):
+    """Dynamic loss scaling, sync-free, as a drop-in for :class:`torch.amp.GradScaler`.
+
+    Args (torch's, same defaults and validation):
+        device: device type of the scaled losses, ``"cuda"`` (default) or ``"cpu"``. Without CUDA,
+            ``"cuda"`` warns and disables the scaler, as torch's does.
+        init_scale: initial scale (2**16).
+        growth_factor: scale multiplier after ``growth_interval`` clean steps (2.0).
+        backoff_factor: scale multiplier on overflow (0.5).
+        growth_interval: clean steps before growing (2000).
+        enabled: ``False`` makes every method a pass-through.
+
+    Keyword-only extensions (defaults reproduce torch exactly):
+        hysteresis: back off only on the ``hysteresis``-th overflow since the budget was refilled
+            (1 = every overflow). The budget refills when the scale grows, or after every clean
+            step with ``consecutive_hysteresis=True``.
+        min_scale, max_scale: bounds for the scale. The scale never falls below the smallest
+            normal float32 in any case (torch's can decay to 0, which silently stops training).
+        on_min_scale: what to do when an overflow would take the scale below its floor:
+            ``"warn"`` (default), ``"raise"`` (``RuntimeError``) or ``"ignore"``. Detected from a
+            device counter copied without blocking and checked at later ``update()`` calls (at
+            most a few steps late) or on demand with :meth:`check_min_scale`.
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        on_min_scale: OnMinScale = "warn",
+    ) -> None:
+        if not isinstance(hysteresis, int) or isinstance(hysteresis, bool) or hysteresis < 1:
+            raise ValueError(f"hysteresis must be an integer >= 1, got {hysteresis!r}.")
+        if min_scale is not None and not (math.isfinite(min_scale) and min_scale >= 0):
+            raise ValueError(f"min_scale must be a finite number >= 0, got {min_scale!r}.")
+        if max_scale is not None and not (max_scale > 0):
+            raise ValueError(f"max_scale must be > 0, got {max_scale!r}.")
+        if min_scale is not None and max_scale is not None and min_scale > max_scale:
+            raise ValueError(f"min_scale ({min_scale}) must not be greater than max_scale ({max_scale}).")
+        if on_min_scale not in ("warn", "raise", "ignore"):
+            raise ValueError(f"on_min_scale must be 'warn', 'raise' or 'ignore', got {on_min_scale!r}.")
+
+        # torch's constructor, reproduced so that its warning points at the caller's line.
+        self._device = device
+        self._enabled = enabled
+        if self._device == "cuda":
+            if enabled and torch.cuda.amp.common.amp_definitely_not_available():
+                warnings.warn(
+                    "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
+                    stacklevel=2,
+                )
+                self._enabled = False
+        if self._enabled:
+            if growth_factor <= 1.0:
+                raise AssertionError("The growth factor must be > 1.0.")
+            if backoff_factor >= 1.0:
+                raise AssertionError("The backoff factor must be < 1.0.")
+            self._init_scale = init_scale
+            self._scale: torch.Tensor | None = None
+            self._growth_factor = growth_factor
+            self._backoff_factor = backoff_factor
+            self._growth_interval = growth_interval
+            self._init_growth_tracker = 0
+            self._growth_tracker: torch.Tensor | None = None
+            self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
+
+        self._hysteresis = hysteresis
+        self._consecutive_hysteresis = consecutive_hysteresis
+        self._min_scale = min_scale
+        self._max_scale = max_scale
+        self._on_min_scale: OnMinScale = on_min_scale
+        self._init_hysteresis_tracker = hysteresis
+        self._init_stats = [0] * ops.NUM_SCALE_STATS
+        self._hysteresis_tracker: torch.Tensor | None = None
+        self._stats: torch.Tensor | None = None
+        self._last_found_inf: torch.Tensor | None = None
+        # Non-blocking floor detection: (host copy of stats, event) pairs in flight.
+        self._pending_stats: list[tuple[torch.Tensor, Any]] = []
+        self._floor_hits_seen = 0
+
+    # ------------------------------------------------------------------------------------------
+    # lazily created device state
+    # ------------------------------------------------------------------------------------------
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
+        self._stats = torch.tensor(self._init_stats, dtype=torch.int64, device=dev)
+
+    # ------------------------------------------------------------------------------------------
+    # unscale / check
+    # ------------------------------------------------------------------------------------------
+    def _grads_per_device(self, optimizer: torch.optim.Optimizer, allow_fp16: bool) -> dict[torch.device, list[torch.Tensor]]:
+        per_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if not isinstance(param, torch.Tensor):
+                        raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
+                    if param.grad is None:
+                        continue
+                    if (not allow_fp16) and param.grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    if param.grad.is_sparse:
+                        # As torch: check the coalesced values of fp16 sparse grads (coalescing
+                        # sums duplicates, which may overflow).
+                        if param.grad.dtype is torch.float16:
+                            param.grad = param.grad.coalesce()
+                        to_unscale = param.grad._values()
+                    else:
+                        to_unscale = param.grad
+                    per_device[to_unscale.device].append(to_unscale)
+        return per_device
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        """torch's contract: unscale every grad of ``optimizer`` by ``inv_scale`` (an ``inv_scale``
+        of exactly 1 only checks, writing nothing) and return the per-device found_inf tensors.
+        One fused launch sequence per device, for all dtypes together."""
+        per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
+        per_device_found_inf = _MultiDeviceReplicator(found_inf)
+        per_device = self._grads_per_device(optimizer, allow_fp16)
+        with torch.no_grad():
+            for device, grads in per_device.items():
+                ops.unscale_check_(grads, per_device_found_inf.get(device), per_device_inv_scale.get(device))
+        return per_device_found_inf._per_device_tensors
+
+    def _inv_scale(self) -> torch.Tensor:
+        assert self._scale is not None
+        # As torch: the reciprocal in fp64, rounded to fp32.
+        return self._scale.double().reciprocal().float()
+
+    def _check_unscale_stage(self, optimizer: torch.optim.Optimizer, funcname: str) -> dict[str, Any]:
+        self._check_scale_growth_tracker(funcname)
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        if optimizer_state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        elif optimizer_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        return optimizer_state
+
+    def unscale_and_clip_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+    ) -> torch.Tensor:
+        """Unscale, check for inf/NaN, compute the global norm and clip, in one pass.
+
+        The drop-in for ``scaler.unscale_(optimizer)`` followed by
+        ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)``, returning the same total
+        norm (a device tensor; no host sync). With an ampfuse fused optimizer the gradients are
+        only read: the optimizer applies ``1/scale`` and the clip coefficient in its own pass.
+        With any other optimizer they are unscaled and clipped in place (a read pass and a
+        read-write pass; torch's sequence makes four passes).
+
+        ``norm_type`` 2 and ``inf`` are fused; other norms fall back to ``unscale_`` +
+        ``clip_grad_norm_``. Counts as this iteration's ``unscale_`` for ``optimizer``.
+        """
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not self._enabled:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        if not (isinstance(max_norm, (int, float)) and math.isfinite(max_norm) and max_norm > 0):
+            raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}.")
+        norm_type = float(norm_type)
+        if not (norm_type == 2.0 or norm_type == math.inf):
+            self.unscale_(optimizer)
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+        fused = _is_fused_ampfuse_optimizer(optimizer)
+        optimizer_state = self._check_unscale_stage(optimizer, "unscale_and_clip_")
+        per_device = self._grads_per_device(optimizer, allow_fp16=fused)
+        if any(g.is_sparse for g in (p.grad for p in params if p.grad is not None)):
+            raise RuntimeError("unscale_and_clip_ does not support sparse gradients; use unscale_() and clip_grad_norm_().")
+        assert self._scale is not None
+        inv_scale = self._inv_scale()
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
+        per_device_inv = _MultiDeviceReplicator(inv_scale)
+        per_device_found_inf = _MultiDeviceReplicator(found_inf)
+        single = len(per_device) <= 1
+        norms: list[torch.Tensor] = []
+        coef: torch.Tensor | None = None
+        with torch.no_grad():
+            for device, grads in per_device.items():
+                norm, c = ops.check_norm_(
+                    grads,
+                    per_device_found_inf.get(device),
+                    per_device_inv.get(device),
+                    norm_type=norm_type,
+                    max_norm=float(max_norm) if single else None,
+                )
+                norms.append(norm)
+                coef = c
+            if not per_device:
+                total_norm = torch.zeros((), device=self._scale.device)
+                coef = torch.ones((), device=self._scale.device)
+            elif single:
+                total_norm = norms[0]
+            else:
+                stacked = torch.stack([n.to(self._scale.device) for n in norms])
+                total_norm = torch.linalg.vector_norm(stacked, norm_type)
+                coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+            assert coef is not None
+            if fused:
+                optimizer_state["clip_coef"] = coef
+                optimizer_state["grads_still_scaled"] = True
+            else:
+                factor = _MultiDeviceReplicator((inv_scale * coef.to(inv_scale.device)).reshape(1))
+                for device, grads in per_device.items():
+                    # found_inf is already final: re-setting it is idempotent.
+                    ops.unscale_check_(grads, per_device_found_inf.get(device), factor.get(device))
+        optimizer_state["found_inf_per_device"] = per_device_found_inf._per_device_tensors
+        optimizer_state["stage"] = OptState.UNSCALED
+        return total_norm
+
+    # ------------------------------------------------------------------------------------------
+    # step
+    # ------------------------------------------------------------------------------------------
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
+        """As ``torch.amp.GradScaler.step``: unscale (unless done), then step unless inf/NaN.
+
+        Optimizers with ``_step_supports_amp_scaling`` (ampfuse's and torch's fused ones) receive
+        ``grad_scale``/``found_inf`` (and, for ampfuse's, the clip coefficient of
+        :meth:`unscale_and_clip_`) and run with no host sync. Others are stepped after the one
+        host read of the inf flag that torch also needs.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        still_scaled = optimizer_state.get("grads_still_scaled", False)
+        coef = optimizer_state.get("clip_coef")
+        if not still_scaled:
+            return super().step(optimizer, *args, **kwargs)
+        # unscale_and_clip_ left the gradients scaled for an ampfuse fused optimizer: hand it the
+        # scale (it divides, as torch's fused optimizers do) and the clip coefficient.
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        if optimizer_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        scale = self._get_scale_async()
+        assert scale is not None
+        found_inf = sum(t.to(scale.device, non_blocking=True) for t in optimizer_state["found_inf_per_device"].values())
+        optimizer.grad_scale = scale * getattr(optimizer, "grad_scale", 1)  # type: ignore[attr-defined]
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        optimizer.clip_coef = coef  # type: ignore[attr-defined]
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
+            del optimizer.clip_coef  # type: ignore[attr-defined]
+        optimizer_state["stage"] = OptState.STEPPED
+        return retval
+
+    # ------------------------------------------------------------------------------------------
+    # update
+    # ------------------------------------------------------------------------------------------
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """As ``torch.amp.GradScaler.update``, with ampfuse's scale rule (see the class doc)."""
+        if not self._enabled:
+            return
+        _scale, _growth_tracker = self._check_scale_growth_tracker("update")
+        if new_scale is not None:
+            super().update(new_scale)
+            return
+        found_infs = [
+            found_inf.to(device=_scale.device, non_blocking=True)
+            for state in self._per_optimizer_states.values()
+            for found_inf in state["found_inf_per_device"].values()
+        ]
+        if len(found_infs) == 0:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        found_inf_combined = found_infs[0]
+        if len(found_infs) > 1:
+            for i in range(1, len(found_infs)):
+                found_inf_combined += found_infs[i]
+        if self._hysteresis_tracker is None or self._stats is None:  # e.g. after load into a live scaler
+            self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=_scale.device)
+            self._stats = torch.tensor(self._init_stats, dtype=torch.int64, device=_scale.device)
+        ops.update_scale_(
+            _scale,
+            _growth_tracker,
+            found_inf_combined,
+            self._growth_factor,
+            self._backoff_factor,
+            self._growth_interval,
+            hysteresis=self._hysteresis,
+            hysteresis_tracker=self._hysteresis_tracker,
+            consecutive_hysteresis=self._consecutive_hysteresis,
+            min_scale=self._min_scale,
+            max_scale=self._max_scale,
+            stats=self._stats,
+        )
+        self._last_found_inf = found_inf_combined
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        if self._on_min_scale != "ignore":
+            self._poll_min_scale(blocking=False)
+            if not self._pending_stats:  # at most one copy in flight
+                self._post_stats_copy()
+
+    # ------------------------------------------------------------------------------------------
+    # floor detection and counters
+    # ------------------------------------------------------------------------------------------
+    def _post_stats_copy(self) -> None:
+        assert self._stats is not None
+        if self._stats.device.type == "cpu":  # nothing to wait for
+            self._pending_stats.append((self._stats.clone(), None))
+            self._poll_min_scale(blocking=False)
+            return
+        if self._stats.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return  # inside CUDA-graph capture: poll outside of it (check_min_scale)
+        host = torch.empty(ops.NUM_SCALE_STATS, dtype=torch.int64, pin_memory=True)
+        host.copy_(self._stats, non_blocking=True)
+        event = torch.cuda.Event() if self._stats.device.type == "cuda" else None
+        if event is not None:
+            event.record()
+        self._pending_stats.append((host, event))
+
+    def _poll_min_scale(self, blocking: bool) -> None:
+        while self._pending_stats:
+            host, event = self._pending_stats[0]
+            if event is not None and not blocking and not event.query():
+                break
+            if event is not None and blocking:
+                event.synchronize()
+            self._pending_stats.pop(0)
+            hits = int(host[ops.ScaleStat.FLOOR_HITS])
+            if hits > self._floor_hits_seen:
+                new = hits - self._floor_hits_seen
+                self._floor_hits_seen = hits
+                floor = self._min_scale if self._min_scale else float(torch.finfo(torch.float32).tiny)
+                msg = (
+                    f"GradScaler: the loss scale hit its floor ({floor:g}) {new} time(s): gradients keep "
+                    "overflowing even at the smallest scale. Training has probably diverged (check the "
+                    "learning rate, the data, and whether the model was pretrained in bf16)."
+                )
+                if self._on_min_scale == "raise":
+                    raise RuntimeError(msg)
+                warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    def check_min_scale(self) -> None:
+        """Report floor hits now (waits for the last counters copy; a host sync)."""
+        self._poll_min_scale(blocking=True)
+
+    @property
+    def last_found_inf(self) -> torch.Tensor | None:
+        """Device tensor from the last :meth:`update`: > 0 if that iteration's steps were skipped."""
+        return self._last_found_inf
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        """Device counters (no host sync): ``updates``, ``skipped`` (overflowed iterations),
+        ``backoffs``, ``floor_hits``, the current ``scale`` and ``last_skipped``."""
+        if not self._enabled or self._stats is None or self._scale is None:
+            zero = torch.zeros((), dtype=torch.int64)
+            return {"updates": zero, "skipped": zero, "backoffs": zero, "floor_hits": zero,
+                    "scale": torch.tensor(self._init_scale if self._enabled else 1.0), "last_skipped": torch.zeros(())}
+        s = self._stats
+        return {
+            "updates": s[ops.ScaleStat.UPDATES],
+            "skipped": s[ops.ScaleStat.OVERFLOWS],
+            "backoffs": s[ops.ScaleStat.BACKOFFS],
+            "floor_hits": s[ops.ScaleStat.FLOOR_HITS],
+            "scale": self._scale,
+            "last_skipped": self._last_found_inf if self._last_found_inf is not None else torch.zeros((), device=s.device),
+        }
+
+    def scheduler_step(self, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
+        """Advance an LR scheduler only if the last iteration's optimizer steps were taken.
+
+        Call it after :meth:`update` where you would call ``scheduler.step()``. Reads the skip flag
+        on the host: free when the optimizer was stepped through torch's synchronising path, one
+        wait for the end of the iteration otherwise. Returns whether the scheduler stepped.
+        """
+        if self._enabled and self._last_found_inf is not None and self._last_found_inf.item() != 0.0:
+            return False
+        scheduler.step(*args, **kwargs)
+        return True
+
+    def overflow_report(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> OverflowReport:
+        """Which parameters of ``optimizer`` hold non-finite gradients now (a host sync).
+
+        Call it after a skipped step and before ``zero_grad``. Names come from ``model``
+        (``named_parameters``) if given, else from the optimizer's ``param_names``, else
+        ``"param_groups[g][i]"``.
+        """
+        names: dict[int, str] = {}
+        if model is not None:
+            names = {id(p): n for n, p in model.named_parameters()}
+        entries: list[tuple[int, int, torch.Tensor, str]] = []
+        for g, group in enumerate(optimizer.param_groups):
+            group_names = group.get("param_names")
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                name = names.get(id(p)) or (group_names[i] if group_names else f"param_groups[{g}][{i}]")
+                grad = p.grad._values() if p.grad.is_sparse else p.grad
+                entries.append((g, i, grad, name))
+        report = OverflowReport()
+        by_device: dict[torch.device, list[int]] = defaultdict(list)
+        for k, e in enumerate(entries):
+            by_device[e[2].device].append(k)
+        with torch.no_grad():
+            for device, idx in by_device.items():
+                flags = torch.zeros(len(idx), device=device)
+                ops.check_norm_(
+                    [entries[k][2] for k in idx],
+                    torch.zeros(1, device=device),
+                    torch.ones(1, device=device),
+                    per_tensor_found_inf=flags,
+                )
+                for k, f in zip(idx, flags.tolist()):
+                    if f:
+                        report.append((entries[k][0], entries[k][1], entries[k][3]))
+        report.sort()
+        return report
+
+    # ------------------------------------------------------------------------------------------
+    # checkpointing
+    # ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's five entries (``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker``) plus ampfuse's options and counters; torch's
+        scaler loads it (ignoring the extra keys) and ours loads torch's."""
+        sd = super().state_dict()
+        if self._enabled:
+            sd.update(
+                {
+                    "hysteresis": self._hysteresis,
+                    "consecutive_hysteresis": self._consecutive_hysteresis,
+                    "min_scale": self._min_scale,
+                    "max_scale": self._max_scale,
+                    "_hysteresis_tracker": (
+                        int(self._hysteresis_tracker.item()) if self._hysteresis_tracker is not None else self._init_hysteresis_tracker
+                    ),
+                    "stats": self._stats.tolist() if self._stats is not None else list(self._init_stats),
+                }
+            )
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if not self._enabled:
+            return
+        self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
+        self._consecutive_hysteresis = bool(state_dict.get("consecutive_hysteresis", self._consecutive_hysteresis))
+        self._min_scale = state_dict.get("min_scale", self._min_scale)
+        self._max_scale = state_dict.get("max_scale", self._max_scale)
+        # A torch state dict carries no hysteresis budget: start with a full one.
+        self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
+        self._init_stats = list(state_dict.get("stats", self._init_stats))
+        self._floor_hits_seen = int(self._init_stats[ops.ScaleStat.FLOOR_HITS])
+        self._pending_stats = []
+        if self._hysteresis_tracker is not None:
+            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
+        if self._stats is not None:
+            self._stats.copy_(torch.tensor(self._init_stats, dtype=torch.int64))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        if self._enabled:
+            state["_init_hysteresis_tracker"] = (
+                int(self._hysteresis_tracker.item()) if self._hysteresis_tracker is not None else self._init_hysteresis_tracker
+            )
+            state["_init_stats"] = self._stats.tolist() if self._stats is not None else list(self._init_stats)
+            state["_hysteresis_tracker"] = None
+            state["_stats"] = None
+            state["_last_found_inf"] = None
+        state["_pending_stats"] = []
+        return state
