@@ -54,4 +54,31 @@ void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker,
               o.max_scale, o.stats);
 }
 
+void sgd_step_(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+               at::TensorList momentum_buffers, at::TensorList steps, const SgdStepOptions& o,
+               const StepScaling& sc) {
+  using Opt = const std::optional<at::Tensor>&;
+  static auto handle =
+      op<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+              double, Opt, double, double, double, bool, bool, Opt, Opt, Opt)>(
+          "ampfuse::sgd_step_");
+  handle.call(params, grads, master_params, momentum_buffers, steps, o.lr, o.lr_tensor,
+              o.momentum, o.dampening, o.weight_decay, o.nesterov, o.maximize, sc.grad_scale,
+              sc.found_inf, sc.clip_coef);
+}
+
+void adam_step_(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                at::TensorList max_exp_avg_sqs, at::TensorList steps, const AdamStepOptions& o,
+                const StepScaling& sc) {
+  using Opt = const std::optional<at::Tensor>&;
+  static auto handle =
+      op<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+              at::TensorList, at::TensorList, double, Opt, double, double, double, double, bool,
+              bool, bool, Opt, Opt, Opt)>("ampfuse::adam_step_");
+  handle.call(params, grads, master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, o.lr,
+              o.lr_tensor, o.beta1, o.beta2, o.eps, o.weight_decay, o.amsgrad, o.maximize,
+              o.decoupled_weight_decay, sc.grad_scale, sc.found_inf, sc.clip_coef);
+}
+
 }  // namespace ampfuse

@@ -134,6 +134,98 @@ void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
                     stats ? stats->mutable_data_ptr<int64_t>() : nullptr, p);
 }
 
+// Shared body of the fused optimizer steps on CPU: skip on found_inf, flatten, run, write back.
+template <typename Hyper>
+void optim_step_cpu(const detail::OptimLists& l, const Hyper& h,
+                    void (*kernel)(const OptimArgs&, const Hyper&),
+                    const std::optional<at::Tensor>& lr_tensor,
+                    const std::optional<at::Tensor>& grad_scale,
+                    const std::optional<at::Tensor>& found_inf,
+                    const std::optional<at::Tensor>& clip_coef) {
+  if (found_inf && *found_inf->const_data_ptr<float>() != 0.0f) return;  // skipped step
+  const size_t n = l.params.size();
+  if (n == 0) return;
+  std::vector<detail::FlatRow> rows;
+  rows.reserve(n);
+  for (size_t i = 0; i < n; ++i) rows.push_back(detail::flatten_row(l, i));
+  const bool has_master = !l.masters.empty();
+  const size_t first_state = has_master ? 3 : 2;
+  std::vector<void*> params(n);
+  std::vector<const void*> grads(n);
+  std::vector<float*> masters(has_master ? n : 0);
+  std::vector<std::vector<float*>> states(l.states.size(), std::vector<float*>(n, nullptr));
+  std::vector<float*> steps(n);
+  std::vector<int64_t> numels(n);
+  for (size_t i = 0; i < n; ++i) {
+    const auto& r = rows[i].tensors;
+    params[i] = r[0].flat.data_ptr();
+    grads[i] = r[1].flat.const_data_ptr();
+    if (has_master) masters[i] = r[2].flat.mutable_data_ptr<float>();
+    size_t k_row = first_state;
+    for (size_t k = 0; k < l.states.size(); ++k) {
+      if (!l.states[k].empty()) states[k][i] = r[k_row++].flat.mutable_data_ptr<float>();
+    }
+    steps[i] = l.steps[i].mutable_data_ptr<float>();
+    numels[i] = l.params[i].numel();
+  }
+  auto state_ptrs = [&](size_t k) -> float* const* {
+    return k < l.states.size() && !l.states[k].empty() ? states[k].data() : nullptr;
+  };
+  OptimArgs args{static_cast<int64_t>(n),
+                 params.data(),
+                 grads.data(),
+                 has_master ? masters.data() : nullptr,
+                 state_ptrs(0),
+                 state_ptrs(1),
+                 state_ptrs(2),
+                 steps.data(),
+                 numels.data(),
+                 l.params[0].scalar_type(),
+                 l.grads[0].scalar_type(),
+                 lr_tensor ? static_cast<double>(*lr_tensor->const_data_ptr<float>()) : h.lr,
+                 grad_scale ? *grad_scale->const_data_ptr<float>() : 1.0f,
+                 clip_coef ? *clip_coef->const_data_ptr<float>() : 1.0f};
+  kernel(args, h);
+  for (const auto& r : rows) r.finish();
+}
+
+// sgd_step_: see the contract in csrc/ops/registration.cpp.
+//   params: fp16/bf16/fp32 (one dtype), updated in place (rounded from the fp32 result).
+//   grads: fp16/bf16/fp32 (one dtype), read only. master_params: fp32 or empty.
+//   momentum_buffers: fp32, one per param when momentum != 0. steps: fp32 counters, +1 each.
+//   found_inf: when non-zero nothing is modified. Caller zeroes it.
+void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                  at::TensorList momentum_buffers, at::TensorList steps, double lr,
+                  const std::optional<at::Tensor>& lr_tensor, double momentum, double dampening,
+                  double weight_decay, bool nesterov, bool maximize,
+                  const std::optional<at::Tensor>& grad_scale,
+                  const std::optional<at::Tensor>& found_inf,
+                  const std::optional<at::Tensor>& clip_coef) {
+  detail::OptimLists l{params, grads, master_params, {momentum_buffers}, {"momentum_buffers"}, steps};
+  detail::check_optim_args(l, lr_tensor, grad_scale, found_inf, clip_coef);
+  const SgdHyper h{lr, momentum, dampening, weight_decay, nesterov, maximize};
+  detail::check_sgd_hyper(h, l);
+  optim_step_cpu(l, h, kernels().sgd_step, lr_tensor, grad_scale, found_inf, clip_coef);
+}
+
+// adam_step_: as sgd_step_, with exp_avgs/exp_avg_sqs (and max_exp_avg_sqs for amsgrad) fp32.
+void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                   at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                   at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr,
+                   const std::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
+                   double eps, double weight_decay, bool amsgrad, bool maximize,
+                   bool decoupled_weight_decay, const std::optional<at::Tensor>& grad_scale,
+                   const std::optional<at::Tensor>& found_inf,
+                   const std::optional<at::Tensor>& clip_coef) {
+  detail::OptimLists l{params, grads, master_params,
+                       {exp_avgs, exp_avg_sqs, max_exp_avg_sqs},
+                       {"exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"}, steps};
+  detail::check_optim_args(l, lr_tensor, grad_scale, found_inf, clip_coef);
+  const AdamHyper h{lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay};
+  detail::check_adam_hyper(h, l);
+  optim_step_cpu(l, h, kernels().adam_step, lr_tensor, grad_scale, found_inf, clip_coef);
+}
+
 }  // namespace
 }  // namespace ampfuse::cpu
 
@@ -150,6 +242,8 @@ TORCH_LIBRARY_IMPL(ampfuse, CPU, m) {
   m.impl("unscale_check_norm_", &ampfuse::cpu::unscale_check_norm_cpu);
   m.impl("check_norm_", &ampfuse::cpu::check_norm_cpu);
   m.impl("update_scale_", &ampfuse::cpu::update_scale_cpu);
+  m.impl("sgd_step_", &ampfuse::cpu::sgd_step_cpu);
+  m.impl("adam_step_", &ampfuse::cpu::adam_step_cpu);
 }
 
 // Sparse tensors are rejected with a clear message by the shared argument checks (GradScaler passes

@@ -48,4 +48,35 @@ cudaError_t launch_update_scale(float* scale, int32_t* growth_tracker, const flo
                                 int32_t* hysteresis_left, int64_t* stats,
                                 const ScaleRuleParams& params, cudaStream_t stream);
 
+// One fused optimizer call. Per tensor: param, grad, master (or null), up to three fp32 state
+// tensors (null when absent) and an fp32 step counter, all flat with one element order.
+struct OptimTensor {
+  void* param;
+  const void* grad;
+  float* master;
+  float* state[3];
+  float* step;
+  int64_t numel;
+};
+
+struct OptimLaunch {
+  const OptimTensor* tensors;
+  int64_t num_tensors;
+  DType param_dtype;  // kHalf, kBFloat16 or kFloat
+  DType grad_dtype;
+  const float* lr_tensor;   // device, or null: hyper.lr
+  const float* grad_scale;  // device, or null
+  const float* found_inf;   // device, or null
+  const float* clip_coef;   // device, or null
+  int num_sms;
+};
+
+// Device workspace for one optimizer launch sequence (per-tensor arrival counters that let the
+// last block of each tensor advance its step counter). Zeroed by the launcher on the stream.
+size_t optim_workspace_bytes(const OptimLaunch& args);
+cudaError_t launch_sgd_step(const OptimLaunch& args, const SgdHyper& hyper, void* workspace,
+                            cudaStream_t stream);
+cudaError_t launch_adam_step(const OptimLaunch& args, const AdamHyper& hyper, void* workspace,
+                             cudaStream_t stream);
+
 }  // namespace ampfuse::cuda

@@ -105,6 +105,12 @@ struct alignas(16) Vec16 {
   T v[kSize];
 };
 
+// Chunks of a tensor: an empty tensor still gets one (empty) chunk, so that per-tensor work done
+// once per tensor (e.g. advancing an optimizer step counter) happens for it too.
+inline int64_t chunks_of(int64_t numel) {
+  return numel == 0 ? 1 : (numel + kChunkSize - 1) / kChunkSize;
+}
+
 // Splits the tensors into launches of at most TensorListMeta<N>::kMax tensors, sizes each grid
 // (at most max_grid blocks, at least one so every launch takes part in cross-block reductions),
 // and calls launch(meta, grid) for each.
@@ -121,7 +127,7 @@ cudaError_t multi_tensor_apply(const std::vector<HostTensor<N>>& tensors, int ma
   do {
     Batch batch{b, std::min(tensors.size(), b + static_cast<size_t>(Meta::kMax)), 0};
     for (size_t i = batch.begin; i < batch.end; ++i) {
-      batch.chunks += (tensors[i].numel + kChunkSize - 1) / kChunkSize;
+      batch.chunks += chunks_of(tensors[i].numel);
     }
     batches.push_back(batch);
     b = batch.end;
@@ -147,7 +153,7 @@ cudaError_t multi_tensor_apply(const std::vector<HostTensor<N>>& tensors, int ma
       meta.index[j] = t.index;
       meta.dtype[j] = t.dtype;
       meta.chunk_start[j] = chunk;
-      chunk += static_cast<int32_t>((t.numel + kChunkSize - 1) / kChunkSize);
+      chunk += static_cast<int32_t>(chunks_of(t.numel));
     }
     meta.chunk_start[meta.count] = chunk;
     meta.block_offset = block_offset;

@@ -140,6 +140,83 @@ void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker
       c10::cuda::getCurrentCUDAStream()));
 }
 
+// Shared body of the fused optimizer steps on CUDA: flatten, launch on the current stream (the
+// kernel itself skips on found_inf: no host read), write back copies.
+template <typename Hyper>
+void optim_step_cuda(const detail::OptimLists& l, const Hyper& h, c10::Device device,
+                     cudaError_t (*launch)(const OptimLaunch&, const Hyper&, void*, cudaStream_t),
+                     const std::optional<at::Tensor>& lr_tensor,
+                     const std::optional<at::Tensor>& grad_scale,
+                     const std::optional<at::Tensor>& found_inf,
+                     const std::optional<at::Tensor>& clip_coef) {
+  const size_t n = l.params.size();
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(device);
+  std::vector<detail::FlatRow> rows;
+  rows.reserve(n);
+  std::vector<OptimTensor> tensors(n);
+  const bool has_master = !l.masters.empty();
+  for (size_t i = 0; i < n; ++i) {
+    rows.push_back(detail::flatten_row(l, i));
+    const auto& r = rows.back().tensors;
+    OptimTensor& o = tensors[i];
+    o.param = r[0].flat.data_ptr();
+    o.grad = r[1].flat.const_data_ptr();
+    o.master = has_master ? r[2].flat.mutable_data_ptr<float>() : nullptr;
+    size_t k_row = has_master ? 3 : 2;
+    for (size_t k = 0; k < 3; ++k) {
+      const bool present = k < l.states.size() && !l.states[k].empty();
+      o.state[k] = present ? r[k_row++].flat.mutable_data_ptr<float>() : nullptr;
+    }
+    o.step = l.steps[i].mutable_data_ptr<float>();
+    o.numel = l.params[i].numel();
+  }
+  auto ptr = [](const std::optional<at::Tensor>& t) -> const float* {
+    return t ? t->const_data_ptr<float>() : nullptr;
+  };
+  OptimLaunch args{tensors.data(),      static_cast<int64_t>(n),
+                   dtype_of(l.params[0].scalar_type()), dtype_of(l.grads[0].scalar_type()),
+                   ptr(lr_tensor),      ptr(grad_scale),
+                   ptr(found_inf),      ptr(clip_coef),
+                   num_sms(device.index())};
+  at::Tensor workspace = at::empty({static_cast<int64_t>(optim_workspace_bytes(args))},
+                                   l.params[0].options().dtype(at::kByte));
+  C10_CUDA_CHECK(launch(args, h, workspace.data_ptr(), c10::cuda::getCurrentCUDAStream()));
+  for (const auto& r : rows) r.finish();
+}
+
+// sgd_step_ / adam_step_: see the contracts in csrc/ops/registration.cpp and the CPU versions.
+void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                   at::TensorList momentum_buffers, at::TensorList steps, double lr,
+                   const std::optional<at::Tensor>& lr_tensor, double momentum, double dampening,
+                   double weight_decay, bool nesterov, bool maximize,
+                   const std::optional<at::Tensor>& grad_scale,
+                   const std::optional<at::Tensor>& found_inf,
+                   const std::optional<at::Tensor>& clip_coef) {
+  detail::OptimLists l{params, grads, master_params, {momentum_buffers}, {"momentum_buffers"}, steps};
+  const c10::Device device = detail::check_optim_args(l, lr_tensor, grad_scale, found_inf, clip_coef);
+  const SgdHyper h{lr, momentum, dampening, weight_decay, nesterov, maximize};
+  detail::check_sgd_hyper(h, l);
+  optim_step_cuda(l, h, device, &launch_sgd_step, lr_tensor, grad_scale, found_inf, clip_coef);
+}
+
+void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                    at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                    at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr,
+                    const std::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
+                    double eps, double weight_decay, bool amsgrad, bool maximize,
+                    bool decoupled_weight_decay, const std::optional<at::Tensor>& grad_scale,
+                    const std::optional<at::Tensor>& found_inf,
+                    const std::optional<at::Tensor>& clip_coef) {
+  detail::OptimLists l{params, grads, master_params,
+                       {exp_avgs, exp_avg_sqs, max_exp_avg_sqs},
+                       {"exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"}, steps};
+  const c10::Device device = detail::check_optim_args(l, lr_tensor, grad_scale, found_inf, clip_coef);
+  const AdamHyper h{lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay};
+  detail::check_adam_hyper(h, l);
+  optim_step_cuda(l, h, device, &launch_adam_step, lr_tensor, grad_scale, found_inf, clip_coef);
+}
+
 }  // namespace
 }  // namespace ampfuse::cuda
 
@@ -148,6 +225,8 @@ TORCH_LIBRARY_IMPL(ampfuse, CUDA, m) {
   m.impl("unscale_check_norm_", &ampfuse::cuda::unscale_check_norm_cuda);
   m.impl("check_norm_", &ampfuse::cuda::check_norm_cuda);
   m.impl("update_scale_", &ampfuse::cuda::update_scale_cuda);
+  m.impl("sgd_step_", &ampfuse::cuda::sgd_step_cuda);
+  m.impl("adam_step_", &ampfuse::cuda::adam_step_cuda);
 }
 
 // Sparse tensors are rejected with a clear message by the shared argument checks (GradScaler passes

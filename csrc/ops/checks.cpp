@@ -173,4 +173,110 @@ bool same_layout(const at::Tensor& ref, const at::Tensor& other) {
   return ref.sizes() == other.sizes() && (ref.numel() <= 1 || ref.strides() == other.strides());
 }
 
+c10::Device check_optim_args(const OptimLists& l, const std::optional<at::Tensor>& lr_tensor,
+                             const std::optional<at::Tensor>& grad_scale,
+                             const std::optional<at::Tensor>& found_inf,
+                             const std::optional<at::Tensor>& clip_coef) {
+  const size_t n = l.params.size();
+  TORCH_CHECK(l.grads.size() == n, "grads must have one tensor per param (", n, "), got ",
+              l.grads.size(), ".");
+  TORCH_CHECK(l.steps.size() == n, "steps must have one tensor per param (", n, "), got ",
+              l.steps.size(), ".");
+  TORCH_CHECK(l.masters.empty() || l.masters.size() == n, "master_params must be empty or have "
+              "one tensor per param (", n, "), got ", l.masters.size(), ".");
+  for (size_t k = 0; k < l.states.size(); ++k) {
+    TORCH_CHECK(l.states[k].empty() || l.states[k].size() == n, l.state_names[k],
+                " must be empty or have one tensor per param (", n, "), got ", l.states[k].size(),
+                ".");
+  }
+  std::optional<c10::Device> device;
+  if (n > 0) device = l.params[0].device();
+  else if (found_inf) device = found_inf->device();
+  else device = c10::Device(c10::kCPU);
+  const auto pdtype = n ? l.params[0].scalar_type() : c10::kFloat;
+  const auto gdtype = n ? l.grads[0].scalar_type() : c10::kFloat;
+  TORCH_CHECK(pdtype == c10::kHalf || pdtype == c10::kBFloat16 || pdtype == c10::kFloat,
+              "params[0] has dtype ", dtype_name(pdtype),
+              "; expected torch.float16, torch.bfloat16 or torch.float32.");
+  TORCH_CHECK(gdtype == c10::kHalf || gdtype == c10::kBFloat16 || gdtype == c10::kFloat,
+              "grads[0] has dtype ", dtype_name(gdtype),
+              "; expected torch.float16, torch.bfloat16 or torch.float32.");
+  auto check_tensor = [&](const at::Tensor& t, const char* name, size_t i, c10::ScalarType dtype,
+                          const at::Tensor& param) {
+    TORCH_CHECK(t.defined(), name, "[", i, "] is undefined.");
+    TORCH_CHECK(t.layout() == c10::kStrided, name, "[", i, "] has layout ", t.layout(),
+                "; fused optimizers support strided (dense) tensors only (sparse gradients: use "
+                "torch.optim.SparseAdam).");
+    TORCH_CHECK(t.device() == *device, name, "[", i, "] is on ", t.device(), " but params[0] is on ",
+                *device, "; all tensors of one call must be on one device.");
+    TORCH_CHECK(t.scalar_type() == dtype, name, "[", i, "] has dtype ", dtype_name(t.scalar_type()),
+                "; expected ", dtype_name(dtype), " (one dtype per list in a call).");
+    TORCH_CHECK(t.sizes() == param.sizes(), name, "[", i, "] has shape ", t.sizes(),
+                " but params[", i, "] has shape ", param.sizes(), ".");
+  };
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = l.params[i];
+    check_tensor(p, "params", i, pdtype, p);
+    check_tensor(l.grads[i], "grads", i, gdtype, p);
+    if (!l.masters.empty()) check_tensor(l.masters[i], "master_params", i, c10::kFloat, p);
+    for (size_t k = 0; k < l.states.size(); ++k) {
+      if (!l.states[k].empty()) check_tensor(l.states[k][i], l.state_names[k], i, c10::kFloat, p);
+    }
+    const std::string step_name = "steps[" + std::to_string(i) + "]";
+    check_scalar_tensor(l.steps[i], step_name.c_str(), c10::kFloat, *device);
+  }
+  if (lr_tensor) check_scalar_tensor(*lr_tensor, "lr_tensor", c10::kFloat, *device);
+  if (grad_scale) check_scalar_tensor(*grad_scale, "grad_scale", c10::kFloat, *device);
+  if (found_inf) check_scalar_tensor(*found_inf, "found_inf", c10::kFloat, *device);
+  if (clip_coef) check_scalar_tensor(*clip_coef, "clip_coef", c10::kFloat, *device);
+  return *device;
+}
+
+void check_sgd_hyper(const SgdHyper& h, const OptimLists& l) {
+  TORCH_CHECK(h.lr >= 0.0, "lr must be >= 0, got ", h.lr, ".");
+  TORCH_CHECK(h.momentum >= 0.0, "momentum must be >= 0, got ", h.momentum, ".");
+  TORCH_CHECK(h.weight_decay >= 0.0, "weight_decay must be >= 0, got ", h.weight_decay, ".");
+  TORCH_CHECK(!h.nesterov || (h.momentum > 0.0 && h.dampening == 0.0),
+              "nesterov momentum requires a momentum > 0 and zero dampening.");
+  const bool need_buffers = h.momentum != 0.0 && !l.params.empty();
+  TORCH_CHECK(!need_buffers || !l.states[0].empty(),
+              "momentum_buffers must have one tensor per param when momentum != 0.");
+}
+
+void check_adam_hyper(const AdamHyper& h, const OptimLists& l) {
+  TORCH_CHECK(h.lr >= 0.0, "lr must be >= 0, got ", h.lr, ".");
+  TORCH_CHECK(h.eps >= 0.0, "eps must be >= 0, got ", h.eps, ".");
+  TORCH_CHECK(h.beta1 >= 0.0 && h.beta1 < 1.0, "beta1 must be in [0, 1), got ", h.beta1, ".");
+  TORCH_CHECK(h.beta2 >= 0.0 && h.beta2 < 1.0, "beta2 must be in [0, 1), got ", h.beta2, ".");
+  TORCH_CHECK(h.weight_decay >= 0.0, "weight_decay must be >= 0, got ", h.weight_decay, ".");
+  if (!l.params.empty()) {
+    TORCH_CHECK(!l.states[0].empty() && !l.states[1].empty(),
+                "exp_avgs and exp_avg_sqs must have one tensor per param.");
+    TORCH_CHECK(h.amsgrad == !l.states[2].empty(), "max_exp_avg_sqs must have one tensor per "
+                "param when amsgrad is set, and be empty otherwise.");
+  }
+}
+
+FlatRow flatten_row(const OptimLists& l, size_t i) {
+  std::vector<at::Tensor> row{l.params[i], l.grads[i]};
+  if (!l.masters.empty()) row.push_back(l.masters[i]);
+  for (const auto& s : l.states) {
+    if (!s.empty()) row.push_back(s[i]);
+  }
+  bool flat = true;
+  for (const auto& t : row) {
+    flat = flat && t.is_non_overlapping_and_dense() && same_layout(row[0], t);
+  }
+  FlatRow out;
+  for (const auto& t : row) {
+    FlatTensor f;
+    f.original = t;
+    f.flat = flat ? t : t.contiguous();
+    f.copied = !flat && !t.is_contiguous();
+    if (!flat && t.is_contiguous()) f.flat = t;
+    out.tensors.push_back(f);
+  }
+  return out;
+}
+
 }  // namespace ampfuse::detail

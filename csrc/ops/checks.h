@@ -62,4 +62,38 @@ FlatTensor flatten_for_kernel(const at::Tensor& t);
 // over several lists may then walk all of them as flat arrays in the same order).
 bool same_layout(const at::Tensor& ref, const at::Tensor& other);
 
+// The lists of one fused optimizer call. `masters`, `state[k]` may be empty lists (absent);
+// otherwise they have one tensor per param.
+struct OptimLists {
+  at::TensorList params;
+  at::TensorList grads;
+  at::TensorList masters;
+  std::vector<at::TensorList> states;  // SGD: {momentum}; Adam: {exp_avg, exp_avg_sq, max_exp_avg_sq}
+  std::vector<const char*> state_names;
+  at::TensorList steps;
+};
+
+// Validates the lists of sgd_step_/adam_step_ and the optional scalar tensors. Returns the device.
+c10::Device check_optim_args(const OptimLists& l, const std::optional<at::Tensor>& lr_tensor,
+                             const std::optional<at::Tensor>& grad_scale,
+                             const std::optional<at::Tensor>& found_inf,
+                             const std::optional<at::Tensor>& clip_coef);
+
+// Row `i` of an optimizer call as flat tensors with one common element order: the tensors
+// themselves when every one is non-overlapping and dense with the param's strides, otherwise
+// contiguous copies (the mutated ones are written back by finish()).
+struct FlatRow {
+  std::vector<FlatTensor> tensors;  // param, grad, master?, states...
+  void finish() const {
+    for (size_t k = 0; k < tensors.size(); ++k) {
+      if (k != 1) tensors[k].finish();  // the grad is read-only
+    }
+  }
+};
+FlatRow flatten_row(const OptimLists& l, size_t i);
+
+// Hyper-parameter checks (torch's rules) and which state lists the configuration requires.
+void check_sgd_hyper(const SgdHyper& h, const OptimLists& l);
+void check_adam_hyper(const AdamHyper& h, const OptimLists& l);
+
 }  // namespace ampfuse::detail

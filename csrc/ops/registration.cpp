@@ -26,6 +26,24 @@ TORCH_LIBRARY(ampfuse, m) {
       "float scale_growth_factor, float scale_backoff_factor, int growth_interval, *, "
       "int hysteresis=1, Tensor(c!)? hysteresis_tracker=None, bool consecutive_hysteresis=False, "
       "float? min_scale=None, float? max_scale=None, Tensor(d!)? stats=None) -> ()");
+  // Fused SGD step (torch.optim.SGD semantics) over one list, in one pass: grads divided by
+  // grad_scale and multiplied by clip_coef; nothing at all changes when found_inf is set; fp32
+  // master weights (if given) updated and params written rounded; momentum initialised on the
+  // first step actually taken. steps are per-param fp32 counters.
+  m.def(
+      "sgd_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] master_params, "
+      "Tensor(c!)[] momentum_buffers, Tensor(d!)[] steps, *, float lr, Tensor? lr_tensor=None, "
+      "float momentum=0., float dampening=0., float weight_decay=0., bool nesterov=False, "
+      "bool maximize=False, Tensor? grad_scale=None, Tensor? found_inf=None, "
+      "Tensor? clip_coef=None) -> ()");
+  // Fused Adam/AdamW step (torch.optim.Adam/AdamW semantics), same conventions as sgd_step_.
+  m.def(
+      "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] master_params, "
+      "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, "
+      "Tensor(f!)[] steps, *, float lr, Tensor? lr_tensor=None, float beta1=0.9, "
+      "float beta2=0.999, float eps=1e-8, float weight_decay=0., bool amsgrad=False, "
+      "bool maximize=False, bool decoupled_weight_decay=False, Tensor? grad_scale=None, "
+      "Tensor? found_inf=None, Tensor? clip_coef=None) -> ()");
 }
 
 namespace ampfuse {

@@ -91,4 +91,116 @@ AMPFUSE_HOST_DEVICE float clip_coefficient(float norm, float max_norm) {
   return coef > 1.0f ? 1.0f : coef;
 }
 
+// Hyper-parameters of the fused optimizers (the step-dependent factors are derived per tensor from
+// its own step counter, in double precision as torch's for-loop Adam computes them).
+struct SgdHyper {
+  double lr;  // used when no lr tensor is given
+  double momentum;
+  double dampening;
+  double weight_decay;
+  bool nesterov;
+  bool maximize;
+};
+
+struct AdamHyper {
+  double lr;  // used when no lr tensor is given
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+  bool amsgrad;
+  bool maximize;
+  bool decoupled_weight_decay;  // AdamW
+};
+
+// Per-tensor scalars of one Adam step, from the step number the update produces (>= 1).
+struct AdamStepScalars {
+  float step_size;        // lr / (1 - beta1^step)
+  float bias_corr2_sqrt;  // sqrt(1 - beta2^step)
+  float decay;            // 1 - lr * weight_decay (decoupled), else 1
+};
+
+AMPFUSE_HOST_DEVICE AdamStepScalars adam_step_scalars(const AdamHyper& h, double lr, double step) {
+  const double bc1 = 1.0 - pow(h.beta1, step);
+  const double bc2 = 1.0 - pow(h.beta2, step);
+  AdamStepScalars s;
+  s.step_size = static_cast<float>(lr / bc1);
+  s.bias_corr2_sqrt = static_cast<float>(sqrt(bc2));
+  s.decay = h.decoupled_weight_decay ? static_cast<float>(1.0 - lr * h.weight_decay) : 1.0f;
+  return s;
+}
+
+// ---- the optimizer update rules, shared by the CPU kernels (V = at::vec::Vectorized<float> or
+// float) and the CUDA kernels (V = float). M supplies neg/sqrt/max for V. The order of operations
+// follows torch's for-loop SGD/Adam implementations; every value is fp32.
+
+struct SgdScalars {
+  float lr, momentum, one_minus_dampening, weight_decay;
+  bool nesterov, maximize, has_momentum;
+  bool first_step;  // momentum buffer := grad (torch clones the first grad)
+};
+
+template <typename V, typename M>
+AMPFUSE_HOST_DEVICE V sgd_update(V p, V g, V* buf, const SgdScalars& s) {
+  if (s.maximize) g = M::neg(g);
+  if (s.weight_decay != 0.0f) g = g + V(s.weight_decay) * p;
+  if (s.has_momentum) {
+    const V b = s.first_step ? g : (*buf) * V(s.momentum) + V(s.one_minus_dampening) * g;
+    *buf = b;
+    g = s.nesterov ? g + V(s.momentum) * b : b;
+  }
+  return p - V(s.lr) * g;
+}
+
+struct AdamScalars {
+  AdamStepScalars step;
+  float beta1_weight;  // 1 - beta1: exp_avg.lerp_(grad, beta1_weight)
+  float beta2, one_minus_beta2, eps, weight_decay;
+  bool amsgrad, maximize, decoupled;
+};
+
+template <typename V, typename M>
+AMPFUSE_HOST_DEVICE V adam_update(V p, V g, V& m, V& v, V& vmax, const AdamScalars& s) {
+  if (s.maximize) g = M::neg(g);
+  if (s.decoupled) {
+    p = p * V(s.step.decay);
+  } else if (s.weight_decay != 0.0f) {
+    g = g + V(s.weight_decay) * p;
+  }
+  // torch's two-sided lerp formula.
+  const V w(s.beta1_weight);
+  m = s.beta1_weight < 0.5f ? m + w * (g - m) : g - (g - m) * V(1.0f - s.beta1_weight);
+  v = v * V(s.beta2) + V(s.one_minus_beta2) * (g * g);
+  V src = v;
+  if (s.amsgrad) {
+    vmax = M::max(vmax, v);
+    src = vmax;
+  }
+  const V denom = M::sqrt(src) / V(s.step.bias_corr2_sqrt) + V(s.eps);
+  return p - V(s.step.step_size) * (m / denom);
+}
+
+AMPFUSE_HOST_DEVICE SgdScalars sgd_scalars(const SgdHyper& h, double lr, float step_before) {
+  return SgdScalars{static_cast<float>(lr),
+                    static_cast<float>(h.momentum),
+                    static_cast<float>(1.0 - h.dampening),
+                    static_cast<float>(h.weight_decay),
+                    h.nesterov,
+                    h.maximize,
+                    h.momentum != 0.0,
+                    step_before == 0.0f};
+}
+
+AMPFUSE_HOST_DEVICE AdamScalars adam_scalars(const AdamHyper& h, double lr, float step_before) {
+  return AdamScalars{adam_step_scalars(h, lr, static_cast<double>(step_before) + 1.0),
+                     static_cast<float>(1.0 - h.beta1),
+                     static_cast<float>(h.beta2),
+                     static_cast<float>(1.0 - h.beta2),
+                     static_cast<float>(h.eps),
+                     static_cast<float>(h.weight_decay),
+                     h.amsgrad,
+                     h.maximize,
+                     h.decoupled_weight_decay};
+}
+
 }  // namespace ampfuse

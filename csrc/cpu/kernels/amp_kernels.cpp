@@ -199,9 +199,17 @@ int parallel_threads_used() {
 
 }  // namespace
 
+void fill_optim_kernels(KernelTable& table);  // optim_kernels.cpp
+
 const KernelTable& kernel_table() {
-  static const KernelTable table{C10_STRINGIZE(CPU_CAPABILITY), &parallel_threads_used,
-                                 &unscale_check};
+  static const KernelTable table = [] {
+    KernelTable t{};
+    t.capability = C10_STRINGIZE(CPU_CAPABILITY);
+    t.parallel_threads_used = &parallel_threads_used;
+    t.unscale_check = &unscale_check;
+    fill_optim_kernels(t);
+    return t;
+  }();
   return table;
 }
 

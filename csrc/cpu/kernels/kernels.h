@@ -34,12 +34,33 @@ struct UnscaleCheckArgs {
   float* total_norm;               // written when norm != None (norm of the unscaled values)
 };
 
+// One fused optimizer call on CPU tensors (all flat, one element order per row). found_inf has
+// already been checked by the caller (a set flag means the kernel is not called at all).
+struct OptimArgs {
+  int64_t num_tensors;
+  void* const* params;        // param dtype
+  const void* const* grads;   // grad dtype
+  float* const* masters;      // null when the params are updated directly
+  float* const* state0;       // SGD: momentum buffers (null if momentum == 0); Adam: exp_avg
+  float* const* state1;       // Adam: exp_avg_sq
+  float* const* state2;       // Adam: max_exp_avg_sq (amsgrad) or null
+  float* const* steps;        // one counter per tensor, incremented by the kernel
+  const int64_t* numels;
+  c10::ScalarType param_dtype;
+  c10::ScalarType grad_dtype;
+  double lr;                  // resolved by the caller (float or tensor lr)
+  float grad_scale;           // gradients are divided by it (1: unscaled)
+  float clip_coef;            // and multiplied by it (1: no clipping)
+};
+
 struct KernelTable {
   const char* capability;
   // Diagnostics: how many distinct threads one parallel pass of this build used (proves the
   // kernels were compiled with OpenMP rather than silently serial).
   int (*parallel_threads_used)();
   void (*unscale_check)(const UnscaleCheckArgs&);
+  void (*sgd_step)(const OptimArgs&, const SgdHyper&);
+  void (*adam_step)(const OptimArgs&, const AdamHyper&);
 };
 
 #define AMPFUSE_DECLARE_CPU_TABLE(cap) \

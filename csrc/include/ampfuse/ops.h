@@ -57,4 +57,47 @@ void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker,
                    const at::Tensor& found_inf, double growth_factor, double backoff_factor,
                    int64_t growth_interval, const UpdateScaleOptions& options = {});
 
+// Tensors a GradScaler hands to a fused optimizer step (all optional, 1-element fp32, on the
+// params' device): grads are divided by grad_scale and multiplied by clip_coef, and a non-zero
+// found_inf turns the step into a no-op (params, masters, state and steps bitwise unchanged).
+struct StepScaling {
+  std::optional<at::Tensor> grad_scale;
+  std::optional<at::Tensor> found_inf;
+  std::optional<at::Tensor> clip_coef;
+};
+
+struct SgdStepOptions {
+  double lr = 1e-3;
+  std::optional<at::Tensor> lr_tensor;  // overrides lr (CUDA-graph capturable schedules)
+  double momentum = 0.0;
+  double dampening = 0.0;
+  double weight_decay = 0.0;
+  bool nesterov = false;
+  bool maximize = false;
+};
+
+// Fused torch.optim.SGD step over one list (one dtype per list; master_params and
+// momentum_buffers may be empty). See csrc/ops/registration.cpp for the contract.
+void sgd_step_(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+               at::TensorList momentum_buffers, at::TensorList steps,
+               const SgdStepOptions& options, const StepScaling& scaling = {});
+
+struct AdamStepOptions {
+  double lr = 1e-3;
+  std::optional<at::Tensor> lr_tensor;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool amsgrad = false;
+  bool maximize = false;
+  bool decoupled_weight_decay = false;  // true: AdamW
+};
+
+// Fused torch.optim.Adam / AdamW step over one list.
+void adam_step_(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                at::TensorList max_exp_avg_sqs, at::TensorList steps,
+                const AdamStepOptions& options, const StepScaling& scaling = {});
+
 }  // namespace ampfuse
