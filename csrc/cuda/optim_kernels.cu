@@ -18,6 +18,7 @@ struct CudaMath {
   static __device__ __forceinline__ float max(float a, float b) {
     return (a != a || b != b) ? a + b : fmaxf(a, b);
   }
+  static __device__ __forceinline__ float fma(float a, float b, float c) { return fmaf(a, b, c); }
 };
 
 // Scalars the GradScaler hands over (device pointers, read once per block).

@@ -143,13 +143,14 @@ struct SgdScalars {
 template <typename V, typename M>
 AMPFUSE_HOST_DEVICE V sgd_update(V p, V g, V* buf, const SgdScalars& s) {
   if (s.maximize) g = M::neg(g);
-  if (s.weight_decay != 0.0f) g = g + V(s.weight_decay) * p;
+  // torch's add(x, alpha=a) is fma(x, a, self) in its vectorised kernels; mirror it.
+  if (s.weight_decay != 0.0f) g = M::fma(p, V(s.weight_decay), g);
   if (s.has_momentum) {
-    const V b = s.first_step ? g : (*buf) * V(s.momentum) + V(s.one_minus_dampening) * g;
+    const V b = s.first_step ? g : M::fma(g, V(s.one_minus_dampening), (*buf) * V(s.momentum));
     *buf = b;
-    g = s.nesterov ? g + V(s.momentum) * b : b;
+    g = s.nesterov ? M::fma(b, V(s.momentum), g) : b;
   }
-  return p - V(s.lr) * g;
+  return M::fma(g, V(-s.lr), p);
 }
 
 struct AdamScalars {
@@ -165,19 +166,22 @@ AMPFUSE_HOST_DEVICE V adam_update(V p, V g, V& m, V& v, V& vmax, const AdamScala
   if (s.decoupled) {
     p = p * V(s.step.decay);
   } else if (s.weight_decay != 0.0f) {
-    g = g + V(s.weight_decay) * p;
+    g = M::fma(p, V(s.weight_decay), g);
   }
-  // torch's two-sided lerp formula.
-  const V w(s.beta1_weight);
-  m = s.beta1_weight < 0.5f ? m + w * (g - m) : g - (g - m) * V(1.0f - s.beta1_weight);
-  v = v * V(s.beta2) + V(s.one_minus_beta2) * (g * g);
+  // exp_avg.lerp_(grad, 1 - beta1): torch's two-sided lerp, fma(coeff, end - start, base).
+  const bool small = s.beta1_weight < 0.5f;
+  m = M::fma(V(small ? s.beta1_weight : s.beta1_weight - 1.0f), g - m, small ? m : g);
+  // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+  // (torch's addcmul kernel computes self + (value * t1) * t2 with one fused multiply-add)
+  v = M::fma(V(s.one_minus_beta2) * g, g, v * V(s.beta2));
   V src = v;
   if (s.amsgrad) {
     vmax = M::max(vmax, v);
     src = vmax;
   }
+  // denom = (sqrt / bias_correction2_sqrt).add_(eps); param.addcdiv_(exp_avg, denom, -step_size)
   const V denom = M::sqrt(src) / V(s.step.bias_corr2_sqrt) + V(s.eps);
-  return p - V(s.step.step_size) * (m / denom);
+  return p + V(-s.step.step_size) * m / denom;
 }
 
 AMPFUSE_HOST_DEVICE SgdScalars sgd_scalars(const SgdHyper& h, double lr, float step_before) {

@@ -10,7 +10,7 @@ from ampfuse._library import build_info, cmake_prefix_path, cpu_kernel_info, lib
 
 load_library()
 
-from ampfuse import ops  # noqa: E402
+from ampfuse import ops, optim  # noqa: E402
 from ampfuse.grad_scaler import GradScaler, OverflowReport  # noqa: E402
 
 __version__ = "0.1.0"
@@ -19,6 +19,7 @@ __all__ = [
     "GradScaler",
     "OverflowReport",
     "ops",
+    "optim",
     "build_info",
     "cmake_prefix_path",
     "cpu_kernel_info",

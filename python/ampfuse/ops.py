@@ -21,6 +21,8 @@ __all__ = [
     "unscale_check_norm_",
     "check_norm_",
     "update_scale_",
+    "sgd_step_",
+    "adam_step_",
     "NUM_SCALE_STATS",
     "ScaleStat",
 ]
@@ -169,6 +171,82 @@ def update_scale_(
     )
 
 
+def sgd_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    master_params: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    *,
+    lr: float | torch.Tensor,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    maximize: bool = False,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    clip_coef: torch.Tensor | None = None,
+) -> None:
+    """One fused ``torch.optim.SGD`` step over a list of tensors, in one pass.
+
+    Args:
+        params: fp16, bf16 or fp32 tensors (one dtype), updated in place; with masters they
+            receive the updated masters rounded to nearest.
+        grads: fp16, bf16 or fp32 (one dtype), same shapes; read only, possibly still scaled.
+        master_params: fp32 master copies of ``params`` (updated in place), or ``[]``.
+        momentum_buffers: fp32 buffers, one per param when ``momentum != 0``, else ``[]``. A
+            buffer is initialised to the gradient on the first step actually taken (``steps[i] == 0``).
+        steps: 1-element fp32 counters, incremented by one.
+        lr: float, or a 1-element fp32 tensor on the params' device (capturable schedules).
+        grad_scale: grads are divided by it. clip_coef: and multiplied by it.
+        found_inf: if non-zero, nothing at all is modified (params, masters, buffers, steps).
+    """
+    lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+    torch.ops.ampfuse.sgd_step_(
+        params, grads, master_params, momentum_buffers, steps,
+        lr=0.0 if lr_tensor is not None else float(lr), lr_tensor=lr_tensor, momentum=momentum,
+        dampening=dampening, weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+        grad_scale=grad_scale, found_inf=found_inf, clip_coef=clip_coef,
+    )
+
+
+def adam_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    master_params: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    max_exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    *,
+    lr: float | torch.Tensor,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    decoupled_weight_decay: bool = False,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    clip_coef: torch.Tensor | None = None,
+) -> None:
+    """One fused ``torch.optim.Adam`` (``decoupled_weight_decay=True``: ``AdamW``) step.
+
+    Same conventions as :func:`sgd_step_`; ``exp_avgs``/``exp_avg_sqs`` (and ``max_exp_avg_sqs``
+    with ``amsgrad``, else ``[]``) are fp32. Bias corrections use each tensor's own step.
+    """
+    lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+    torch.ops.ampfuse.adam_step_(
+        params, grads, master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+        lr=0.0 if lr_tensor is not None else float(lr), lr_tensor=lr_tensor, beta1=beta1,
+        beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+        decoupled_weight_decay=decoupled_weight_decay, grad_scale=grad_scale,
+        found_inf=found_inf, clip_coef=clip_coef,
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Fake kernels: shape/dtype/device propagation with the same preconditions as the C++ checks.
 # --------------------------------------------------------------------------------------------
@@ -248,3 +326,50 @@ def _update_scale_fake(
         _check_scalar(hysteresis_tracker, "hysteresis_tracker", torch.int32, device)
     if stats is not None:
         torch._check(stats.numel() == NUM_SCALE_STATS and stats.dtype == torch.int64, lambda: "stats must be a contiguous 1-D torch.int64 tensor of 4 elements.")
+
+
+_OPTIM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_optim(params, grads, masters, states, steps, scalars) -> None:
+    n = len(params)
+    torch._check(len(grads) == n, lambda: f"grads must have one tensor per param ({n}), got {len(grads)}.")
+    torch._check(len(steps) == n, lambda: f"steps must have one tensor per param ({n}), got {len(steps)}.")
+    torch._check(len(masters) in (0, n), lambda: f"master_params must be empty or have one tensor per param ({n}).")
+    for name, lst in states:
+        torch._check(len(lst) in (0, n), lambda: f"{name} must be empty or have one tensor per param ({n}).")
+    if n == 0:
+        return
+    device, pdtype, gdtype = params[0].device, params[0].dtype, grads[0].dtype
+    torch._check(pdtype in _OPTIM_DTYPES, lambda: f"params[0] has dtype {pdtype}; expected torch.float16, torch.bfloat16 or torch.float32.")
+    torch._check(gdtype in _OPTIM_DTYPES, lambda: f"grads[0] has dtype {gdtype}; expected torch.float16, torch.bfloat16 or torch.float32.")
+    for i in range(n):
+        rows = [("params", params[i], pdtype), ("grads", grads[i], gdtype)]
+        if masters:
+            rows.append(("master_params", masters[i], torch.float32))
+        rows += [(name, lst[i], torch.float32) for name, lst in states if lst]
+        for name, t, dtype in rows:
+            torch._check(t.device == device, lambda: f"{name}[{i}] is on {t.device} but params[0] is on {device}.")
+            torch._check(t.dtype == dtype, lambda: f"{name}[{i}] has dtype {t.dtype}; expected {dtype}.")
+            torch._check(t.shape == params[i].shape, lambda: f"{name}[{i}] has shape {tuple(t.shape)} but params[{i}] has shape {tuple(params[i].shape)}.")
+        _check_scalar(steps[i], f"steps[{i}]", torch.float32, device)
+    for name, t in scalars:
+        if t is not None:
+            _check_scalar(t, name, torch.float32, device)
+
+
+@torch.library.register_fake("ampfuse::sgd_step_")
+def _sgd_step_fake(params, grads, master_params, momentum_buffers, steps, *, lr, lr_tensor=None, momentum=0.0,
+                   dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False, grad_scale=None,
+                   found_inf=None, clip_coef=None):
+    _check_optim(params, grads, master_params, [("momentum_buffers", momentum_buffers)], steps,
+                 [("lr_tensor", lr_tensor), ("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef)])
+
+
+@torch.library.register_fake("ampfuse::adam_step_")
+def _adam_step_fake(params, grads, master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr,
+                    lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, amsgrad=False,
+                    maximize=False, decoupled_weight_decay=False, grad_scale=None, found_inf=None, clip_coef=None):
+    _check_optim(params, grads, master_params,
+                 [("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs), ("max_exp_avg_sqs", max_exp_avg_sqs)], steps,
+                 [("lr_tensor", lr_tensor), ("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef)])

@@ -21,6 +21,16 @@ struct CpuMath {
   // NaN-propagating maximum, as torch.maximum.
   static float max(float a, float b) { return (a != a || b != b) ? a + b : (a > b ? a : b); }
   static FVec max(const FVec& a, const FVec& b) { return at::vec::maximum(a, b); }
+  // Fused where the build has FMA (as at::vec::fmadd), two roundings otherwise: the scalar tail
+  // must round exactly as the vector body.
+  static float fma(float a, float b, float c) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+    return std::fma(a, b, c);
+#else
+    return a * b + c;
+#endif
+  }
+  static FVec fma(const FVec& a, const FVec& b, const FVec& c) { return at::vec::fmadd(a, b, c); }
 };
 
 // Two float vectors' worth of elements of T (half/bf16 widen to fp32).
