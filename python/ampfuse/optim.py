@@ -266,7 +266,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 if key == "step" and isinstance(v, torch.Tensor) and v.numel() != 1:
                     raise ValueError(f"state 'step' of parameter {pid} must have one element, got shape {tuple(v.shape)}.")
         originals = {id_map[pid]: dict(st) for pid, st in state_dict["state"].items() if pid in id_map}
+        previous_groups = [dict(g) for g in self.param_groups]
         super().load_state_dict(state_dict)
+        # A torch checkpoint lacks ampfuse's group options (master_weights): keep the current ones.
+        for group, prev in zip(self.param_groups, previous_groups):
+            for key, value in prev.items():
+                group.setdefault(key, value)
         for p, st in originals.items():
             state = self.state[p]
             for key, v in st.items():
