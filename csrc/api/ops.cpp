@@ -42,6 +42,13 @@ std::tuple<at::Tensor, at::Tensor> check_norm_(
   return handle.call(tensors, found_inf, inv_scale, norm_type, max_norm, per_tensor_found_inf);
 }
 
+void accumulate_grads_(at::TensorList accumulators, at::TensorList grads,
+                       const at::Tensor& found_inf, bool zero_grads) {
+  static auto handle = op<void(at::TensorList, at::TensorList, const at::Tensor&, bool)>(
+      "ampfuse::accumulate_grads_");
+  handle.call(accumulators, grads, found_inf, zero_grads);
+}
+
 void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker,
                    const at::Tensor& found_inf, double growth_factor, double backoff_factor,
                    int64_t growth_interval, const UpdateScaleOptions& o) {

@@ -118,6 +118,38 @@ std::tuple<at::Tensor, at::Tensor> check_norm_cpu(
                             detail::norm_kind(norm_type), max_norm, per_tensor_found_inf);
 }
 
+// accumulate_grads_: see the contract in csrc/ops/registration.cpp.
+//   accumulators: fp32, any layout; += grads. grads: fp16/bf16/fp32; zeroed when zero_grads.
+//   found_inf: set to 1.0 if a grad element is inf/NaN (the caller zeroes it once per window).
+void accumulate_grads_cpu(at::TensorList accumulators, at::TensorList grads,
+                          const at::Tensor& found_inf, bool zero_grads) {
+  detail::check_accumulate_args(accumulators, grads, found_inf);
+  std::vector<detail::FlatTensor> acc_flat, grad_flat;
+  std::vector<Span> acc_spans, grad_spans;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    // Both sides must walk their elements in the same order.
+    const bool same = detail::same_layout(accumulators[i], grads[i]) &&
+                      accumulators[i].is_non_overlapping_and_dense() &&
+                      grads[i].is_non_overlapping_and_dense();
+    detail::FlatTensor a{same ? accumulators[i] : accumulators[i].contiguous(), accumulators[i],
+                         !same && !accumulators[i].is_contiguous()};
+    detail::FlatTensor g{same ? grads[i] : grads[i].contiguous(), grads[i],
+                         !same && !grads[i].is_contiguous()};
+    acc_spans.push_back({a.flat.data_ptr(), a.flat.numel(), c10::kFloat});
+    grad_spans.push_back({g.flat.data_ptr(), g.flat.numel(), g.flat.scalar_type()});
+    acc_flat.push_back(std::move(a));
+    grad_flat.push_back(std::move(g));
+  }
+  bool any_nonfinite = false;
+  kernels().accumulate({acc_spans.data(), grad_spans.data(), static_cast<int64_t>(grads.size()),
+                        zero_grads, &any_nonfinite});
+  for (const auto& a : acc_flat) a.finish();
+  if (zero_grads) {
+    for (const auto& g : grad_flat) g.finish();
+  }
+  if (any_nonfinite) *found_inf.mutable_data_ptr<float>() = 1.0f;
+}
+
 // update_scale_: one application of the scale rule (csrc/ops/rules.h) to CPU state tensors.
 void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
                       const at::Tensor& found_inf, double growth_factor, double backoff_factor,
@@ -242,6 +274,7 @@ TORCH_LIBRARY_IMPL(ampfuse, CPU, m) {
   m.impl("unscale_check_norm_", &ampfuse::cpu::unscale_check_norm_cpu);
   m.impl("check_norm_", &ampfuse::cpu::check_norm_cpu);
   m.impl("update_scale_", &ampfuse::cpu::update_scale_cpu);
+  m.impl("accumulate_grads_", &ampfuse::cpu::accumulate_grads_cpu);
   m.impl("sgd_step_", &ampfuse::cpu::sgd_step_cpu);
   m.impl("adam_step_", &ampfuse::cpu::adam_step_cpu);
 }

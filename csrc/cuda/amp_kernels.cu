@@ -162,6 +162,71 @@ __global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
   }
 }
 
+// accumulator += float(grad); grad = 0 (when zero); flags non-finite grads. 16-byte accesses on
+// the grad side (4 or 8 elements) when both sides are aligned.
+template <typename G>
+__device__ void accumulate_chunk(float* acc, G* grad, int64_t begin, int64_t end, bool zero,
+                                 bool& bad) {
+  using V = Vec16<G>;
+  constexpr int K = V::kSize;
+  struct alignas(16) F4 {
+    float v[4];
+  };
+  if (is_aligned16(grad) && is_aligned16(acc)) {
+    const int nvec = static_cast<int>((end - begin) / K);
+    V* gv = reinterpret_cast<V*>(grad + begin);
+    F4* av = reinterpret_cast<F4*>(acc + begin);
+    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+      V g = gv[i];
+      F4 a[K / 4];
+#pragma unroll
+      for (int k = 0; k < K / 4; ++k) a[k] = av[i * (K / 4) + k];
+#pragma unroll
+      for (int e = 0; e < K; ++e) {
+        const float f = to_float(g.v[e]);
+        bad |= !isfinite(f);
+        a[e / 4].v[e % 4] += f;
+      }
+#pragma unroll
+      for (int k = 0; k < K / 4; ++k) av[i * (K / 4) + k] = a[k];
+      if (zero) {
+#pragma unroll
+        for (int e = 0; e < K; ++e) g.v[e] = from_float<G>(0.0f);
+        gv[i] = g;
+      }
+    }
+    begin += static_cast<int64_t>(nvec) * K;
+  }
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const float f = to_float(grad[i]);
+    bad |= !isfinite(f);
+    acc[i] += f;
+    if (zero) grad[i] = from_float<G>(0.0f);
+  }
+}
+
+__global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
+    accumulate_kernel(const __grid_constant__ TensorListMeta<2> meta, bool zero,
+                      float* found_inf) {
+  const int32_t nchunks = meta.chunk_start[meta.count];
+  bool bad = false;
+  for (int32_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const int t = find_tensor(meta, c);
+    const int64_t begin = static_cast<int64_t>(c - meta.chunk_start[t]) * kChunkSize;
+    const int64_t end = min(begin + kChunkSize, meta.numel[t]);
+    float* acc = static_cast<float*>(meta.ptr[0][t]);
+    void* g = meta.ptr[1][t];
+    switch (meta.dtype[t]) {
+      case kHalf: accumulate_chunk(acc, static_cast<__half*>(g), begin, end, zero, bad); break;
+      case kBFloat16:
+        accumulate_chunk(acc, static_cast<__nv_bfloat16*>(g), begin, end, zero, bad);
+        break;
+      default: accumulate_chunk(acc, static_cast<float*>(g), begin, end, zero, bad); break;
+    }
+  }
+  if (bad) *found_inf = 1.0f;  // benign race: every writer stores 1
+}
+
 __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker, const float* found_inf,
                                     int32_t* hysteresis_left, int64_t* stats,
                                     ScaleRuleParams params) {
@@ -217,6 +282,20 @@ cudaError_t launch_unscale_check(const UnscaleCheckLaunch& a, void* workspace,
         break;
     }
   });
+}
+
+cudaError_t launch_accumulate(const AccumulateLaunch& a, cudaStream_t stream) {
+  std::vector<HostTensor<2>> tensors(a.num_tensors);
+  for (int64_t i = 0; i < a.num_tensors; ++i) {
+    tensors[i] = {{a.accumulators[i], a.grads[i].data}, a.grads[i].numel, static_cast<int32_t>(i),
+                  static_cast<uint8_t>(a.grads[i].dtype)};
+  }
+  if (a.num_tensors == 0) return cudaSuccess;
+  return multi_tensor_apply<2>(tensors, a.num_sms * kBlocksPerSM,
+                               [&](const TensorListMeta<2>& meta, int grid) {
+                                 accumulate_kernel<<<grid, kBlockSize, 0, stream>>>(
+                                     meta, a.zero_grads, a.found_inf);
+                               });
 }
 
 cudaError_t launch_update_scale(float* scale, int32_t* growth_tracker, const float* found_inf,

@@ -43,6 +43,16 @@ size_t unscale_check_workspace_bytes(const UnscaleCheckLaunch& args);
 cudaError_t launch_unscale_check(const UnscaleCheckLaunch& args, void* workspace,
                                  cudaStream_t stream);
 
+struct AccumulateLaunch {
+  float* const* accumulators;  // fp32, flat
+  const TensorRef* grads;      // fp16/bf16/fp32, flat, same element order
+  int64_t num_tensors;
+  bool zero_grads;
+  float* found_inf;            // device; set to 1 on a non-finite grad element
+  int num_sms;
+};
+cudaError_t launch_accumulate(const AccumulateLaunch& args, cudaStream_t stream);
+
 // One thread applies update_scale_rule (ops/rules.h) to device state.
 cudaError_t launch_update_scale(float* scale, int32_t* growth_tracker, const float* found_inf,
                                 int32_t* hysteresis_left, int64_t* stats,

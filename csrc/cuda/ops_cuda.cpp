@@ -121,6 +121,37 @@ std::tuple<at::Tensor, at::Tensor> check_norm_cuda(
                             detail::norm_kind(norm_type), max_norm, per_tensor_found_inf);
 }
 
+// accumulate_grads_: see the CPU version; one multi-tensor pass on the current stream.
+void accumulate_grads_cuda(at::TensorList accumulators, at::TensorList grads,
+                           const at::Tensor& found_inf, bool zero_grads) {
+  detail::check_accumulate_args(accumulators, grads, found_inf);
+  const c10::cuda::CUDAGuard guard(found_inf.device());
+  std::vector<FlatTensor> acc_flat, grad_flat;
+  std::vector<float*> acc_ptrs;
+  std::vector<TensorRef> grad_refs;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const bool same = detail::same_layout(accumulators[i], grads[i]) &&
+                      accumulators[i].is_non_overlapping_and_dense() &&
+                      grads[i].is_non_overlapping_and_dense();
+    FlatTensor a{same ? accumulators[i] : accumulators[i].contiguous(), accumulators[i],
+                 !same && !accumulators[i].is_contiguous()};
+    FlatTensor g{same ? grads[i] : grads[i].contiguous(), grads[i],
+                 !same && !grads[i].is_contiguous()};
+    acc_ptrs.push_back(a.flat.mutable_data_ptr<float>());
+    grad_refs.push_back({g.flat.data_ptr(), g.flat.numel(), dtype_of(g.flat.scalar_type())});
+    acc_flat.push_back(std::move(a));
+    grad_flat.push_back(std::move(g));
+  }
+  AccumulateLaunch args{acc_ptrs.data(), grad_refs.data(), static_cast<int64_t>(grads.size()),
+                        zero_grads, found_inf.mutable_data_ptr<float>(),
+                        num_sms(found_inf.device().index())};
+  C10_CUDA_CHECK(launch_accumulate(args, c10::cuda::getCurrentCUDAStream()));
+  for (const auto& a : acc_flat) a.finish();
+  if (zero_grads) {
+    for (const auto& g : grad_flat) g.finish();
+  }
+}
+
 // update_scale_: one thread applies the scale rule (csrc/ops/rules.h) on the current stream.
 void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker,
                        const at::Tensor& found_inf, double growth_factor, double backoff_factor,
@@ -225,6 +256,7 @@ TORCH_LIBRARY_IMPL(ampfuse, CUDA, m) {
   m.impl("unscale_check_norm_", &ampfuse::cuda::unscale_check_norm_cuda);
   m.impl("check_norm_", &ampfuse::cuda::check_norm_cuda);
   m.impl("update_scale_", &ampfuse::cuda::update_scale_cuda);
+  m.impl("accumulate_grads_", &ampfuse::cuda::accumulate_grads_cuda);
   m.impl("sgd_step_", &ampfuse::cuda::sgd_step_cuda);
   m.impl("adam_step_", &ampfuse::cuda::adam_step_cuda);
 }

@@ -66,6 +66,29 @@ void check_unscale_args(at::TensorList tensors, const at::Tensor& found_inf,
   check_float_list(tensors, "tensors", device);
 }
 
+void check_accumulate_args(at::TensorList accumulators, at::TensorList grads,
+                           const at::Tensor& found_inf) {
+  TORCH_CHECK(found_inf.defined(), "found_inf must be a defined tensor.");
+  const c10::Device device = found_inf.device();
+  check_scalar_tensor(found_inf, "found_inf", c10::kFloat, device);
+  TORCH_CHECK(accumulators.size() == grads.size(), "accumulators and grads must have the same "
+              "length, got ", accumulators.size(), " and ", grads.size(), ".");
+  check_float_list(grads, "grads", device);
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& a = accumulators[i];
+    TORCH_CHECK(a.defined() && a.layout() == c10::kStrided, "accumulators[", i,
+                "] must be a strided tensor.");
+    TORCH_CHECK(a.scalar_type() == c10::kFloat, "accumulators[", i, "] has dtype ",
+                dtype_name(a.scalar_type()), "; accumulators must be torch.float32.");
+    TORCH_CHECK(a.device() == device, "accumulators[", i, "] is on ", a.device(),
+                " but found_inf is on ", device, ".");
+    TORCH_CHECK(grads[i].scalar_type() != c10::kDouble, "grads[", i, "] has dtype torch.float64; "
+                "expected torch.float16, torch.bfloat16 or torch.float32.");
+    TORCH_CHECK(a.sizes() == grads[i].sizes(), "accumulators[", i, "] has shape ", a.sizes(),
+                " but grads[", i, "] has shape ", grads[i].sizes(), ".");
+  }
+}
+
 NormKind norm_kind(double norm_type) {
   if (norm_type == 2.0) return NormKind::L2;
   if (std::isinf(norm_type) && norm_type > 0) return NormKind::Inf;

@@ -32,6 +32,10 @@ void check_norm_args(double norm_type, std::optional<double> max_norm,
                      const std::optional<at::Tensor>& per_tensor_found_inf, int64_t num_tensors,
                      const c10::Device& device);
 
+// accumulate_grads_ preconditions.
+void check_accumulate_args(at::TensorList accumulators, at::TensorList grads,
+                           const at::Tensor& found_inf);
+
 // update_scale_ preconditions; returns the rule parameters.
 ScaleRuleParams check_update_scale_args(const at::Tensor& scale, const at::Tensor& growth_tracker,
                                         const at::Tensor& found_inf, double growth_factor,

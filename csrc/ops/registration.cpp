@@ -26,6 +26,11 @@ TORCH_LIBRARY(ampfuse, m) {
       "float scale_growth_factor, float scale_backoff_factor, int growth_interval, *, "
       "int hysteresis=1, Tensor(c!)? hysteresis_tracker=None, bool consecutive_hysteresis=False, "
       "float? min_scale=None, float? max_scale=None, Tensor(d!)? stats=None) -> ()");
+  // accumulators[i] += grads[i] in fp32 (grads fp16/bf16/fp32), zeroing grads[i] in the same pass
+  // when zero_grads; found_inf := 1 if any grad element is inf/NaN (never reset).
+  m.def(
+      "accumulate_grads_(Tensor(a!)[] accumulators, Tensor(b!)[] grads, Tensor(c!) found_inf, *, "
+      "bool zero_grads=True) -> ()");
   // Fused SGD step (torch.optim.SGD semantics) over one list, in one pass: grads divided by
   // grad_scale and multiplied by clip_coef; nothing at all changes when found_inf is set; fp32
   // master weights (if given) updated and params written rounded; momentum initialised on the

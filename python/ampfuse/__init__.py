@@ -11,11 +11,13 @@ from ampfuse._library import build_info, cmake_prefix_path, cpu_kernel_info, lib
 load_library()
 
 from ampfuse import ops, optim  # noqa: E402
+from ampfuse.accumulation import GradAccumulator  # noqa: E402
 from ampfuse.grad_scaler import GradScaler, OverflowReport  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "GradAccumulator",
     "GradScaler",
     "OverflowReport",
     "ops",

@@ -142,12 +142,19 @@ class GradScaler(torch.amp.GradScaler):
     # ------------------------------------------------------------------------------------------
     def _grads_per_device(self, optimizer: torch.optim.Optimizer, allow_fp16: bool) -> dict[torch.device, list[torch.Tensor]]:
         per_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        # ampfuse optimizers may step from fp32 buffers instead of .grad (GradAccumulator): check
+        # what the optimizer will read.
+        grad_of = getattr(optimizer, "_grad_of", None)
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     if not isinstance(param, torch.Tensor):
                         raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
-                    if param.grad is None:
+                    grad = grad_of(param) if grad_of is not None else param.grad
+                    if grad is None:
+                        continue
+                    if grad is not param.grad:  # an fp32 accumulation buffer
+                        per_device[grad.device].append(grad)
                         continue
                     if (not allow_fp16) and param.grad.dtype == torch.float16:
                         raise ValueError("Attempting to unscale FP16 gradients.")
@@ -224,9 +231,9 @@ class GradScaler(torch.amp.GradScaler):
 
         fused = _is_fused_ampfuse_optimizer(optimizer)
         optimizer_state = self._check_unscale_stage(optimizer, "unscale_and_clip_")
-        per_device = self._grads_per_device(optimizer, allow_fp16=fused)
-        if any(g.is_sparse for g in (p.grad for p in params if p.grad is not None)):
+        if any(p.grad is not None and p.grad.is_sparse for p in params):
             raise RuntimeError("unscale_and_clip_ does not support sparse gradients; use unscale_() and clip_grad_norm_().")
+        per_device = self._grads_per_device(optimizer, allow_fp16=fused)
         assert self._scale is not None
         inv_scale = self._inv_scale()
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
@@ -267,6 +274,17 @@ class GradScaler(torch.amp.GradScaler):
         optimizer_state["found_inf_per_device"] = per_device_found_inf._per_device_tensors
         optimizer_state["stage"] = OptState.UNSCALED
         return total_norm
+
+    def _record_external_check(self, optimizer: torch.optim.Optimizer, found_inf_per_device: dict[torch.device, torch.Tensor]) -> None:
+        """Record inf checks made elsewhere (the fused accumulation kernel) for a fused ampfuse
+        optimizer whose gradients are still scaled, so that step() needs no check pass."""
+        if not _is_fused_ampfuse_optimizer(optimizer):
+            raise RuntimeError("an external inf check can only stand in for the check of an ampfuse fused optimizer")
+        optimizer_state = self._check_unscale_stage(optimizer, "unscale_")
+        optimizer_state["found_inf_per_device"] = dict(found_inf_per_device)
+        optimizer_state["grads_still_scaled"] = True
+        optimizer_state["clip_coef"] = None
+        optimizer_state["stage"] = OptState.UNSCALED
 
     # ------------------------------------------------------------------------------------------
     # step

@@ -21,6 +21,7 @@ __all__ = [
     "unscale_check_norm_",
     "check_norm_",
     "update_scale_",
+    "accumulate_grads_",
     "sgd_step_",
     "adam_step_",
     "NUM_SCALE_STATS",
@@ -169,6 +170,25 @@ def update_scale_(
         max_scale=max_scale,
         stats=stats,
     )
+
+
+def accumulate_grads_(
+    accumulators: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    found_inf: torch.Tensor,
+    *,
+    zero_grads: bool = True,
+) -> None:
+    """``accumulators[i] += grads[i]`` in fp32, in one pass over all tensors.
+
+    Args:
+        accumulators: fp32 tensors (any layout), updated in place.
+        grads: fp16, bf16 or fp32 tensors of the same shapes on the same device; set to zero in
+            the same pass when ``zero_grads`` (ready for the next micro-batch's backward).
+        found_inf: 1-element float32 tensor; set to 1.0 if any grad element is inf or NaN (never
+            reset: zero it once per accumulation window).
+    """
+    torch.ops.ampfuse.accumulate_grads_(accumulators, grads, found_inf, zero_grads=zero_grads)
 
 
 def sgd_step_(
@@ -326,6 +346,18 @@ def _update_scale_fake(
         _check_scalar(hysteresis_tracker, "hysteresis_tracker", torch.int32, device)
     if stats is not None:
         torch._check(stats.numel() == NUM_SCALE_STATS and stats.dtype == torch.int64, lambda: "stats must be a contiguous 1-D torch.int64 tensor of 4 elements.")
+
+
+@torch.library.register_fake("ampfuse::accumulate_grads_")
+def _accumulate_grads_fake(accumulators, grads, found_inf, *, zero_grads=True):
+    device = found_inf.device
+    _check_scalar(found_inf, "found_inf", torch.float32, device)
+    torch._check(len(accumulators) == len(grads), lambda: f"accumulators and grads must have the same length, got {len(accumulators)} and {len(grads)}.")
+    for i, (a, g) in enumerate(zip(accumulators, grads)):
+        torch._check(a.dtype == torch.float32, lambda: f"accumulators[{i}] has dtype {a.dtype}; accumulators must be torch.float32.")
+        torch._check(g.dtype in (torch.float16, torch.bfloat16, torch.float32), lambda: f"grads[{i}] has dtype {g.dtype}; expected torch.float16, torch.bfloat16 or torch.float32.")
+        torch._check(a.device == device and g.device == device, lambda: f"accumulators[{i}] and grads[{i}] must be on {device}.")
+        torch._check(a.shape == g.shape, lambda: f"accumulators[{i}] has shape {tuple(a.shape)} but grads[{i}] has shape {tuple(g.shape)}.")
 
 
 _OPTIM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -185,6 +185,54 @@ void unscale_check(const UnscaleCheckArgs& a) {
   }
 }
 
+// accumulators[t][i] += float(grads[t][i]); grads[t][i] = 0; one pass, fp32 math.
+template <typename G>
+bool accumulate_span(float* acc, G* grad, int64_t n, bool zero) {
+  using L = FloatLanes<G>;
+  FVec bad(0.0f);
+  int64_t i = 0;
+  for (; i + L::kLanes <= n; i += L::kLanes) {
+    FVec g[L::kVecs];
+    L::load(grad + i, g);
+    for (int k = 0; k < L::kVecs; ++k) {
+      bad = bad | nonfinite_bits(g[k]);
+      (FVec::loadu(acc + i + k * FVec::size()) + g[k]).store(acc + i + k * FVec::size());
+    }
+    if (zero) {
+      FVec z[L::kVecs];
+      for (int k = 0; k < L::kVecs; ++k) z[k] = FVec(0.0f);
+      L::store(grad + i, z);
+    }
+  }
+  bool nonfinite = any_lane_nonzero(bad);
+  for (; i < n; ++i) {
+    const float g = static_cast<float>(grad[i]);
+    if (!std::isfinite(g)) nonfinite = true;
+    acc[i] = acc[i] + g;
+    if (zero) grad[i] = G(0.0f);
+  }
+  return nonfinite;
+}
+
+void accumulate(const AccumulateArgs& a) {
+  const auto chunks = make_chunks(a.num_tensors, [&](int64_t t) { return a.grads[t].numel; });
+  std::vector<uint8_t> bad(chunks.size(), 0);
+  parallel_chunks(chunks, [&](int64_t c) {
+    const Chunk& ch = chunks[c];
+    float* acc = static_cast<float*>(a.accumulators[ch.tensor].data) + ch.begin;
+    void* g = a.grads[ch.tensor].data;
+    const int64_t n = ch.end - ch.begin;
+    switch (a.grads[ch.tensor].dtype) {
+      case c10::kHalf: bad[c] = accumulate_span(acc, static_cast<c10::Half*>(g) + ch.begin, n, a.zero_grads); break;
+      case c10::kBFloat16: bad[c] = accumulate_span(acc, static_cast<c10::BFloat16*>(g) + ch.begin, n, a.zero_grads); break;
+      default: bad[c] = accumulate_span(acc, static_cast<float*>(g) + ch.begin, n, a.zero_grads); break;
+    }
+  });
+  for (uint8_t b : bad) {
+    if (b) *a.any_nonfinite = true;
+  }
+}
+
 int parallel_threads_used() {
   std::vector<Chunk> chunks(256, Chunk{0, 0, 0});
   std::vector<int> thread_of(chunks.size(), -1);
@@ -207,6 +255,7 @@ const KernelTable& kernel_table() {
     t.capability = C10_STRINGIZE(CPU_CAPABILITY);
     t.parallel_threads_used = &parallel_threads_used;
     t.unscale_check = &unscale_check;
+    t.accumulate = &accumulate;
     fill_optim_kernels(t);
     return t;
   }();

@@ -34,6 +34,14 @@ struct UnscaleCheckArgs {
   float* total_norm;               // written when norm != None (norm of the unscaled values)
 };
 
+struct AccumulateArgs {
+  const Span* accumulators;  // fp32
+  const Span* grads;         // fp16/bf16/fp32, same numel as the accumulator
+  int64_t num_tensors;
+  bool zero_grads;
+  bool* any_nonfinite;       // set to true if a grad element is inf/NaN
+};
+
 // One fused optimizer call on CPU tensors (all flat, one element order per row). found_inf has
 // already been checked by the caller (a set flag means the kernel is not called at all).
 struct OptimArgs {
@@ -59,6 +67,7 @@ struct KernelTable {
   // kernels were compiled with OpenMP rather than silently serial).
   int (*parallel_threads_used)();
   void (*unscale_check)(const UnscaleCheckArgs&);
+  void (*accumulate)(const AccumulateArgs&);
   void (*sgd_step)(const OptimArgs&, const SgdHyper&);
   void (*adam_step)(const OptimArgs&, const AdamHyper&);
 };

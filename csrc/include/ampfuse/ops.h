@@ -41,6 +41,11 @@ std::tuple<at::Tensor, at::Tensor> check_norm_(
     double norm_type = 2.0, std::optional<double> max_norm = std::nullopt,
     const std::optional<at::Tensor>& per_tensor_found_inf = std::nullopt);
 
+// accumulators[i] (fp32) += grads[i] (fp16/bf16/fp32) in one pass; grads are zeroed in the same
+// pass when zero_grads, and found_inf is set to 1 if any grad element is inf/NaN.
+void accumulate_grads_(at::TensorList accumulators, at::TensorList grads,
+                       const at::Tensor& found_inf, bool zero_grads = true);
+
 // Options of update_scale_ beyond torch's rule.
 struct UpdateScaleOptions {
   int64_t hysteresis = 1;                         // back off only on the N-th overflow

@@ -1,0 +1,367 @@
+"""ampfuse.GradAccumulator and the fused accumulation op.
+
+Tolerances: micro-batch accumulation vs one big batch differs only by fp32 summation order:
+rtol=1e-5, atol=1e-6 on the parameters after several windows."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+import ampfuse
+from ampfuse import ops
+from conftest import DEVICES
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# the op
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("zero_grads", [True, False])
+def test_accumulate_op_matches_reference(device, zero_grads):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(37, 13), (70001,), (1,), (0, 5), (8, 8)]
+    dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.bfloat16, torch.float16]
+    grads = [torch.randn(s, generator=gen).to(device=device, dtype=d) for s, d in zip(shapes, dtypes)]
+    grads[4] = torch.randn(8, 8, generator=gen).to(device=device, dtype=torch.float16).t()  # transposed
+    accs = [torch.randn(s, generator=gen).to(device) for s in shapes]
+    accs[2] = torch.randn(3, generator=gen).to(device)[1:2]  # unaligned
+    expected = [a + g.float() for a, g in zip(accs, grads)]
+    found_inf = torch.zeros(1, device=device)
+    ops.accumulate_grads_(accs, grads, found_inf, zero_grads=zero_grads)
+    for a, e in zip(accs, expected):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    for g in grads:
+        assert (g == 0).all() == (zero_grads or g.numel() == 0) or not zero_grads
+    if zero_grads:
+        assert all((g == 0).all() for g in grads)
+    assert found_inf.item() == 0.0
+    grads[1].view(-1)[12345] = math.nan
+    ops.accumulate_grads_(accs, grads, found_inf)
+    assert found_inf.item() == 1.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_accumulate_op_opcheck_and_errors(device):
+    accs = [torch.zeros(10, device=device), torch.zeros(3, 4, device=device)]
+    grads = [torch.randn(10, device=device).half(), torch.randn(3, 4, device=device).bfloat16()]
+    torch.library.opcheck(torch.ops.ampfuse.accumulate_grads_.default, (accs, grads, torch.zeros(1, device=device)))
+    fi = torch.zeros(1, device=device)
+    with pytest.raises(RuntimeError, match=r"accumulators\[0\] has dtype torch.float16; accumulators must be torch.float32"):
+        ops.accumulate_grads_([torch.zeros(10, device=device).half()], grads[:1], fi)
+    with pytest.raises(RuntimeError, match=r"accumulators\[1\] has shape \[4, 3\] but grads\[1\] has shape \[3, 4\]"):
+        ops.accumulate_grads_([accs[0], torch.zeros(4, 3, device=device)], grads, fi)
+    with pytest.raises(RuntimeError, match="accumulators and grads must have the same length"):
+        ops.accumulate_grads_(accs, grads[:1], fi)
+    assert all((a == 0).all() for a in accs)
+
+
+# ----------------------------------------------------------------------------------------------
+# the accumulator
+# ----------------------------------------------------------------------------------------------
+
+
+def make_model(dtype=torch.float32, seed=0, device="cpu"):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 3)).to(device=device, dtype=dtype)
+
+
+def data(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 12, generator=g), torch.randn(n, 3, generator=g)
+
+
+OPTIMIZERS = {
+    "ampfuse_sgd": lambda p: ampfuse.optim.SGD(p, lr=0.05, momentum=0.9),
+    "ampfuse_adam": lambda p: ampfuse.optim.Adam(p, lr=1e-2),
+    "ampfuse_adamw": lambda p: ampfuse.optim.AdamW(p, lr=1e-2, weight_decay=0.05),
+    "torch_adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05, foreach=False),
+}
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("clip", [None, 0.5])
+@pytest.mark.parametrize("scaler_kind", [None, "ampfuse", "torch"])
+def test_micro_batches_equal_one_big_batch(opt_name, clip, scaler_kind):
+    steps, b = 4, 8
+
+    def scaler():
+        if scaler_kind == "ampfuse":
+            return ampfuse.GradScaler("cpu", init_scale=2.0**10)
+        if scaler_kind == "torch":
+            return torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        return None
+
+    # accumulated
+    model = make_model()
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    acc = ampfuse.GradAccumulator(model, opt, scaler(), steps=steps, max_grad_norm=clip)
+    for window in range(5):
+        x, y = data(steps * b, window)
+        for k in range(steps):
+            with acc.accumulate():
+                acc.backward(nn.functional.mse_loss(model(x[k * b : (k + 1) * b]), y[k * b : (k + 1) * b]))
+        assert acc.window_ended
+    # one big batch
+    ref = make_model()
+    ropt = OPTIMIZERS[opt_name](ref.parameters())
+    for window in range(5):
+        x, y = data(steps * b, window)
+        ropt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ropt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp32_accumulation_beats_low_precision_grad(dtype):
+    """64 micro-batches: the fp32 buffers are much closer to the fp32 reference gradient than
+    summing in the low-precision .grad."""
+    n_micro, b = 64, 4
+    model = make_model(dtype, seed=3)
+    ref = make_model(torch.float32, seed=3)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.copy_(p.float())  # the same (rounded) weights
+    opt = ampfuse.optim.SGD(model.parameters(), lr=0.0)
+    acc = ampfuse.GradAccumulator(model, opt, None, steps=n_micro + 1)  # stay inside one window
+    naive = make_model(dtype, seed=3)
+    ref.zero_grad()
+    for k in range(n_micro):
+        x, y = data(b, 100 + k)
+        with acc.accumulate():
+            acc.backward(nn.functional.mse_loss(model(x.to(dtype)).float(), y))
+        (nn.functional.mse_loss(naive(x.to(dtype)).float(), y) / (n_micro + 1)).backward()
+        (nn.functional.mse_loss(ref(x.to(dtype).float()), y) / (n_micro + 1)).backward()
+    err_fp32 = err_naive = 0.0
+    for buf, p_naive, p_ref in zip(acc._buffers, naive.parameters(), ref.parameters()):
+        err_fp32 += (buf - p_ref.grad).double().pow(2).sum().item()
+        err_naive += (p_naive.grad.float() - p_ref.grad).double().pow(2).sum().item()
+    ratio = math.sqrt(err_naive / err_fp32)
+    # Measured on this model (CPU): 4.7x for fp16, 4.4x for bf16. What remains of the fp32 path's
+    # error is each micro-batch's own low-precision backward, which both paths share.
+    assert ratio > 3.0, ratio
+
+
+@pytest.mark.parametrize("opt_name", ["ampfuse_adamw", "torch_adamw"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_overflow_skips_the_whole_window(opt_name, dtype):
+    steps = 4
+    model = make_model(dtype)
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    scaler = ampfuse.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    acc = ampfuse.GradAccumulator(model, opt, scaler, steps=steps, lr_scheduler=sched)
+    scales_inside = []
+    for window in range(3):
+        before = [p.detach().clone() for p in model.parameters()]
+        for k in range(steps):
+            x, y = data(8, 10 * window + k)
+            with acc.accumulate():
+                loss = nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+                if window == 1 and k == 2:
+                    loss = loss * math.inf
+                acc.backward(loss)
+            if k < steps - 1:
+                scales_inside.append((window, scaler.get_scale()))
+        changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        assert changed == (window != 1)
+        assert acc.last_window_skipped.item() == (1.0 if window == 1 else 0.0)
+        if window == 1:
+            assert scaler.get_scale() == 2.0**9  # backed off exactly once
+            for buf in acc._buffers:
+                assert not buf.any()  # reset
+    # the scale never changes inside a window
+    for w in range(3):
+        assert len({s for ww, s in scales_inside if ww == w}) == 1
+    assert sched.last_epoch == 2 and acc.skipped_windows_host == 1
+    assert opt.param_groups[0]["lr"] == 1e-2 / 4
+
+
+def test_flush_incomplete_window_scales_correctly():
+    steps, b, k = 4, 8, 3
+    model = make_model()
+    opt = ampfuse.optim.SGD(model.parameters(), lr=0.1)
+    acc = ampfuse.GradAccumulator(model, opt, ampfuse.GradScaler("cpu"), steps=steps)
+    x, y = data(k * b, 0)
+    for i in range(k):
+        with acc.accumulate():
+            acc.backward(nn.functional.mse_loss(model(x[i * b : (i + 1) * b]), y[i * b : (i + 1) * b]))
+    assert not acc.window_ended and acc.flush() and acc.window_ended and not acc.flush()
+    ref = make_model()
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    nn.functional.mse_loss(ref(x), y).backward()
+    ropt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+def test_bf16_model_with_fused_optimizer_uses_buffers_without_copy():
+    model = make_model(torch.bfloat16)
+    opt = ampfuse.optim.AdamW(model.parameters(), lr=1e-2)
+    acc = ampfuse.GradAccumulator(model, opt, ampfuse.GradScaler("cpu"), steps=2)
+    for p, b in zip(model.parameters(), acc._buffers):
+        assert opt._grad_of(p) is b
+    calls = []
+    real = ampfuse.ops.check_norm_
+    ampfuse.ops.check_norm_ = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        for k in range(4):
+            with acc.accumulate():
+                x, y = data(8, k)
+                acc.backward(nn.functional.mse_loss(model(x.bfloat16()).float(), y))
+    finally:
+        ampfuse.ops.check_norm_ = real
+    assert calls == []  # the accumulation kernel's inf check stood in for the check pass
+    assert opt.state[model[0].weight]["step"].item() == 2
+
+
+def test_resume_at_window_boundary_is_bitwise():
+    steps = 3
+
+    def run(split):
+        model = make_model(torch.bfloat16)
+        opt = ampfuse.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = ampfuse.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)
+        acc = ampfuse.GradAccumulator(model, opt, scaler, steps=steps, max_grad_norm=1.0, lr_scheduler=sched)
+        for window in range(6):
+            if window == split:
+                buf = io.BytesIO()
+                torch.save({"acc": acc.state_dict(), "model": model.state_dict()}, buf)
+                buf.seek(0)
+                ck = torch.load(buf)
+                model = make_model(torch.bfloat16, seed=7)
+                model.load_state_dict(ck["model"])
+                opt = ampfuse.optim.AdamW(model.parameters(), lr=1e-2)
+                scaler = ampfuse.GradScaler("cpu")
+                sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)
+                acc = ampfuse.GradAccumulator(model, opt, scaler, steps=steps, max_grad_norm=1.0, lr_scheduler=sched)
+                acc.load_state_dict(ck["acc"])
+            for k in range(steps):
+                x, y = data(8, 10 * window + k)
+                with acc.accumulate():
+                    loss = nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+                    acc.backward(loss * (math.inf if (window, k) == (4, 1) else 1.0))
+        return model, opt, scaler
+
+    m1, o1, s1 = run(split=-1)
+    m2, o2, s2 = run(split=3)
+    assert s1.get_scale() == s2.get_scale()
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+        for key, v in o1.state[p].items():
+            torch.testing.assert_close(o2.state[q][key], v, rtol=0, atol=0)
+    assert o1.param_groups[0]["lr"] == o2.param_groups[0]["lr"]
+
+
+def test_misuse():
+    model = make_model()
+    opt = ampfuse.optim.SGD(model.parameters(), lr=0.1)
+    acc = ampfuse.GradAccumulator(model, opt, None, steps=2)
+    with pytest.raises(RuntimeError, match="must be called inside acc.accumulate"):
+        acc.backward(model(torch.randn(2, 12)).sum())
+    with pytest.raises(RuntimeError, match="call acc.backward"):
+        with acc.accumulate():
+            pass
+    with pytest.raises(ValueError, match="steps must be an integer >= 1"):
+        ampfuse.GradAccumulator(model, opt, None, steps=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# DDP: 2 processes, gloo, CPU
+# ----------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank, world, port, dtype_name, out_path):
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dtype = getattr(torch, dtype_name)
+    model = make_model(dtype)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    counts = {"hook": 0, "all_reduce": 0}
+
+    def hook(state, bucket):
+        counts["hook"] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(dist.group.WORLD, hook)
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(t, *a, **k):
+        if t.numel() > 1:  # gradient traffic, not the 1-element skip flag
+            counts["all_reduce"] += 1
+        return real_all_reduce(t, *a, **k)
+
+    dist.all_reduce = counting_all_reduce
+    opt = ampfuse.optim.AdamW(ddp.parameters(), lr=1e-2)
+    acc = ampfuse.GradAccumulator(ddp, opt, ampfuse.GradScaler("cpu", init_scale=2.0**8), steps=4)
+    windows = 3
+    for w in range(windows):
+        for k in range(4):
+            x, y = data(16, 10 * w + k)
+            xs, ys = x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]
+            with acc.accumulate():
+                acc.backward(nn.functional.mse_loss(ddp(xs.to(dtype)).float(), ys))
+    dist.all_reduce = real_all_reduce
+    if rank == 0:
+        torch.save({"params": [p.detach().clone() for p in model.parameters()], "counts": counts, "windows": windows}, out_path)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_ddp_two_processes(dtype_name):
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "out.pt")
+        mp.spawn(_ddp_worker, args=(2, _free_port(), dtype_name, out), nprocs=2, join=True)
+        res = torch.load(out)
+    dtype = getattr(torch, dtype_name)
+    counts = res["counts"]
+    # One gradient all-reduce per window (the model fits in one DDP bucket / one flat buffer).
+    assert counts["all_reduce"] == res["windows"]
+    if dtype == torch.float32:
+        # .grad accumulation: DDP synchronises only the last micro-batch of each window
+        assert counts["hook"] == res["windows"]
+    else:
+        # fp32 buffers: every micro-batch under no_sync; the accumulator all-reduces its buffer
+        assert counts["hook"] == 0
+    # single process, full batch
+    model = make_model(dtype)
+    opt = ampfuse.optim.AdamW(model.parameters(), lr=1e-2)
+    acc = ampfuse.GradAccumulator(model, opt, ampfuse.GradScaler("cpu", init_scale=2.0**8), steps=4)
+    for w in range(res["windows"]):
+        for k in range(4):
+            x, y = data(16, 10 * w + k)
+            with acc.accumulate():
+                acc.backward(nn.functional.mse_loss(model(x.to(dtype)).float(), y))
+    for p, q in zip(model.parameters(), res["params"]):
+        if dtype == torch.float32:
+            torch.testing.assert_close(p, q, **TOL)
+        else:  # bf16 forward/backward per half batch: compare the rounded weights loosely
+            torch.testing.assert_close(p.float(), q.float(), rtol=2e-2, atol=2e-2)
