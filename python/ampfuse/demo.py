@@ -1,51 +1,379 @@
-"""A short mixed-precision training loop driven by the ampfuse ops (``python -m ampfuse.demo``).
+"""Train a small character-level transformer twice, with ampfuse and with torch's AMP recipe.
 
-bf16 weights on the CPU, dynamic loss scaling with ``ops.unscale_check_`` and ``ops.update_scale_``:
-every step unscales the gradients and checks them for inf/NaN in one fused pass, skips the update
-on overflow, and adjusts the scale on device.
+``python -m ampfuse.demo`` (``make demo``) trains on the Python standard library's own source files
+(present on every machine, no download):
+
+* **ampfuse**: low-precision weights (bf16 on CPU, fp16 on CUDA) with fp32 master weights in
+  ``ampfuse.optim.AdamW``, ``ampfuse.GradScaler`` (dynamic loss scaling), ``ampfuse.GradAccumulator``
+  (fp32 gradient accumulation, clipping fused into the step).
+* **torch**: fp32 weights, ``torch.autocast``, ``torch.amp.GradScaler``, ``torch.optim.AdamW`` and the
+  hand-written accumulation loop with ``clip_grad_norm_``.
+
+Both start from the same weights and see the same batches. The demo prints a side-by-side table
+(losses, steps taken/skipped, loss-scale range, time per optimizer step, parameter + optimizer
+memory) and writes ``demo.png`` (loss curves; loss scale with skipped steps marked) and
+``demo.json`` into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
+import statistics
+import sysconfig
+import time
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
+from torch.nn import functional as F
 
-from ampfuse import ops
+import ampfuse
+
+# ----------------------------------------------------------------------------------------------
+# data: the standard library's source
+# ----------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args(argv)
+def load_corpus(max_bytes: int) -> str:
+    """Concatenate the standard library's .py files (sorted, deterministic) up to max_bytes."""
+    root = sysconfig.get_paths()["stdlib"]
+    chunks, total = [], 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests", "__pycache__"))
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            try:
+                with open(os.path.join(dirpath, name), encoding="utf-8") as f:
+                    text = f.read()
+            except (OSError, UnicodeDecodeError):
+                continue
+            chunks.append(text)
+            total += len(text)
+            if total >= max_bytes:
+                return "".join(chunks)[:max_bytes]
+    return "".join(chunks)[:max_bytes]
 
-    torch.manual_seed(0)
-    dev = torch.device(args.device)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)).to(dev)
-    w_true = torch.randn(32, 1, device=dev)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scale = torch.full((1,), 2.0**16, device=dev)
-    tracker = torch.zeros(1, dtype=torch.int32, device=dev)
-    skipped = 0
-    for step in range(args.steps):
-        x = torch.randn(128, 32, device=dev)
-        y = x @ w_true
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            loss = torch.nn.functional.mse_loss(model(x).float(), y)
-        opt.zero_grad(set_to_none=True)
-        (loss * scale).backward()
-        found_inf = torch.zeros(1, device=dev)
-        grads = [p.grad for p in model.parameters()]
-        ops.unscale_check_(grads, found_inf, scale.double().reciprocal().float())
-        if found_inf.item() == 0.0:  # the demo reads it to print; the fused optimizers never do
-            opt.step()
+
+class CharData:
+    """Printable-ASCII character vocabulary; train/validation split 90/10."""
+
+    def __init__(self, text: str, context: int) -> None:
+        text = "".join(c if (32 <= ord(c) < 127 or c == "\n") else "?" for c in text)
+        self.chars = sorted(set(text))
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        ids = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
+        cut = int(0.9 * len(ids))
+        self.train, self.val = ids[:cut], ids[cut:]
+        self.context = context
+
+    @property
+    def vocab(self) -> int:
+        return len(self.chars)
+
+    def batch(self, split: str, batch_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        data = self.train if split == "train" else self.val
+        idx = torch.randint(len(data) - self.context - 1, (batch_size,), generator=gen)
+        x = torch.stack([data[i : i + self.context] for i in idx.tolist()])
+        y = torch.stack([data[i + 1 : i + 1 + self.context] for i in idx.tolist()])
+        return x, y
+
+
+# ----------------------------------------------------------------------------------------------
+# model: a small GPT
+# ----------------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int, context: int, d: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(context, d)
+        self.blocks = nn.Sequential(*[Block(d, heads) for _ in range(layers)])
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
+
+
+# ----------------------------------------------------------------------------------------------
+# the two recipes
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Config:
+    device: str = "cpu"
+    dtype: str = "auto"
+    steps: int = 150
+    accum: int = 4
+    batch: int = 16
+    context: int = 128
+    d_model: int = 128
+    layers: int = 4
+    heads: int = 4
+    lr: float = 3e-3
+    max_grad_norm: float = 1.0
+    eval_batches: int = 8
+    corpus_bytes: int = 2_000_000
+    seed: int = 0
+    out: str = "demo_out"
+    progress: bool = True
+
+    def low_precision(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float16 if self.device.startswith("cuda") else torch.bfloat16
+        return {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}[self.dtype]
+
+
+@dataclass
+class RunResult:
+    name: str
+    train_loss: list[float] = field(default_factory=list)  # per optimizer step (mean of its micro-batches)
+    scale: list[float] = field(default_factory=list)
+    skipped: list[bool] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    val_loss: float = math.nan
+    state_bytes: int = 0
+    param_bytes: int = 0
+
+
+def tensor_bytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(tensor_bytes(st.values()) for st in opt.state.values())
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: CharData, cfg: Config, dtype: torch.dtype | None) -> float:
+    gen = torch.Generator().manual_seed(1234)
+    losses = []
+    for _ in range(cfg.eval_batches):
+        x, y = (t.to(cfg.device) for t in data.batch("val", cfg.batch, gen))
+        if dtype is None:  # torch recipe: fp32 weights under autocast
+            with torch.autocast(torch.device(cfg.device).type, dtype=cfg.low_precision()):
+                logits = model(x)
         else:
-            skipped += 1
-        ops.update_scale_(scale, tracker, found_inf, 2.0, 0.5, 50)
-        if step % 50 == 0 or step == args.steps - 1:
-            print(f"step {step:4d}  loss {loss.item():.5f}  scale {scale.item():.0f}")
-    print(f"done: {args.steps} steps, {skipped} skipped")
+            logits = model(x)
+        losses.append(F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1)).item())
+    return statistics.mean(losses)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_ampfuse(init_state: dict, data: CharData, cfg: Config, bar) -> RunResult:
+    lp = cfg.low_precision()
+    model = TinyGPT(data.vocab, cfg.context, cfg.d_model, cfg.layers, cfg.heads)
+    model.load_state_dict(init_state)
+    model.to(device=cfg.device, dtype=lp)  # fp16/bf16 weights: no autocast re-casting per forward
+    opt = ampfuse.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, master_weights=True)
+    scaler = ampfuse.GradScaler(torch.device(cfg.device).type, init_scale=2.0**16, growth_interval=50)
+    acc = ampfuse.GradAccumulator(model, opt, scaler, steps=cfg.accum, max_grad_norm=cfg.max_grad_norm)
+    res = RunResult("ampfuse")
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    losses: list[torch.Tensor] = []
+    t0 = time.perf_counter()
+    while acc.windows < cfg.steps:
+        x, y = (t.to(cfg.device) for t in data.batch("train", cfg.batch, gen))
+        with acc.accumulate():
+            logits = model(x)
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+            acc.backward(loss)
+        losses.append(loss.detach())
+        if acc.window_ended:
+            _sync(cfg.device)
+            t1 = time.perf_counter()
+            res.step_seconds.append(t1 - t0)
+            res.train_loss.append(torch.stack(losses).mean().item())
+            res.scale.append(scaler.get_scale())
+            res.skipped.append(bool(acc.last_window_skipped.item()))
+            losses.clear()
+            bar.update(1)
+            t0 = time.perf_counter()
+    res.val_loss = evaluate(model, data, cfg, lp)
+    res.param_bytes = tensor_bytes(model.parameters())
+    res.state_bytes = optimizer_state_bytes(opt)
+    return res
+
+
+def run_torch(init_state: dict, data: CharData, cfg: Config, bar) -> RunResult:
+    lp = cfg.low_precision()
+    dev_type = torch.device(cfg.device).type
+    model = TinyGPT(data.vocab, cfg.context, cfg.d_model, cfg.layers, cfg.heads)
+    model.load_state_dict(init_state)
+    model.to(cfg.device)  # fp32 weights; autocast casts them to fp16/bf16 in every forward
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    scaler = torch.amp.GradScaler(dev_type, init_scale=2.0**16, growth_interval=50)
+    res = RunResult("torch")
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    for _ in range(cfg.steps):
+        t0 = time.perf_counter()
+        losses = []
+        for _ in range(cfg.accum):
+            x, y = (t.to(cfg.device) for t in data.batch("train", cfg.batch, gen))
+            with torch.autocast(dev_type, dtype=lp):
+                logits = model(x)
+                loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+            scaler.scale(loss / cfg.accum).backward()
+            losses.append(loss.detach())
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        scale_before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        _sync(cfg.device)
+        res.step_seconds.append(time.perf_counter() - t0)
+        res.train_loss.append(torch.stack(losses).mean().item())
+        res.scale.append(scaler.get_scale())
+        res.skipped.append(scaler.get_scale() < scale_before)
+        bar.update(1)
+    res.val_loss = evaluate(model, data, cfg, None)
+    res.param_bytes = tensor_bytes(model.parameters())
+    res.state_bytes = optimizer_state_bytes(opt)
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def summarize(a: RunResult, t: RunResult, cfg: Config) -> tuple[str, dict]:
+    warm = min(5, max(0, len(a.step_seconds) - 1))
+    ms_a = statistics.median(a.step_seconds[warm:]) * 1e3
+    ms_t = statistics.median(t.step_seconds[warm:]) * 1e3
+    tail = max(1, len(a.train_loss) // 10)
+    rows = [
+        ("final train loss (last 10% of steps)", f"{statistics.mean(a.train_loss[-tail:]):.4f}", f"{statistics.mean(t.train_loss[-tail:]):.4f}"),
+        ("validation loss", f"{a.val_loss:.4f}", f"{t.val_loss:.4f}"),
+        ("optimizer steps taken / skipped", f"{len(a.skipped) - sum(a.skipped)} / {sum(a.skipped)}", f"{len(t.skipped) - sum(t.skipped)} / {sum(t.skipped)}"),
+        ("loss scale min .. max", f"{min(a.scale):g} .. {max(a.scale):g}", f"{min(t.scale):g} .. {max(t.scale):g}"),
+        ("time per optimizer step (median)", f"{ms_a:.1f} ms", f"{ms_t:.1f} ms"),
+        ("  ampfuse / torch time", f"{ms_a / ms_t:.2f}x", ""),
+        ("parameters", _mib(a.param_bytes), _mib(t.param_bytes)),
+        ("optimizer state (+ fp32 masters)", _mib(a.state_bytes), _mib(t.state_bytes)),
+        ("parameters + optimizer state", _mib(a.param_bytes + a.state_bytes), _mib(t.param_bytes + t.state_bytes)),
+    ]
+    lp = str(cfg.low_precision()).replace("torch.", "")
+    head = ("", f"ampfuse ({lp} weights + fp32 masters)", f"torch AMP (fp32 weights + autocast {lp})")
+    w0 = max(len(r[0]) for r in rows + [head])
+    w1 = max(len(r[1]) for r in rows + [head])
+    lines = [f"{head[0]:<{w0}}  {head[1]:<{w1}}  {head[2]}", "-" * (w0 + w1 + len(head[2]) + 4)]
+    lines += [f"{r[0]:<{w0}}  {r[1]:<{w1}}  {r[2]}" for r in rows]
+    summary = {
+        "config": cfg.__dict__,
+        "machine": {"device": cfg.device, "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "ampfuse": a.__dict__,
+        "torch": t.__dict__,
+        "median_step_ms": {"ampfuse": ms_a, "torch": ms_t, "ratio": ms_a / ms_t},
+    }
+    return "\n".join(lines), summary
+
+
+def plot(a: RunResult, t: RunResult, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    steps = range(1, len(a.train_loss) + 1)
+    ax1.plot(steps, a.train_loss, label="ampfuse (low-precision weights, fp32 masters)")
+    ax1.plot(steps, t.train_loss, label="torch AMP (fp32 weights, autocast)", alpha=0.8)
+    ax1.set_ylabel("train loss")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    for r, marker in ((a, "o"), (t, "x")):
+        ax2.plot(steps, r.scale, label=f"{r.name} loss scale")
+        sk = [i + 1 for i, s in enumerate(r.skipped) if s]
+        ax2.scatter(sk, [r.scale[i - 1] for i in sk], marker=marker, color="red", zorder=3, label=f"{r.name} skipped steps" if sk else None)
+    ax2.set_yscale("log", base=2)
+    ax2.set_xlabel("optimizer step")
+    ax2.set_ylabel("loss scale")
+    ax2.legend()
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m ampfuse.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = Config()
+    p.add_argument("--device", default=d.device, help="cpu (default) or cuda")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "fp16", "bf16"], help="weight dtype of the ampfuse run (auto: bf16 on CPU, fp16 on CUDA)")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per run")
+    p.add_argument("--accum", type=int, default=d.accum, help="micro-batches per optimizer step")
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences per micro-batch")
+    p.add_argument("--context", type=int, default=d.context)
+    p.add_argument("--d-model", type=int, default=d.d_model)
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--corpus-bytes", type=int, default=d.corpus_bytes)
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out", default=d.out, help="directory for demo.png and demo.json")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    cfg = Config(device=a.device, dtype=a.dtype, steps=a.steps, accum=a.accum, batch=a.batch, context=a.context,
+                 d_model=a.d_model, layers=a.layers, lr=a.lr, corpus_bytes=a.corpus_bytes,
+                 eval_batches=a.eval_batches, seed=a.seed, out=a.out, progress=not a.no_progress)
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--device cuda requested but CUDA is not available")
+    os.makedirs(cfg.out, exist_ok=True)
+
+    text = load_corpus(cfg.corpus_bytes)
+    data = CharData(text, cfg.context)
+    torch.manual_seed(cfg.seed)
+    init = TinyGPT(data.vocab, cfg.context, cfg.d_model, cfg.layers, cfg.heads).state_dict()
+    n_params = sum(v.numel() for v in init.values())
+    print(f"ampfuse demo: {n_params / 1e6:.2f}M-parameter character transformer on {len(text) / 1e6:.1f} MB of "
+          f"Python stdlib source, {cfg.device}, {cfg.steps} optimizer steps x {cfg.accum} micro-batches of "
+          f"{cfg.batch}x{cfg.context} tokens, {torch.get_num_threads()} threads")
+
+    from tqdm import tqdm
+
+    with tqdm(total=2 * cfg.steps, desc="training (ampfuse, then torch)", disable=not cfg.progress, unit="step") as bar:
+        res_a = run_ampfuse(init, data, cfg, bar)
+        res_t = run_torch(init, data, cfg, bar)
+    table, summary = summarize(res_a, res_t, cfg)
+    print(table)
+    png = os.path.join(cfg.out, "demo.png")
+    plot(res_a, res_t, png)
+    with open(os.path.join(cfg.out, "demo.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=1, default=str)
+    print(f"wrote {png} and {os.path.join(cfg.out, 'demo.json')}")
+    return summary
 
 
 if __name__ == "__main__":
