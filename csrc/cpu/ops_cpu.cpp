@@ -177,26 +177,21 @@ void optim_step_cpu(const detail::OptimLists& l, const Hyper& h,
   if (found_inf && *found_inf->const_data_ptr<float>() != 0.0f) return;  // skipped step
   const size_t n = l.params.size();
   if (n == 0) return;
-  std::vector<detail::FlatRow> rows;
-  rows.reserve(n);
-  for (size_t i = 0; i < n; ++i) rows.push_back(detail::flatten_row(l, i));
+  std::vector<detail::FlatRow> copies;
   const bool has_master = !l.masters.empty();
-  const size_t first_state = has_master ? 3 : 2;
   std::vector<void*> params(n);
   std::vector<const void*> grads(n);
   std::vector<float*> masters(has_master ? n : 0);
   std::vector<std::vector<float*>> states(l.states.size(), std::vector<float*>(n, nullptr));
   std::vector<float*> steps(n);
   std::vector<int64_t> numels(n);
+  void* row[detail::kRowPointers];
   for (size_t i = 0; i < n; ++i) {
-    const auto& r = rows[i].tensors;
-    params[i] = r[0].flat.data_ptr();
-    grads[i] = r[1].flat.const_data_ptr();
-    if (has_master) masters[i] = r[2].flat.mutable_data_ptr<float>();
-    size_t k_row = first_state;
-    for (size_t k = 0; k < l.states.size(); ++k) {
-      if (!l.states[k].empty()) states[k][i] = r[k_row++].flat.mutable_data_ptr<float>();
-    }
+    detail::row_pointers(l, i, row, copies);
+    params[i] = row[0];
+    grads[i] = row[1];
+    if (has_master) masters[i] = static_cast<float*>(row[2]);
+    for (size_t k = 0; k < l.states.size(); ++k) states[k][i] = static_cast<float*>(row[3 + k]);
     steps[i] = l.steps[i].mutable_data_ptr<float>();
     numels[i] = l.params[i].numel();
   }
@@ -218,7 +213,7 @@ void optim_step_cpu(const detail::OptimLists& l, const Hyper& h,
                  grad_scale ? *grad_scale->const_data_ptr<float>() : 1.0f,
                  clip_coef ? *clip_coef->const_data_ptr<float>() : 1.0f};
   kernel(args, h);
-  for (const auto& r : rows) r.finish();
+  for (const auto& r : copies) r.finish();
 }
 
 // sgd_step_: see the contract in csrc/ops/registration.cpp.

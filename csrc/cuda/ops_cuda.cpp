@@ -183,22 +183,16 @@ void optim_step_cuda(const detail::OptimLists& l, const Hyper& h, c10::Device de
   const size_t n = l.params.size();
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(device);
-  std::vector<detail::FlatRow> rows;
-  rows.reserve(n);
+  std::vector<detail::FlatRow> copies;
   std::vector<OptimTensor> tensors(n);
-  const bool has_master = !l.masters.empty();
+  void* row[detail::kRowPointers];
   for (size_t i = 0; i < n; ++i) {
-    rows.push_back(detail::flatten_row(l, i));
-    const auto& r = rows.back().tensors;
+    detail::row_pointers(l, i, row, copies);
     OptimTensor& o = tensors[i];
-    o.param = r[0].flat.data_ptr();
-    o.grad = r[1].flat.const_data_ptr();
-    o.master = has_master ? r[2].flat.mutable_data_ptr<float>() : nullptr;
-    size_t k_row = has_master ? 3 : 2;
-    for (size_t k = 0; k < 3; ++k) {
-      const bool present = k < l.states.size() && !l.states[k].empty();
-      o.state[k] = present ? r[k_row++].flat.mutable_data_ptr<float>() : nullptr;
-    }
+    o.param = row[0];
+    o.grad = row[1];
+    o.master = static_cast<float*>(row[2]);
+    for (size_t k = 0; k < 3; ++k) o.state[k] = static_cast<float*>(row[3 + k]);
     o.step = l.steps[i].mutable_data_ptr<float>();
     o.numel = l.params[i].numel();
   }
@@ -213,7 +207,7 @@ void optim_step_cuda(const detail::OptimLists& l, const Hyper& h, c10::Device de
   at::Tensor workspace = at::empty({static_cast<int64_t>(optim_workspace_bytes(args))},
                                    l.params[0].options().dtype(at::kByte));
   C10_CUDA_CHECK(launch(args, h, workspace.data_ptr(), c10::cuda::getCurrentCUDAStream()));
-  for (const auto& r : rows) r.finish();
+  for (const auto& r : copies) r.finish();
 }
 
 // sgd_step_ / adam_step_: see the contracts in csrc/ops/registration.cpp and the CPU versions.

@@ -224,8 +224,14 @@ c10::Device check_optim_args(const OptimLists& l, const std::optional<at::Tensor
   TORCH_CHECK(gdtype == c10::kHalf || gdtype == c10::kBFloat16 || gdtype == c10::kFloat,
               "grads[0] has dtype ", dtype_name(gdtype),
               "; expected torch.float16, torch.bfloat16 or torch.float32.");
+  // The common case is checked with cheap comparisons; the detailed checks (and their messages)
+  // run only for a tensor that fails them.
   auto check_tensor = [&](const at::Tensor& t, const char* name, size_t i, c10::ScalarType dtype,
                           const at::Tensor& param) {
+    if (t.defined() && t.layout() == c10::kStrided && t.device() == *device &&
+        t.scalar_type() == dtype && t.sizes() == param.sizes()) {
+      return;
+    }
     TORCH_CHECK(t.defined(), name, "[", i, "] is undefined.");
     TORCH_CHECK(t.layout() == c10::kStrided, name, "[", i, "] has layout ", t.layout(),
                 "; fused optimizers support strided (dense) tensors only (sparse gradients: use "
@@ -234,8 +240,8 @@ c10::Device check_optim_args(const OptimLists& l, const std::optional<at::Tensor
                 *device, "; all tensors of one call must be on one device.");
     TORCH_CHECK(t.scalar_type() == dtype, name, "[", i, "] has dtype ", dtype_name(t.scalar_type()),
                 "; expected ", dtype_name(dtype), " (one dtype per list in a call).");
-    TORCH_CHECK(t.sizes() == param.sizes(), name, "[", i, "] has shape ", t.sizes(),
-                " but params[", i, "] has shape ", param.sizes(), ".");
+    TORCH_CHECK(false, name, "[", i, "] has shape ", t.sizes(), " but params[", i, "] has shape ",
+                param.sizes(), ".");
   };
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = l.params[i];
@@ -245,8 +251,12 @@ c10::Device check_optim_args(const OptimLists& l, const std::optional<at::Tensor
     for (size_t k = 0; k < l.states.size(); ++k) {
       if (!l.states[k].empty()) check_tensor(l.states[k][i], l.state_names[k], i, c10::kFloat, p);
     }
-    const std::string step_name = "steps[" + std::to_string(i) + "]";
-    check_scalar_tensor(l.steps[i], step_name.c_str(), c10::kFloat, *device);
+    const at::Tensor& st = l.steps[i];
+    if (!(st.defined() && st.layout() == c10::kStrided && st.numel() == 1 &&
+          st.scalar_type() == c10::kFloat && st.device() == *device)) {
+      const std::string step_name = "steps[" + std::to_string(i) + "]";
+      check_scalar_tensor(st, step_name.c_str(), c10::kFloat, *device);
+    }
   }
   if (lr_tensor) check_scalar_tensor(*lr_tensor, "lr_tensor", c10::kFloat, *device);
   if (grad_scale) check_scalar_tensor(*grad_scale, "grad_scale", c10::kFloat, *device);
@@ -277,6 +287,38 @@ void check_adam_hyper(const AdamHyper& h, const OptimLists& l) {
                 "exp_avgs and exp_avg_sqs must have one tensor per param.");
     TORCH_CHECK(h.amsgrad == !l.states[2].empty(), "max_exp_avg_sqs must have one tensor per "
                 "param when amsgrad is set, and be empty otherwise.");
+  }
+}
+
+void row_pointers(const OptimLists& l, size_t i, void** out, std::vector<FlatRow>& copies) {
+  for (int k = 0; k < kRowPointers; ++k) out[k] = nullptr;
+  const at::Tensor& p = l.params[i];
+  bool flat = p.is_non_overlapping_and_dense();
+  auto same = [&](const at::Tensor& t) {
+    return t.is_non_overlapping_and_dense() && (p.numel() <= 1 || t.strides() == p.strides());
+  };
+  flat = flat && same(l.grads[i]);
+  if (!l.masters.empty()) flat = flat && same(l.masters[i]);
+  for (const auto& s : l.states) {
+    if (!s.empty()) flat = flat && same(s[i]);
+  }
+  if (flat) {
+    out[0] = p.data_ptr();
+    out[1] = const_cast<void*>(l.grads[i].const_data_ptr());
+    if (!l.masters.empty()) out[2] = l.masters[i].data_ptr();
+    for (size_t k = 0; k < l.states.size(); ++k) {
+      if (!l.states[k].empty()) out[3 + k] = l.states[k][i].data_ptr();
+    }
+    return;
+  }
+  copies.push_back(flatten_row(l, i));
+  const auto& r = copies.back().tensors;
+  out[0] = r[0].flat.data_ptr();
+  out[1] = const_cast<void*>(r[1].flat.const_data_ptr());
+  size_t k_row = 2;
+  if (!l.masters.empty()) out[2] = r[k_row++].flat.data_ptr();
+  for (size_t k = 0; k < l.states.size(); ++k) {
+    if (!l.states[k].empty()) out[3 + k] = r[k_row++].flat.data_ptr();
   }
 }
 

@@ -96,6 +96,12 @@ struct FlatRow {
 };
 FlatRow flatten_row(const OptimLists& l, size_t i);
 
+// Pointers of row i: out[0] param, out[1] grad, out[2] master (null if none), out[3 + k] state k
+// (null if absent). Rows that are not flat in one common order are copied (flatten_row) and the
+// copies kept alive in `copies`; call finish() on each after the kernel ran.
+constexpr int kRowPointers = 6;
+void row_pointers(const OptimLists& l, size_t i, void** out, std::vector<FlatRow>& copies);
+
 // Hyper-parameter checks (torch's rules) and which state lists the configuration requires.
 void check_sgd_hyper(const SgdHyper& h, const OptimLists& l);
 void check_adam_hyper(const AdamHyper& h, const OptimLists& l);

@@ -104,6 +104,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if mw not in (True, False, "auto"):
             raise ValueError(f"master_weights must be True, False or 'auto', got {mw!r}.")
         self._param_dtypes = _ParamMap()
+        # Per param group, the bucket lists of the last step (state tensors are stable once
+        # created): a step where every parameter has a gradient of the same dtypes as then only
+        # gathers the gradients.
+        self._plans: dict[int, dict[str, Any]] = {}
         #: fp32 gradient buffers that replace ``param.grad`` for the step (GradAccumulator).
         self._grad_buffers = _ParamMap()
         super().__init__(params, defaults)
@@ -111,6 +115,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
     # ---- parameters --------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        if hasattr(self, "_plans"):
+            self._plans.clear()
         group = self.param_groups[-1]
         gi = len(self.param_groups) - 1
         if group.get("master_weights") not in (True, False, "auto"):
@@ -208,6 +214,42 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _run(self, group: dict[str, Any], b: dict[str, list], scaling: dict[str, torch.Tensor | None]) -> None:
         raise NotImplementedError
 
+    def _fast_buckets(self, gi: int, group: dict[str, Any]) -> list[tuple[tuple, dict[str, list]]] | None:
+        """The cached buckets of group gi with this step's gradients, or None if they don't apply."""
+        plan = self._plans.get(gi)
+        params = group["params"]
+        if plan is None or plan["params"] is not params or plan["n"] != len(params):
+            return None
+        grads = [p.grad for p in params] if len(self._grad_buffers) == 0 else [self._grad_of(p) for p in params]
+        if any(g is None or g.is_sparse for g in grads):
+            return None
+        if [p.dtype for p in params] != plan["dtypes"] or [g.dtype for g in grads] != plan["grad_dtypes"]:
+            return None
+        out = []
+        for key, idx, lists in plan["buckets"]:
+            b = dict(lists)
+            b["grads"] = [grads[i] for i in idx]
+            out.append((key, b))
+        return out
+
+    def _remember(self, gi: int, group: dict[str, Any], buckets: dict[tuple, dict[str, list]]) -> None:
+        params = group["params"]
+        grads = [self._grad_of(p) for p in params]
+        if any(g is None for g in grads):
+            self._plans.pop(gi, None)
+            return
+        position = {id(p): i for i, p in enumerate(params)}
+        self._plans[gi] = {
+            "params": params,
+            "n": len(params),
+            "dtypes": [p.dtype for p in params],
+            "grad_dtypes": [g.dtype for g in grads],
+            "buckets": [
+                (key, [position[id(p)] for p in b["params"]], {k: v for k, v in b.items() if k != "grads"})
+                for key, b in buckets.items()
+            ],
+        }
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Perform one optimization step (see the module docstring for what is fused).
@@ -219,12 +261,21 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._validate()
+        work = []
+        for gi, group in enumerate(self.param_groups):
+            fast = self._fast_buckets(gi, group)
+            work.append((gi, group, fast))
+        if any(fast is None for _, _, fast in work):
+            self._validate()  # before anything (state creation included) is modified
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         clip_coef = getattr(self, "clip_coef", None)
-        for group in self.param_groups:
-            for (device, _, _, _), b in self._buckets(group).items():
+        for gi, group, fast in work:
+            if fast is None:
+                buckets = self._buckets(group)
+                self._remember(gi, group, buckets)
+                fast = list(buckets.items())
+            for (device, _, _, _), b in fast:
                 scaling = {
                     "grad_scale": _scalar_on(grad_scale, device),
                     "found_inf": _scalar_on(found_inf, device),
@@ -268,6 +319,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         originals = {id_map[pid]: dict(st) for pid, st in state_dict["state"].items() if pid in id_map}
         previous_groups = [dict(g) for g in self.param_groups]
         super().load_state_dict(state_dict)
+        self._plans.clear()
         # A torch checkpoint lacks ampfuse's group options (master_weights): keep the current ones.
         for group, prev in zip(self.param_groups, previous_groups):
             for key, value in prev.items():
