@@ -1,0 +1,366 @@
+// ampfuse::GradAccumulator for LibTorch, following python/ampfuse/accumulation.py (without DDP).
+#include "ampfuse/accumulation.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/schedulers/lr_scheduler.h>
+#include <torch/serialize/archive.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <unordered_set>
+
+#include "ampfuse/optim.h"
+
+namespace ampfuse {
+namespace {
+
+using torch::serialize::InputArchive;
+using torch::serialize::OutputArchive;
+
+bool is_low(c10::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+template <typename T>
+T& on_device(std::vector<std::pair<c10::Device, T>>& per_device, const c10::Device& device) {
+  for (auto& [d, v] : per_device) {
+    if (d == device) return v;
+  }
+  TORCH_INTERNAL_ASSERT(false, "no entry for device ", device);
+}
+
+}  // namespace
+
+GradAccumulator::GradAccumulator(torch::optim::Optimizer& optimizer, GradScaler* scaler,
+                                 GradAccumulatorOptions options)
+    : optimizer_(optimizer),
+      scaler_(scaler != nullptr && scaler->is_enabled() ? scaler : nullptr),
+      options_(std::move(options)),
+      fused_(dynamic_cast<optim::FusedOptimizer*>(&optimizer) != nullptr) {
+  TORCH_CHECK(options_.steps() >= 1, "steps must be an integer >= 1, got ", options_.steps(),
+              ".");
+  if (options_.max_grad_norm().has_value()) {
+    const double m = *options_.max_grad_norm();
+    TORCH_CHECK(std::isfinite(m) && m > 0, "max_grad_norm must be a positive finite number or "
+                "nullopt, got ", m, ".");
+    TORCH_CHECK(!(fused_ && scaler_ == nullptr) || options_.norm_type() == 2.0 ||
+                    options_.norm_type() == std::numeric_limits<double>::infinity(),
+                "norm_type must be 2.0 or inf to clip for an ampfuse optimizer without a "
+                "GradScaler, got ", options_.norm_type(), ".");
+  }
+  if (!options_.fp32_accumulation()) return;
+  for (const auto& p : all_params()) {
+    if (is_low(p.scalar_type())) low_.push_back(p);
+  }
+  if (low_.empty()) return;
+  // One flat fp32 buffer per device; each param's buffer is a view into it.
+  std::vector<std::pair<c10::Device, int64_t>> sizes;
+  for (const auto& p : low_) {
+    bool found = false;
+    for (auto& [d, n] : sizes) {
+      if (d == p.device()) {
+        n += p.numel();
+        found = true;
+      }
+    }
+    if (!found) sizes.emplace_back(p.device(), p.numel());
+  }
+  for (const auto& [device, numel] : sizes) {
+    const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+    flat_.emplace_back(device, at::zeros({numel}, f32));
+    found_inf_.emplace_back(device, at::zeros({}, f32));
+  }
+  std::vector<std::pair<c10::Device, int64_t>> offsets;
+  for (const auto& [device, numel] : sizes) offsets.emplace_back(device, 0);
+  for (const auto& p : low_) {
+    int64_t& offset = on_device(offsets, p.device());
+    buffers_.push_back(
+        on_device(flat_, p.device()).slice(0, offset, offset + p.numel()).view(p.sizes()));
+    offset += p.numel();
+  }
+  has_grad_.assign(low_.size(), false);
+  if (fused_) {
+    auto& fused = static_cast<optim::FusedOptimizer&>(optimizer_);
+    for (size_t k = 0; k < low_.size(); ++k) fused.set_grad_buffer(low_[k], buffers_[k]);
+  }
+}
+
+GradAccumulator::~GradAccumulator() {
+  if (fused_) {
+    auto& fused = static_cast<optim::FusedOptimizer&>(optimizer_);
+    for (const auto& p : low_) fused.remove_grad_buffer(p);
+  }
+}
+
+std::vector<at::Tensor> GradAccumulator::all_params() const {
+  std::vector<at::Tensor> params;
+  for (const auto& group : optimizer_.param_groups()) {
+    for (const auto& p : group.params()) {
+      if (p.requires_grad()) params.push_back(p);
+    }
+  }
+  return params;
+}
+
+void GradAccumulator::set_lr_scheduler(torch::optim::LRScheduler* scheduler) {
+  lr_scheduler_ = scheduler;
+}
+
+// ---- the loop --------------------------------------------------------------------------------
+bool GradAccumulator::backward(const at::Tensor& loss) {
+  TORCH_CHECK(loss.defined(), "GradAccumulator::backward: loss must be a defined tensor.");
+  window_ended_ = false;
+  at::Tensor scaled = loss / options_.steps();
+  if (scaler_ != nullptr) scaled = scaler_->scale(scaled);
+  scaled.backward();
+  collect();
+  ++micro_step_;
+  if (micro_step_ == options_.steps()) end_window(options_.steps());
+  return window_ended_;
+}
+
+bool GradAccumulator::flush() {
+  window_ended_ = false;
+  if (micro_step_ == 0) return false;
+  end_window(micro_step_);
+  return true;
+}
+
+// After a micro-batch's backward: fp16/bf16 grads into the fp32 buffers (one fused pass per
+// device, zeroing .grad() and checking for inf/NaN on the way).
+void GradAccumulator::collect() {
+  if (low_.empty()) return;
+  std::vector<std::pair<c10::Device, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>>>
+      per_device;
+  for (size_t k = 0; k < low_.size(); ++k) {
+    const at::Tensor g = low_[k].grad();
+    if (!g.defined()) continue;
+    TORCH_CHECK(!g.is_sparse(), "GradAccumulator does not support sparse gradients.");
+    has_grad_[k] = true;
+    bool found = false;
+    for (auto& [d, lists] : per_device) {
+      if (d == g.device()) {
+        lists.first.push_back(buffers_[k]);
+        lists.second.push_back(g);
+        found = true;
+      }
+    }
+    if (!found) per_device.push_back({g.device(), {{buffers_[k]}, {g}}});
+  }
+  at::NoGradGuard no_grad;
+  for (auto& [device, lists] : per_device) {
+    accumulate_grads_(lists.first, lists.second, on_device(found_inf_, device),
+                      /*zero_grads=*/true);
+  }
+}
+
+void GradAccumulator::end_window(int64_t micro_batches) {
+  std::unordered_set<const c10::TensorImpl*> buffered;
+  for (const auto& p : low_) buffered.insert(p.unsafeGetTensorImpl());
+  const auto params = all_params();
+  {
+    at::NoGradGuard no_grad;
+    if (micro_batches != options_.steps()) {  // incomplete window: the sums hold sum / steps
+      std::vector<at::Tensor> tensors;
+      for (const auto& [d, f] : flat_) tensors.push_back(f);
+      for (const auto& p : params) {
+        if (buffered.count(p.unsafeGetTensorImpl()) == 0 && p.grad().defined()) {
+          tensors.push_back(p.grad());
+        }
+      }
+      if (!tensors.empty()) {
+        at::_foreach_mul_(tensors, static_cast<double>(options_.steps()) / micro_batches);
+      }
+    }
+    if (!low_.empty() && !fused_) {
+      // An ordinary optimizer reads .grad(): hand it the fp32 sums, rounded once.
+      for (size_t k = 0; k < low_.size(); ++k) {
+        low_[k].mutable_grad() =
+            has_grad_[k] ? buffers_[k].to(low_[k].scalar_type()) : at::Tensor();
+      }
+    }
+  }
+  if (!low_.empty() && fused_) {
+    // Parameters that got no gradient in this window are not stepped.
+    auto& fused = static_cast<optim::FusedOptimizer&>(optimizer_);
+    for (size_t k = 0; k < low_.size(); ++k) {
+      if (has_grad_[k]) {
+        fused.set_grad_buffer(low_[k], buffers_[k]);
+      } else {
+        fused.remove_grad_buffer(low_[k]);
+      }
+    }
+  }
+  last_window_skipped_ = step_window();
+  {
+    at::NoGradGuard no_grad;
+    for (auto& [d, f] : flat_) f.zero_();
+    for (auto& [d, f] : found_inf_) f.zero_();
+  }
+  for (const auto& p : params) {
+    // Buffered grads of a fused optimizer were zeroed by the accumulation kernel.
+    if (!(fused_ && buffered.count(p.unsafeGetTensorImpl()) != 0)) {
+      p.mutable_grad() = at::Tensor();
+    }
+  }
+  has_grad_.assign(low_.size(), false);
+  micro_step_ = 0;
+  ++windows_;
+  window_ended_ = true;
+}
+
+// unscale (+ clip), step, update; returns the device skip flag (nullopt without a scaler).
+std::optional<at::Tensor> GradAccumulator::step_window() {
+  if (scaler_ == nullptr) {
+    if (options_.max_grad_norm().has_value()) clip_unscaled();
+    optimizer_.step();
+    if (fused_) static_cast<optim::FusedOptimizer&>(optimizer_).clear_step_scaling();
+    if (lr_scheduler_ != nullptr) lr_scheduler_->step();
+    return std::nullopt;
+  }
+  if (options_.max_grad_norm().has_value()) {
+    scaler_->unscale_and_clip_(optimizer_, *options_.max_grad_norm(), options_.norm_type());
+  } else if (fused_ && !low_.empty() && low_.size() == all_params().size()) {
+    // The accumulation kernel already checked every gradient: no check pass at the end.
+    GradScaler::PerDevice found;
+    for (const auto& [d, f] : found_inf_) found.emplace_back(d, f);
+    scaler_->record_external_check(optimizer_, std::move(found));
+  }
+  scaler_->step(optimizer_);
+  std::optional<at::Tensor> flag;
+  const at::Tensor scale = scaler_->get_scale_async();
+  for (const auto& [d, f] : scaler_->found_inf_per_device(optimizer_)) {
+    at::Tensor moved = f.to(scale.device(), /*non_blocking=*/true);
+    // A fresh tensor: the accumulator's own found_inf buffers are reset after the window.
+    flag = flag.has_value() ? *flag + moved : moved.clone();
+  }
+  scaler_->update();
+  if (lr_scheduler_ != nullptr) {
+    // One host read per window (the flag of a step that has just been queued).
+    if (flag.has_value() && flag->item<double>() != 0.0) {
+      ++skipped_windows_host_;
+    } else {
+      lr_scheduler_->step();
+    }
+  }
+  return flag;
+}
+
+// Clipping without a scaler: the fused step takes the coefficient; others clip .grad().
+void GradAccumulator::clip_unscaled() {
+  const double max_norm = *options_.max_grad_norm();
+  if (fused_) {
+    auto& fused = static_cast<optim::FusedOptimizer&>(optimizer_);
+    std::vector<at::Tensor> grads;
+    for (const auto& p : all_params()) {
+      at::Tensor g = fused.grad_of(p);
+      if (g.defined()) grads.push_back(g);
+    }
+    if (grads.empty()) return;
+    const auto f32 = at::TensorOptions().dtype(at::kFloat).device(grads[0].device());
+    at::NoGradGuard no_grad;
+    auto [norm, coef] = check_norm_(grads, at::zeros({1}, f32), at::ones({1}, f32),
+                                    options_.norm_type(), max_norm);
+    StepScaling scaling;
+    scaling.clip_coef = coef;
+    fused.set_step_scaling(std::move(scaling));
+  } else {
+    std::vector<at::Tensor> params;
+    for (const auto& p : all_params()) {
+      if (p.grad().defined()) params.push_back(p);
+    }
+    torch::nn::utils::clip_grad_norm_(params, max_norm, options_.norm_type());
+  }
+}
+
+// ---- accessors --------------------------------------------------------------------------------
+int64_t GradAccumulator::steps() const { return options_.steps(); }
+int64_t GradAccumulator::micro_step() const { return micro_step_; }
+int64_t GradAccumulator::windows() const { return windows_; }
+int64_t GradAccumulator::skipped_windows_host() const { return skipped_windows_host_; }
+bool GradAccumulator::window_ended() const { return window_ended_; }
+const std::optional<at::Tensor>& GradAccumulator::last_window_skipped() const {
+  return last_window_skipped_;
+}
+
+// ---- checkpoints --------------------------------------------------------------------------------
+void GradAccumulator::save(OutputArchive& archive) const {
+  archive.write("steps", c10::IValue(options_.steps()));
+  archive.write("micro_step", c10::IValue(micro_step_));
+  archive.write("windows", c10::IValue(windows_));
+  archive.write("skipped_windows_host", c10::IValue(skipped_windows_host_));
+  OutputArchive optimizer_archive(archive.compilation_unit());
+  optimizer_.save(optimizer_archive);
+  archive.write("optimizer", optimizer_archive);
+  if (scaler_ != nullptr) {
+    OutputArchive scaler_archive(archive.compilation_unit());
+    scaler_->save(scaler_archive);
+    archive.write("scaler", scaler_archive);
+  }
+  if (micro_step_ != 0) {
+    for (size_t i = 0; i < flat_.size(); ++i) {
+      archive.write("buffers/" + std::to_string(i), c10::IValue(flat_[i].second.cpu()));
+      archive.write("found_inf/" + std::to_string(i), c10::IValue(found_inf_[i].second.cpu()));
+    }
+    std::vector<int64_t> has_grad(has_grad_.begin(), has_grad_.end());
+    archive.write("has_grad", c10::IValue(at::tensor(has_grad, at::kLong)));
+  }
+}
+
+void GradAccumulator::load(InputArchive& archive) {
+  c10::IValue v;
+  archive.read("steps", v);
+  TORCH_CHECK(v.toInt() == options_.steps(), "The checkpoint was saved with steps=", v.toInt(),
+              ", this accumulator has steps=", options_.steps(), ".");
+  archive.read("micro_step", v);
+  const int64_t micro_step = v.toInt();
+  TORCH_CHECK(micro_step >= 0 && micro_step < options_.steps(),
+              "micro_step in the checkpoint must be in [0, steps), got ", micro_step, ".");
+  std::vector<at::Tensor> buffers;
+  std::vector<at::Tensor> found_infs;
+  std::vector<bool> has_grad(low_.size(), false);
+  if (micro_step != 0) {
+    for (size_t i = 0; i < flat_.size(); ++i) {
+      archive.read("buffers/" + std::to_string(i), v);
+      at::Tensor b = v.toTensor();
+      TORCH_CHECK(b.sizes() == flat_[i].second.sizes(), "buffers/", i,
+                  " in the checkpoint has shape ", b.sizes(), " but this accumulator's has shape ",
+                  flat_[i].second.sizes(), ".");
+      buffers.push_back(b);
+      archive.read("found_inf/" + std::to_string(i), v);
+      found_infs.push_back(v.toTensor());
+    }
+    archive.read("has_grad", v);
+    const at::Tensor h = v.toTensor().to(at::kLong).contiguous();
+    TORCH_CHECK(h.numel() == static_cast<int64_t>(low_.size()), "has_grad in the checkpoint has ",
+                h.numel(), " entries but this accumulator buffers ", low_.size(), " parameters.");
+    for (size_t k = 0; k < low_.size(); ++k) has_grad[k] = h.data_ptr<int64_t>()[k] != 0;
+  }
+  torch::serialize::InputArchive optimizer_archive;
+  archive.read("optimizer", optimizer_archive);
+  optimizer_.load(optimizer_archive);
+  if (scaler_ != nullptr) {
+    torch::serialize::InputArchive scaler_archive;
+    if (archive.try_read("scaler", scaler_archive)) scaler_->load(scaler_archive);
+  }
+  micro_step_ = micro_step;
+  archive.read("windows", v);
+  windows_ = v.toInt();
+  if (archive.try_read("skipped_windows_host", v)) skipped_windows_host_ = v.toInt();
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < flat_.size(); ++i) {
+    if (micro_step != 0) {
+      flat_[i].second.copy_(buffers[i]);
+      found_inf_[i].second.copy_(found_infs[i].reshape({}));
+    } else {
+      flat_[i].second.zero_();
+      found_inf_[i].second.zero_();
+    }
+  }
+  has_grad_ = has_grad;
+  window_ended_ = false;
+}
+
+}  // namespace ampfuse

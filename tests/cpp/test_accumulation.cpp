@@ -1,0 +1,308 @@
+// ampfuse::GradAccumulator: fp32 sums, window-level skip, constant scale inside a window, flush,
+// LR scheduler, clipping without a scaler, checkpoints inside a window, torch optimizers.
+#include <gtest/gtest.h>
+#include <torch/optim/schedulers/step_lr.h>
+#include <torch/optim/sgd.h>
+#include <torch/serialize.h>
+
+#include <limits>
+#include <sstream>
+
+#include "ampfuse/accumulation.h"
+#include "ampfuse/grad_scaler.h"
+#include "ampfuse/optim.h"
+#include "test_utils.h"
+
+namespace {
+
+using ampfuse_test::bitwise_equal;
+using ampfuse_test::throws_with;
+
+std::vector<at::Tensor> make_params(at::ScalarType dtype) {
+  at::manual_seed(7);
+  return {at::randn({129}).to(dtype).set_requires_grad(true),
+          at::randn({6, 5}).to(dtype).set_requires_grad(true)};
+}
+
+std::vector<at::Tensor> copy_params(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params) out.push_back(p.detach().clone().set_requires_grad(true));
+  return out;
+}
+
+// Micro-batch k's inputs: the loss is sum_i (p_i * x_i), so d loss / d p_i = x_i.
+std::vector<at::Tensor> inputs(int k, bool overflow = false) {
+  at::manual_seed(900 + k);
+  std::vector<at::Tensor> xs = {at::randn({129}), at::randn({6, 5})};
+  if (overflow) xs[1].view({-1})[2] = std::numeric_limits<float>::infinity();
+  return xs;
+}
+
+at::Tensor loss_of(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& xs) {
+  at::Tensor loss = at::zeros({});
+  for (size_t i = 0; i < params.size(); ++i) loss = loss + (params[i].to(at::kFloat) * xs[i]).sum();
+  return loss;
+}
+
+at::Tensor master_of(ampfuse::optim::FusedOptimizer& opt, const at::Tensor& p) {
+  return static_cast<ampfuse::optim::SGDParamState&>(*opt.state().at(p.unsafeGetTensorImpl()))
+      .master_param();
+}
+
+TEST(GradAccumulator, SumsLowPrecisionGradsInFp32) {
+  // SGD with lr 1 and a power-of-two scale: the master moves by exactly the fp32 sum of the
+  // micro-batch gradients (each rounded to bf16 by autograd), divided by the scale.
+  auto params = make_params(at::kBFloat16);
+  auto probe = copy_params(params);
+  ampfuse::optim::SGD opt(params, ampfuse::optim::SGDOptions(1.0));
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(1024.0));
+  ampfuse::GradAccumulator acc(opt, &scaler, ampfuse::GradAccumulatorOptions(4));
+  std::vector<at::Tensor> sums = {at::zeros({129}), at::zeros({6, 5})};
+  std::vector<at::Tensor> masters0;
+  for (const auto& p : params) masters0.push_back(p.detach().to(at::kFloat));
+  for (int k = 0; k < 4; ++k) {
+    auto xs = inputs(k);
+    // The same backward on a copy gives the bf16 gradients the accumulator saw.
+    (loss_of(probe, xs) / 4 * 1024.0f).backward();
+    for (size_t i = 0; i < probe.size(); ++i) {
+      sums[i] += probe[i].grad().to(at::kFloat);
+      probe[i].mutable_grad() = at::Tensor();
+    }
+    const bool ended = acc.backward(loss_of(params, xs));
+    EXPECT_EQ(ended, k == 3);
+    if (k < 3) {
+      // Accumulated, not stepped; the scale is constant inside the window.
+      EXPECT_EQ(acc.micro_step(), k + 1);
+      EXPECT_EQ(scaler.get_scale(), 1024.0);
+    }
+  }
+  EXPECT_EQ(acc.windows(), 1);
+  EXPECT_TRUE(acc.window_ended());
+  ASSERT_TRUE(acc.last_window_skipped().has_value());
+  EXPECT_EQ(acc.last_window_skipped()->item<float>(), 0.0f);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor expected = masters0[i] - sums[i] / 1024.0f;
+    EXPECT_TRUE(bitwise_equal(master_of(opt, params[i]), expected)) << i;
+    EXPECT_TRUE(bitwise_equal(params[i].detach(), expected.to(at::kBFloat16))) << i;
+  }
+}
+
+TEST(GradAccumulator, AnOverflowSkipsTheWholeWindow) {
+  auto params = make_params(at::kBFloat16);
+  auto twin = copy_params(params);
+  ampfuse::optim::AdamW opt(params, ampfuse::optim::AdamWOptions(1e-2));
+  ampfuse::optim::AdamW twin_opt(twin, ampfuse::optim::AdamWOptions(1e-2));
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(256.0).growth_interval(1000));
+  ampfuse::GradScaler twin_scaler(ampfuse::GradScalerOptions().init_scale(128.0).growth_interval(1000));
+  ampfuse::GradAccumulator acc(opt, &scaler, ampfuse::GradAccumulatorOptions(3));
+  ampfuse::GradAccumulator twin_acc(twin_opt, &twin_scaler, ampfuse::GradAccumulatorOptions(3));
+  const auto before = ampfuse_test::clone_all(params);
+  for (int k = 0; k < 3; ++k) acc.backward(loss_of(params, inputs(k, /*overflow=*/k == 1)));
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(bitwise_equal(params[i], before[i]));
+  EXPECT_EQ(opt.state().size(), 2u);  // state exists, untouched
+  auto& s = static_cast<ampfuse::optim::AdamParamState&>(*opt.state().at(params[0].unsafeGetTensorImpl()));
+  EXPECT_EQ(s.step().item<float>(), 0.0f);
+  EXPECT_EQ(s.exp_avg().abs().sum().item<float>(), 0.0f);
+  EXPECT_EQ(scaler.get_scale(), 128.0);  // backed off once
+  EXPECT_EQ(acc.last_window_skipped()->item<float>(), 1.0f);
+  EXPECT_EQ(scaler.last_found_inf()->item<float>(), 1.0f);
+  EXPECT_EQ(scaler.stats()[1].item<int64_t>(), 1);
+  // The sums were reset: the next window equals a fresh accumulator's first window.
+  for (int k = 3; k < 6; ++k) {
+    acc.backward(loss_of(params, inputs(k)));
+    twin_acc.backward(loss_of(twin, inputs(k)));
+  }
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(bitwise_equal(params[i], twin[i])) << i;
+  EXPECT_EQ(acc.last_window_skipped()->item<float>(), 0.0f);
+}
+
+TEST(GradAccumulator, ScaleChangesOnlyAtWindowEnds) {
+  auto params = make_params(at::kHalf);
+  ampfuse::optim::Adam opt(params, ampfuse::optim::AdamOptions(1e-3));
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(64.0).growth_interval(1));
+  ampfuse::GradAccumulator acc(opt, &scaler, ampfuse::GradAccumulatorOptions(3).max_grad_norm(1.0));
+  std::vector<double> scales;
+  for (int k = 0; k < 9; ++k) {
+    acc.backward(loss_of(params, inputs(k)));
+    scales.push_back(scaler.get_scale());
+  }
+  EXPECT_EQ(scales, (std::vector<double>{64, 64, 128, 128, 128, 256, 256, 256, 512}));
+  EXPECT_EQ(scaler.stats()[0].item<int64_t>(), 3);  // one update per window
+}
+
+TEST(GradAccumulator, FlushStepsAnIncompleteWindowAsItsMean) {
+  // 2 micro-batches of a 4-step window, flushed, equal a 2-step window on the same data.
+  auto a = make_params(at::kBFloat16);
+  auto b = copy_params(a);
+  ampfuse::optim::AdamW oa(a, ampfuse::optim::AdamWOptions(1e-2));
+  ampfuse::optim::AdamW ob(b, ampfuse::optim::AdamWOptions(1e-2));
+  ampfuse::GradScaler sa(ampfuse::GradScalerOptions().init_scale(512.0));
+  ampfuse::GradScaler sb(ampfuse::GradScalerOptions().init_scale(512.0));
+  ampfuse::GradAccumulator acc_a(oa, &sa, ampfuse::GradAccumulatorOptions(4));
+  ampfuse::GradAccumulator acc_b(ob, &sb, ampfuse::GradAccumulatorOptions(2));
+  EXPECT_FALSE(acc_a.flush());  // nothing to step
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_FALSE(acc_a.backward(loss_of(a, inputs(k))));
+    acc_b.backward(loss_of(b, inputs(k)));
+  }
+  EXPECT_TRUE(acc_a.flush());
+  EXPECT_TRUE(acc_a.window_ended());
+  EXPECT_EQ(acc_a.micro_step(), 0);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(bitwise_equal(a[i], b[i])) << i;
+}
+
+TEST(GradAccumulator, SchedulerAdvancesOnlyOnWindowsThatStepped) {
+  auto params = make_params(at::kBFloat16);
+  ampfuse::optim::SGD opt(params, ampfuse::optim::SGDOptions(0.8));
+  ampfuse::GradScaler scaler;
+  torch::optim::StepLR sched(opt, /*step_size=*/1, /*gamma=*/0.5);
+  ampfuse::GradAccumulator acc(opt, &scaler, ampfuse::GradAccumulatorOptions(2));
+  acc.set_lr_scheduler(&sched);
+  for (int k = 0; k < 6; ++k) acc.backward(loss_of(params, inputs(k, /*overflow=*/k == 2)));
+  EXPECT_EQ(acc.windows(), 3);
+  EXPECT_EQ(acc.skipped_windows_host(), 1);
+  // Two scheduler steps for three windows.
+  auto twin_params = copy_params(params);
+  ampfuse::optim::SGD twin(twin_params, ampfuse::optim::SGDOptions(0.8));
+  torch::optim::StepLR twin_sched(twin, 1, 0.5);
+  twin_sched.step();
+  twin_sched.step();
+  EXPECT_EQ(opt.param_groups()[0].options().get_lr(), twin.param_groups()[0].options().get_lr());
+  twin_sched.step();
+  EXPECT_NE(opt.param_groups()[0].options().get_lr(), twin.param_groups()[0].options().get_lr());
+}
+
+TEST(GradAccumulator, ClipsWithoutAScaler) {
+  // bf16 training without loss scaling: the fused step takes the clip coefficient.
+  auto params = make_params(at::kBFloat16);
+  auto probe = copy_params(params);
+  ampfuse::optim::SGD opt(params, ampfuse::optim::SGDOptions(1.0));
+  ampfuse::GradAccumulator acc(opt, nullptr, ampfuse::GradAccumulatorOptions(2).max_grad_norm(0.5));
+  std::vector<at::Tensor> sums = {at::zeros({129}), at::zeros({6, 5})};
+  std::vector<at::Tensor> masters0;
+  for (const auto& p : params) masters0.push_back(p.detach().to(at::kFloat));
+  for (int k = 0; k < 2; ++k) {
+    auto xs = inputs(k);
+    (loss_of(probe, xs) / 2).backward();
+    for (size_t i = 0; i < probe.size(); ++i) {
+      sums[i] += probe[i].grad().to(at::kFloat);
+      probe[i].mutable_grad() = at::Tensor();
+    }
+    acc.backward(loss_of(params, xs));
+  }
+  EXPECT_FALSE(acc.last_window_skipped().has_value());
+  EXPECT_FALSE(opt.step_scaling().has_value());
+  double sq = 0;
+  for (const auto& s : sums) sq += s.to(at::kDouble).pow(2).sum().item<double>();
+  const double coef = std::min(1.0, 0.5 / (std::sqrt(sq) + 1e-6));
+  ASSERT_LT(coef, 1.0);
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(at::allclose(master_of(opt, params[i]), masters0[i] - sums[i] * coef, 1e-6, 1e-6))
+        << i;
+  }
+}
+
+TEST(GradAccumulator, WorksWithTorchOptimizers) {
+  // A torch optimizer reads .grad(): it gets the fp32 sums rounded once, unscaled by the scaler.
+  auto params = make_params(at::kBFloat16);
+  auto probe = copy_params(params);
+  auto ref = copy_params(params);
+  torch::optim::SGD opt(params, torch::optim::SGDOptions(0.5));
+  torch::optim::SGD ref_opt(ref, torch::optim::SGDOptions(0.5));
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(64.0));
+  ampfuse::GradAccumulator acc(opt, &scaler, ampfuse::GradAccumulatorOptions(3));
+  std::vector<at::Tensor> sums = {at::zeros({129}), at::zeros({6, 5})};
+  for (int k = 0; k < 3; ++k) {
+    auto xs = inputs(k);
+    (loss_of(probe, xs) / 3 * 64.0f).backward();
+    for (size_t i = 0; i < probe.size(); ++i) {
+      sums[i] += probe[i].grad().to(at::kFloat);
+      probe[i].mutable_grad() = at::Tensor();
+    }
+    acc.backward(loss_of(params, xs));
+  }
+  auto found = at::zeros({1});
+  for (size_t i = 0; i < ref.size(); ++i) {
+    ref[i].mutable_grad() = sums[i].to(at::kBFloat16);
+    at::_amp_foreach_non_finite_check_and_unscale_({ref[i].mutable_grad()}, found,
+                                                   at::full({1}, 1.0f / 64));
+  }
+  ref_opt.step();
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(params[i], ref[i])) << i;
+    EXPECT_FALSE(params[i].grad().defined());  // reset after the window
+  }
+}
+
+TEST(GradAccumulator, SaveLoadInsideAWindow) {
+  auto a = make_params(at::kBFloat16);
+  auto b = copy_params(a);
+  ampfuse::optim::AdamW oa(a, ampfuse::optim::AdamWOptions(1e-2));
+  ampfuse::optim::AdamW ob(b, ampfuse::optim::AdamWOptions(1e-2));
+  ampfuse::GradScaler sa(ampfuse::GradScalerOptions().init_scale(128.0).growth_interval(1));
+  ampfuse::GradScaler sb;
+  ampfuse::GradAccumulator acc_a(oa, &sa, ampfuse::GradAccumulatorOptions(2));
+  ampfuse::GradAccumulator acc_b(ob, &sb, ampfuse::GradAccumulatorOptions(2));
+  for (int k = 0; k < 3; ++k) acc_a.backward(loss_of(a, inputs(k)));  // 1.5 windows
+  torch::serialize::OutputArchive out;
+  acc_a.save(out);
+  std::stringstream stream;
+  out.save_to(stream);
+  torch::serialize::InputArchive in;
+  in.load_from(stream);
+  {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < a.size(); ++i) b[i].copy_(a[i]);
+  }
+  acc_b.load(in);
+  EXPECT_EQ(acc_b.micro_step(), 1);
+  EXPECT_EQ(acc_b.windows(), 1);
+  EXPECT_EQ(sb.get_scale(), sa.get_scale());
+  for (int k = 3; k < 7; ++k) {
+    acc_a.backward(loss_of(a, inputs(k)));
+    acc_b.backward(loss_of(b, inputs(k)));
+  }
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(bitwise_equal(a[i], b[i])) << i;
+  EXPECT_EQ(sb.get_scale(), sa.get_scale());
+  // A checkpoint for another window size is refused.
+  ampfuse::GradAccumulator other(ob, &sb, ampfuse::GradAccumulatorOptions(3));
+  stream.clear();
+  stream.seekg(0);
+  torch::serialize::InputArchive again;
+  again.load_from(stream);
+  EXPECT_TRUE(throws_with([&] { other.load(again); },
+                          "The checkpoint was saved with steps=2, this accumulator has steps=3."));
+}
+
+TEST(GradAccumulator, BadInput) {
+  auto params = make_params(at::kFloat);
+  ampfuse::optim::SGD opt(params);
+  EXPECT_TRUE(throws_with([&] { ampfuse::GradAccumulator acc(opt, nullptr, 0); },
+                          "steps must be an integer >= 1, got 0."));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        ampfuse::GradAccumulator acc(opt, nullptr, ampfuse::GradAccumulatorOptions(2).max_grad_norm(0.0));
+      },
+      "max_grad_norm must be a positive finite number or nullopt, got 0."));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        ampfuse::GradAccumulator acc(
+            opt, nullptr, ampfuse::GradAccumulatorOptions(2).max_grad_norm(1.0).norm_type(1.0));
+      },
+      "norm_type must be 2.0 or inf to clip for an ampfuse optimizer without a GradScaler, got 1."));
+  ampfuse::GradAccumulator acc(opt, nullptr, 2);
+  EXPECT_TRUE(throws_with([&] { acc.backward(at::Tensor()); },
+                          "GradAccumulator::backward: loss must be a defined tensor."));
+}
+
+TEST(GradAccumulator, RemovesItsBuffersFromTheOptimizer) {
+  auto params = make_params(at::kBFloat16);
+  ampfuse::optim::SGD opt(params);
+  {
+    ampfuse::GradAccumulator acc(opt, nullptr, 2);
+    EXPECT_EQ(opt.grad_of(params[0]).scalar_type(), at::kFloat);
+  }
+  EXPECT_FALSE(opt.grad_of(params[0]).defined());
+}
+
+}  // namespace
