@@ -30,27 +30,17 @@ namespace {
 
 using detail::FlatTensor;
 
-std::vector<FlatTensor> flatten_all(at::TensorList tensors) {
-  std::vector<FlatTensor> flat;
-  flat.reserve(tensors.size());
-  for (const auto& t : tensors) flat.push_back(detail::flatten_for_kernel(t));
-  return flat;
-}
-
-std::vector<Span> spans_of(const std::vector<FlatTensor>& flat) {
-  std::vector<Span> spans;
-  spans.reserve(flat.size());
-  for (const auto& f : flat) spans.push_back({f.flat.data_ptr(), f.flat.numel(), f.flat.scalar_type()});
-  return spans;
-}
-
 // Shared body of unscale_check_, unscale_check_norm_ and check_norm_.
 std::tuple<at::Tensor, at::Tensor> unscale_check_impl(
     at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale,
     bool write_back, NormKind norm, std::optional<double> max_norm,
     const std::optional<at::Tensor>& per_tensor_found_inf) {
-  const auto flat = flatten_all(tensors);
-  const auto spans = spans_of(flat);
+  std::vector<FlatTensor> copies;
+  std::vector<Span> spans;
+  spans.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    spans.push_back({detail::flat_data(t, copies), t.numel(), t.scalar_type()});
+  }
   std::vector<uint8_t> per_tensor(per_tensor_found_inf ? tensors.size() : 0, 0);
   bool any_nonfinite = false;
   float total_norm = 0.0f;
@@ -64,7 +54,7 @@ std::tuple<at::Tensor, at::Tensor> unscale_check_impl(
                         &total_norm};
   kernels().unscale_check(args);
   if (write_back) {
-    for (const auto& f : flat) f.finish();
+    for (const auto& f : copies) f.finish();
   }
   if (any_nonfinite) *found_inf.mutable_data_ptr<float>() = 1.0f;
   if (per_tensor_found_inf) {

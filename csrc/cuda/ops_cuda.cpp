@@ -44,14 +44,11 @@ std::tuple<at::Tensor, at::Tensor> unscale_check_impl(
     bool write_back, NormKind norm, std::optional<double> max_norm,
     const std::optional<at::Tensor>& per_tensor_found_inf) {
   const c10::cuda::CUDAGuard guard(found_inf.device());
-  std::vector<FlatTensor> flat;
+  std::vector<FlatTensor> copies;
   std::vector<TensorRef> refs;
-  flat.reserve(tensors.size());
   refs.reserve(tensors.size());
   for (const auto& t : tensors) {
-    flat.push_back(detail::flatten_for_kernel(t));
-    const at::Tensor& f = flat.back().flat;
-    refs.push_back({f.data_ptr(), f.numel(), dtype_of(f.scalar_type())});
+    refs.push_back({detail::flat_data(t, copies), t.numel(), dtype_of(t.scalar_type())});
   }
   at::Tensor total_norm, clip_coef;
   if (norm != NormKind::None) {
@@ -81,7 +78,7 @@ std::tuple<at::Tensor, at::Tensor> unscale_check_impl(
   C10_CUDA_CHECK(launch_unscale_check(args, ws_bytes ? workspace.data_ptr() : nullptr,
                                       c10::cuda::getCurrentCUDAStream()));
   if (write_back) {
-    for (const auto& f : flat) f.finish();
+    for (const auto& f : copies) f.finish();
   }
   return {total_norm, clip_coef};
 }

@@ -192,6 +192,12 @@ FlatTensor flatten_for_kernel(const at::Tensor& t) {
   return out;
 }
 
+void* flat_data(const at::Tensor& t, std::vector<FlatTensor>& copies) {
+  if (t.is_non_overlapping_and_dense()) return t.data_ptr();
+  copies.push_back(flatten_for_kernel(t));
+  return copies.back().flat.data_ptr();
+}
+
 bool same_layout(const at::Tensor& ref, const at::Tensor& other) {
   return ref.sizes() == other.sizes() && (ref.numel() <= 1 || ref.strides() == other.strides());
 }

@@ -62,6 +62,10 @@ struct FlatTensor {
 };
 FlatTensor flatten_for_kernel(const at::Tensor& t);
 
+// The data of `t` as a flat array: t's own storage when it is non-overlapping and dense, else a
+// contiguous copy kept in `copies` (call finish() on each to write mutated copies back).
+void* flat_data(const at::Tensor& t, std::vector<FlatTensor>& copies);
+
 // True when every tensor of `group` has the same sizes and strides as `ref` (elementwise kernels
 // over several lists may then walk all of them as flat arrays in the same order).
 bool same_layout(const at::Tensor& ref, const at::Tensor& other);
