@@ -73,7 +73,7 @@ test-cpp: build
 	cd $(BUILD_DIR) && ctest --output-on-failure
 
 test-py: build
-	PYTHONPATH=python $(PY) -m pytest -q tests
+	AMPFUSE_CPP_BUILD_DIR=$(abspath $(BUILD_DIR)) PYTHONPATH=python $(PY) -m pytest -q tests
 
 test: test-cpp test-py
 

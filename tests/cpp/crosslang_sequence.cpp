@@ -1,0 +1,110 @@
+// A fixed sequence of mixed-precision steps through the C++ API, for the cross-language test
+// (tests/test_cpp_crosslang.py runs the same sequence through the Python API and compares every
+// tensor bitwise). Writes its inputs and results with torch::pickle_save (torch.load reads it).
+//
+// The sequence, on the CPU: bf16 params, AdamW with fp32 masters, a GradScaler with hysteresis
+// and a short growth interval, overflows injected into two iterations, unscale_and_clip_ on some;
+// then a GradAccumulator (2 micro-batches, clipping) over three windows with one overflow.
+//
+// Usage: ampfuse_crosslang OUTPUT_FILE
+#include <ATen/ATen.h>
+#include <torch/serialize.h>
+
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <string>
+
+#include "ampfuse/ampfuse.h"
+
+namespace {
+
+const std::vector<std::vector<int64_t>> kShapes = {{7, 5}, {5}, {33}};
+const float kInf = std::numeric_limits<float>::infinity();
+
+at::Tensor loss_of(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& xs) {
+  at::Tensor loss = at::zeros({});
+  for (size_t i = 0; i < params.size(); ++i) loss = loss + (params[i].to(at::kFloat) * xs[i]).sum();
+  return loss;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s OUTPUT_FILE\n", argv[0]);
+    return 2;
+  }
+  c10::Dict<std::string, at::Tensor> out;
+  at::manual_seed(0);
+  std::vector<at::Tensor> params;
+  for (size_t i = 0; i < kShapes.size(); ++i) {
+    params.push_back((at::randn(kShapes[i]) * 0.5).to(at::kBFloat16).set_requires_grad(true));
+    out.insert("init/" + std::to_string(i), params.back().detach().clone());
+  }
+  ampfuse::optim::AdamW opt(params, ampfuse::optim::AdamWOptions(1e-2)
+                                        .betas(std::make_tuple(0.9, 0.99))
+                                        .eps(1e-6)
+                                        .weight_decay(0.05));
+  ampfuse::GradScaler scaler(
+      ampfuse::GradScalerOptions().init_scale(1024.0).growth_interval(2).hysteresis(2));
+
+  // Phase 1: scaler + optimizer, 8 iterations.
+  for (int step = 0; step < 8; ++step) {
+    std::vector<at::Tensor> xs;
+    for (size_t i = 0; i < kShapes.size(); ++i) xs.push_back(at::randn(kShapes[i]) * 4);
+    if (step == 3 || step == 4) xs[1].view({-1})[2] = kInf;
+    if (step == 6) xs[2].view({-1})[0] = std::numeric_limits<float>::quiet_NaN();
+    for (size_t i = 0; i < xs.size(); ++i) {
+      out.insert("x/" + std::to_string(step) + "/" + std::to_string(i), xs[i]);
+    }
+    scaler.scale(loss_of(params, xs)).backward();
+    if (step % 3 == 1) {
+      out.insert("norm/" + std::to_string(step), scaler.unscale_and_clip_(opt, 0.5).clone());
+    }
+    scaler.step(opt);
+    scaler.update();
+    out.insert("scale/" + std::to_string(step), scaler.get_scale_async().clone());
+    out.insert("found_inf/" + std::to_string(step), scaler.last_found_inf()->clone());
+    opt.zero_grad();
+  }
+
+  // Phase 2: accumulation, 2 micro-batches per window, clipping, an overflow in window 2.
+  {
+    ampfuse::GradAccumulator acc(opt, &scaler,
+                                 ampfuse::GradAccumulatorOptions(2).max_grad_norm(1.0));
+    for (int k = 0; k < 6; ++k) {
+      std::vector<at::Tensor> xs;
+      for (size_t i = 0; i < kShapes.size(); ++i) xs.push_back(at::randn(kShapes[i]) * 4);
+      if (k == 2) xs[0].view({-1})[4] = -kInf;
+      for (size_t i = 0; i < xs.size(); ++i) {
+        out.insert("x2/" + std::to_string(k) + "/" + std::to_string(i), xs[i]);
+      }
+      acc.backward(loss_of(params, xs));
+      out.insert("scale2/" + std::to_string(k), scaler.get_scale_async().clone());
+    }
+  }
+
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& s = static_cast<const ampfuse::optim::AdamParamState&>(
+        *opt.state().at(params[i].unsafeGetTensorImpl()));
+    const std::string n = std::to_string(i);
+    out.insert("out/param/" + n, params[i].detach().clone());
+    out.insert("out/master/" + n, s.master_param().clone());
+    out.insert("out/exp_avg/" + n, s.exp_avg().clone());
+    out.insert("out/exp_avg_sq/" + n, s.exp_avg_sq().clone());
+    out.insert("out/step/" + n, s.step().clone());
+  }
+  out.insert("out/scale", scaler.get_scale_async().clone());
+  out.insert("out/growth_tracker", at::scalar_tensor(scaler.get_growth_tracker(), at::kLong));
+  out.insert("out/stats", scaler.stats().clone());
+
+  const std::vector<char> bytes = torch::pickle_save(c10::IValue(out));
+  std::ofstream file(argv[1], std::ios::binary);
+  file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!file) {
+    std::fprintf(stderr, "could not write %s\n", argv[1]);
+    return 1;
+  }
+  return 0;
+}
