@@ -193,6 +193,23 @@ def test_overflow_skips_the_whole_window(opt_name, dtype):
     assert opt.param_groups[0]["lr"] == 1e-2 / 4
 
 
+def test_skip_flag_survives_the_buffer_reset():
+    """With the accumulation kernel's inf check standing in for the scaler's, the scaler's skip
+    flag must not alias the accumulator's (reset) flag."""
+    model = make_model(torch.bfloat16)
+    opt = ampfuse.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = ampfuse.GradScaler("cpu", init_scale=2.0**8)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    acc = ampfuse.GradAccumulator(model, opt, scaler, steps=2, lr_scheduler=sched)
+    for k in range(2):
+        with acc.accumulate():
+            x, y = data(8, k)
+            acc.backward(nn.functional.mse_loss(model(x.bfloat16()).float(), y) * (math.inf if k == 1 else 1.0))
+    assert scaler.last_found_inf.item() == 1.0 and scaler.stats()["last_skipped"].item() == 1.0
+    assert acc.last_window_skipped.item() == 1.0 and sched.last_epoch == 0
+    assert not scaler.scheduler_step(sched) and sched.last_epoch == 0
+
+
 def test_flush_incomplete_window_scales_correctly():
     steps, b, k = 4, 8, 3
     model = make_model()

@@ -281,7 +281,8 @@ class GradScaler(torch.amp.GradScaler):
         if not _is_fused_ampfuse_optimizer(optimizer):
             raise RuntimeError("an external inf check can only stand in for the check of an ampfuse fused optimizer")
         optimizer_state = self._check_unscale_stage(optimizer, "unscale_")
-        optimizer_state["found_inf_per_device"] = dict(found_inf_per_device)
+        # Copies: the caller reuses its flags, and update() may add into the first one in place.
+        optimizer_state["found_inf_per_device"] = {d: t.clone() for d, t in found_inf_per_device.items()}
         optimizer_state["grads_still_scaled"] = True
         optimizer_state["clip_coef"] = None
         optimizer_state["stage"] = OptState.UNSCALED
