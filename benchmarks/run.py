@@ -35,7 +35,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
@@ -131,12 +131,16 @@ def interleaved(clock: Clock, fns: dict[str, Callable[[], object]], repeats: int
     return out
 
 
-def copy_bandwidth(clock: Clock, nbytes: int, repeats: int) -> tuple[float, float | None]:
-    """GB/s of a plain copy moving `nbytes` (read + write) and, on CPU, of a triad a = b + s*c."""
+def copy_bandwidth(clock: Clock, nbytes: int, repeats: int) -> tuple[float, float | None, float]:
+    """GB/s, for streams moving `nbytes` (counting bytes read and written once each), of a plain
+    copy, of a triad a = b + s*c (CPU only), and of an in-place scale x *= s. The copy and the
+    triad write a separate array, which costs a CPU an extra read of each destination line
+    (write-allocate) that the in-place stream, like ampfuse's in-place kernels, does not pay."""
     n = max(1024, nbytes // 8)  # fp32 elements: copy moves 8 bytes per element
     src = torch.rand(n, device=clock.device)
     dst = torch.empty_like(src)
-    fns = {"copy": lambda: dst.copy_(src)}
+    buf = torch.rand(n, device=clock.device)
+    fns = {"copy": lambda: dst.copy_(src), "inplace": lambda: buf.mul_(1.0000001)}
     triad = None
     if clock.device == "cpu":
         nt = max(1024, nbytes // 12)
@@ -145,9 +149,10 @@ def copy_bandwidth(clock: Clock, nbytes: int, repeats: int) -> tuple[float, floa
         fns["triad"] = lambda: torch.add(b, c, alpha=0.5, out=a)
     m = interleaved(clock, fns, repeats, budget_s=0.6)
     copy = 8 * n / m["copy"].median_s / 1e9
+    inplace = 8 * n / m["inplace"].median_s / 1e9
     if "triad" in m:
         triad = 12 * nt / m["triad"].median_s / 1e9
-    return copy, triad
+    return copy, triad, inplace
 
 
 # ----------------------------------------------------------------------------------------------
@@ -306,7 +311,9 @@ class Row:
     ampfuse_frac_copy: float
     torch_frac_copy: float
     ampfuse_frac_triad: float | None
-    extra: dict = field(default_factory=dict)
+    inplace_gbps: float = 0.0
+    ampfuse_frac_inplace: float = 0.0
+    torch_frac_inplace: float = 0.0
 
 
 def plan(device: str, quick: bool) -> list[tuple]:
@@ -439,7 +446,7 @@ def main(argv: list[str] | None = None) -> str:
         fns, bpp = build(case, shapes, dtype, device)
         big = params * bpp > (400 << 20)
         m = interleaved(clock, fns, max(3, repeats - (3 if big else 0)), budget_s=0.5 if a.quick else (6.0 if big else 3.0))
-        copy_gbps, triad_gbps = copy_bandwidth(clock, int(params * bpp), max(3, repeats // 2))
+        copy_gbps, triad_gbps, inplace_gbps = copy_bandwidth(clock, int(params * bpp), max(3, repeats // 2))
         nbytes = params * bpp
         ga = nbytes / m["ampfuse"].median_s / 1e9
         gt = nbytes / m["torch"].median_s / 1e9
@@ -449,6 +456,7 @@ def main(argv: list[str] | None = None) -> str:
             m["torch"].median_s * 1e3, (m["torch"].q1_s * 1e3, m["torch"].q3_s * 1e3),
             m["ampfuse"].median_s / m["torch"].median_s, ga, gt, copy_gbps, triad_gbps,
             ga / copy_gbps, gt / copy_gbps, (ga / triad_gbps) if triad_gbps else None,
+            inplace_gbps, ga / inplace_gbps, gt / inplace_gbps,
         ))
         del fns
         gc.collect()
