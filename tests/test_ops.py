@@ -500,6 +500,14 @@ def test_update_scale_bad_input(device):
         assert_bitwise(g, before[1])
 
 
+def test_library_built_for_another_torch_is_refused():
+    from ampfuse import _library
+
+    with pytest.raises(ImportError, match=r"ampfuse was built against torch 2.0.0 but torch .* is installed; rebuild"):
+        _library.check_build_matches({"torch_version": "2.0.0"})
+    _library.check_build_matches(ampfuse.build_info())  # the real one matches
+
+
 def test_library_reports_build():
     info = ampfuse.build_info()
     assert info["torch_version"] == torch.__version__.split("+")[0]

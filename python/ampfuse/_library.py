@@ -45,6 +45,16 @@ def _already_loaded() -> bool:
     return True
 
 
+def check_build_matches(info: dict[str, Any]) -> None:
+    """Raise ImportError if the library described by ``info`` was built for another torch."""
+    built, running = info.get("torch_version", "?"), _torch_release(torch.__version__)
+    if _torch_release(built) != running:
+        raise ImportError(
+            f"ampfuse was built against torch {built} but torch {torch.__version__} is installed; "
+            "rebuild ampfuse against this torch (`pip install --no-build-isolation --force-reinstall .`)."
+        )
+
+
 def load_library() -> None:
     """Load ``libampfuse`` into this process (a no-op if its ops are already registered)."""
     if _already_loaded():
@@ -59,12 +69,7 @@ def load_library() -> None:
         info = build_info()
     except (OSError, ValueError) as e:
         raise ImportError(f"ampfuse: cannot read the build description next to {path}: {e}") from e
-    built, running = info.get("torch_version", "?"), _torch_release(torch.__version__)
-    if _torch_release(built) != running:
-        raise ImportError(
-            f"ampfuse was built against torch {built} but torch {torch.__version__} is installed; "
-            "rebuild ampfuse against this torch (`pip install --no-build-isolation --force-reinstall .`)."
-        )
+    check_build_matches(info)
     try:
         torch.ops.load_library(path)
     except OSError as e:
