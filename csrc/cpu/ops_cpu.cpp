@@ -114,29 +114,20 @@ std::tuple<at::Tensor, at::Tensor> check_norm_cpu(
 void accumulate_grads_cpu(at::TensorList accumulators, at::TensorList grads,
                           const at::Tensor& found_inf, bool zero_grads) {
   detail::check_accumulate_args(accumulators, grads, found_inf);
-  std::vector<detail::FlatTensor> acc_flat, grad_flat;
-  std::vector<Span> acc_spans, grad_spans;
+  // Accumulator and grad are walked in one element order; the grad is written only to zero it.
+  std::vector<detail::FlatRow> copies;
+  std::vector<Span> acc_spans(grads.size()), grad_spans(grads.size());
   for (size_t i = 0; i < grads.size(); ++i) {
-    // Both sides must walk their elements in the same order.
-    const bool same = detail::same_layout(accumulators[i], grads[i]) &&
-                      accumulators[i].is_non_overlapping_and_dense() &&
-                      grads[i].is_non_overlapping_and_dense();
-    detail::FlatTensor a{same ? accumulators[i] : accumulators[i].contiguous(), accumulators[i],
-                         !same && !accumulators[i].is_contiguous()};
-    detail::FlatTensor g{same ? grads[i] : grads[i].contiguous(), grads[i],
-                         !same && !grads[i].is_contiguous()};
-    acc_spans.push_back({a.flat.data_ptr(), a.flat.numel(), c10::kFloat});
-    grad_spans.push_back({g.flat.data_ptr(), g.flat.numel(), g.flat.scalar_type()});
-    acc_flat.push_back(std::move(a));
-    grad_flat.push_back(std::move(g));
+    const at::Tensor* row[2] = {&accumulators[i], &grads[i]};
+    void* ptrs[2];
+    detail::flat_pointers(row, 2, zero_grads ? 0u : 2u, ptrs, copies);
+    acc_spans[i] = {ptrs[0], grads[i].numel(), c10::kFloat};
+    grad_spans[i] = {ptrs[1], grads[i].numel(), grads[i].scalar_type()};
   }
   bool any_nonfinite = false;
   kernels().accumulate({acc_spans.data(), grad_spans.data(), static_cast<int64_t>(grads.size()),
                         zero_grads, &any_nonfinite});
-  for (const auto& a : acc_flat) a.finish();
-  if (zero_grads) {
-    for (const auto& g : grad_flat) g.finish();
-  }
+  for (const auto& r : copies) r.finish();
   if (any_nonfinite) *found_inf.mutable_data_ptr<float>() = 1.0f;
 }
 

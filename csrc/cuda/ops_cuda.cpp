@@ -123,30 +123,22 @@ void accumulate_grads_cuda(at::TensorList accumulators, at::TensorList grads,
                            const at::Tensor& found_inf, bool zero_grads) {
   detail::check_accumulate_args(accumulators, grads, found_inf);
   const c10::cuda::CUDAGuard guard(found_inf.device());
-  std::vector<FlatTensor> acc_flat, grad_flat;
-  std::vector<float*> acc_ptrs;
-  std::vector<TensorRef> grad_refs;
+  // Accumulator and grad are walked in one element order; the grad is written only to zero it.
+  std::vector<detail::FlatRow> copies;
+  std::vector<float*> acc_ptrs(grads.size());
+  std::vector<TensorRef> grad_refs(grads.size());
   for (size_t i = 0; i < grads.size(); ++i) {
-    const bool same = detail::same_layout(accumulators[i], grads[i]) &&
-                      accumulators[i].is_non_overlapping_and_dense() &&
-                      grads[i].is_non_overlapping_and_dense();
-    FlatTensor a{same ? accumulators[i] : accumulators[i].contiguous(), accumulators[i],
-                 !same && !accumulators[i].is_contiguous()};
-    FlatTensor g{same ? grads[i] : grads[i].contiguous(), grads[i],
-                 !same && !grads[i].is_contiguous()};
-    acc_ptrs.push_back(a.flat.mutable_data_ptr<float>());
-    grad_refs.push_back({g.flat.data_ptr(), g.flat.numel(), dtype_of(g.flat.scalar_type())});
-    acc_flat.push_back(std::move(a));
-    grad_flat.push_back(std::move(g));
+    const at::Tensor* row[2] = {&accumulators[i], &grads[i]};
+    void* ptrs[2];
+    detail::flat_pointers(row, 2, zero_grads ? 0u : 2u, ptrs, copies);
+    acc_ptrs[i] = static_cast<float*>(ptrs[0]);
+    grad_refs[i] = {ptrs[1], grads[i].numel(), dtype_of(grads[i].scalar_type())};
   }
   AccumulateLaunch args{acc_ptrs.data(), grad_refs.data(), static_cast<int64_t>(grads.size()),
                         zero_grads, found_inf.mutable_data_ptr<float>(),
                         num_sms(found_inf.device().index())};
   C10_CUDA_CHECK(launch_accumulate(args, c10::cuda::getCurrentCUDAStream()));
-  for (const auto& a : acc_flat) a.finish();
-  if (zero_grads) {
-    for (const auto& g : grad_flat) g.finish();
-  }
+  for (const auto& r : copies) r.finish();
 }
 
 // update_scale_: one thread applies the scale rule (csrc/ops/rules.h) on the current stream.

@@ -296,58 +296,48 @@ void check_adam_hyper(const AdamHyper& h, const OptimLists& l) {
   }
 }
 
-void row_pointers(const OptimLists& l, size_t i, void** out, std::vector<FlatRow>& copies) {
-  for (int k = 0; k < kRowPointers; ++k) out[k] = nullptr;
-  const at::Tensor& p = l.params[i];
-  bool flat = p.is_non_overlapping_and_dense();
-  auto same = [&](const at::Tensor& t) {
-    return t.is_non_overlapping_and_dense() && (p.numel() <= 1 || t.strides() == p.strides());
-  };
-  flat = flat && same(l.grads[i]);
-  if (!l.masters.empty()) flat = flat && same(l.masters[i]);
-  for (const auto& s : l.states) {
-    if (!s.empty()) flat = flat && same(s[i]);
+void flat_pointers(const at::Tensor* const* row, int n, uint32_t read_only, void** out,
+                   std::vector<FlatRow>& copies) {
+  bool flat = true;
+  for (int k = 0; k < n && flat; ++k) {
+    flat = row[k]->is_non_overlapping_and_dense() && same_layout(*row[0], *row[k]);
   }
+  auto ptr = [&](const at::Tensor& t, int k) -> void* {
+    return ((read_only >> k) & 1u) ? const_cast<void*>(t.const_data_ptr()) : t.data_ptr();
+  };
   if (flat) {
-    out[0] = p.data_ptr();
-    out[1] = const_cast<void*>(l.grads[i].const_data_ptr());
-    if (!l.masters.empty()) out[2] = l.masters[i].data_ptr();
-    for (size_t k = 0; k < l.states.size(); ++k) {
-      if (!l.states[k].empty()) out[3 + k] = l.states[k][i].data_ptr();
-    }
+    for (int k = 0; k < n; ++k) out[k] = ptr(*row[k], k);
     return;
   }
-  copies.push_back(flatten_row(l, i));
-  const auto& r = copies.back().tensors;
-  out[0] = r[0].flat.data_ptr();
-  out[1] = const_cast<void*>(r[1].flat.const_data_ptr());
-  size_t k_row = 2;
-  if (!l.masters.empty()) out[2] = r[k_row++].flat.data_ptr();
-  for (size_t k = 0; k < l.states.size(); ++k) {
-    if (!l.states[k].empty()) out[3 + k] = r[k_row++].flat.data_ptr();
+  FlatRow copy;
+  copy.read_only = read_only;
+  for (int k = 0; k < n; ++k) {
+    const at::Tensor& t = *row[k];
+    const bool contiguous = t.is_contiguous();
+    copy.tensors.push_back(FlatTensor{contiguous ? t : t.contiguous(), t, !contiguous});
+    out[k] = ptr(copy.tensors.back().flat, k);
   }
+  copies.push_back(std::move(copy));
 }
 
-FlatRow flatten_row(const OptimLists& l, size_t i) {
-  std::vector<at::Tensor> row{l.params[i], l.grads[i]};
-  if (!l.masters.empty()) row.push_back(l.masters[i]);
-  for (const auto& s : l.states) {
-    if (!s.empty()) row.push_back(s[i]);
+void row_pointers(const OptimLists& l, size_t i, void** out, std::vector<FlatRow>& copies) {
+  const at::Tensor* row[kRowPointers];
+  int slot[kRowPointers];
+  int n = 0;
+  auto add = [&](const at::Tensor& t, int s) {
+    row[n] = &t;
+    slot[n++] = s;
+  };
+  add(l.params[i], 0);
+  add(l.grads[i], 1);
+  if (!l.masters.empty()) add(l.masters[i], 2);
+  for (size_t k = 0; k < l.states.size(); ++k) {
+    if (!l.states[k].empty()) add(l.states[k][i], 3 + static_cast<int>(k));
   }
-  bool flat = true;
-  for (const auto& t : row) {
-    flat = flat && t.is_non_overlapping_and_dense() && same_layout(row[0], t);
-  }
-  FlatRow out;
-  for (const auto& t : row) {
-    FlatTensor f;
-    f.original = t;
-    f.flat = flat ? t : t.contiguous();
-    f.copied = !flat && !t.is_contiguous();
-    if (!flat && t.is_contiguous()) f.flat = t;
-    out.tensors.push_back(f);
-  }
-  return out;
+  void* ptrs[kRowPointers];
+  flat_pointers(row, n, /*read_only=*/1u << 1, ptrs, copies);
+  for (int k = 0; k < kRowPointers; ++k) out[k] = nullptr;
+  for (int k = 0; k < n; ++k) out[slot[k]] = ptrs[k];
 }
 
 }  // namespace ampfuse::detail

@@ -87,22 +87,27 @@ c10::Device check_optim_args(const OptimLists& l, const std::optional<at::Tensor
                              const std::optional<at::Tensor>& found_inf,
                              const std::optional<at::Tensor>& clip_coef);
 
-// Row `i` of an optimizer call as flat tensors with one common element order: the tensors
-// themselves when every one is non-overlapping and dense with the param's strides, otherwise
-// contiguous copies (the mutated ones are written back by finish()).
+// Copies made for a row of tensors that a kernel walks in one common element order (see
+// flat_pointers); finish() writes the mutated ones back.
 struct FlatRow {
-  std::vector<FlatTensor> tensors;  // param, grad, master?, states...
+  std::vector<FlatTensor> tensors;
+  uint32_t read_only = 0;  // bit k set: tensors[k] is not written back
   void finish() const {
     for (size_t k = 0; k < tensors.size(); ++k) {
-      if (k != 1) tensors[k].finish();  // the grad is read-only
+      if (!((read_only >> k) & 1u)) tensors[k].finish();
     }
   }
 };
-FlatRow flatten_row(const OptimLists& l, size_t i);
 
-// Pointers of row i: out[0] param, out[1] grad, out[2] master (null if none), out[3 + k] state k
-// (null if absent). Rows that are not flat in one common order are copied (flatten_row) and the
-// copies kept alive in `copies`; call finish() on each after the kernel ran.
+// Data pointers of n same-shaped tensors that an elementwise kernel walks in one element order:
+// the tensors' own data when all are non-overlapping and dense with the first one's strides,
+// otherwise contiguous copies, kept (and later written back, except the read_only ones) in
+// `copies`.
+void flat_pointers(const at::Tensor* const* row, int n, uint32_t read_only, void** out,
+                   std::vector<FlatRow>& copies);
+
+// Pointers of optimizer row i: out[0] param, out[1] grad, out[2] master (null if none), out[3 + k]
+// state k (null if absent), through flat_pointers (the grad is read-only).
 constexpr int kRowPointers = 6;
 void row_pointers(const OptimLists& l, size_t i, void** out, std::vector<FlatRow>& copies);
 
