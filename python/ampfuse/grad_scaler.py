@@ -378,8 +378,8 @@ class GradScaler(torch.amp.GradScaler):
     # ------------------------------------------------------------------------------------------
     def _post_stats_copy(self) -> None:
         assert self._stats is not None
-        if self._stats.device.type == "cpu":  # nothing to wait for
-            self._pending_stats.append((self._stats.clone(), None))
+        if self._stats.device.type == "cpu":  # nothing to copy or wait for: read the counters
+            self._pending_stats.append((self._stats, None))
             self._poll_min_scale(blocking=False)
             return
         if self._stats.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
