@@ -8,10 +8,8 @@ elements differ by an ulp."""
 
 from __future__ import annotations
 
-import copy
 import io
 import math
-from functools import partial
 
 import pytest
 import torch

@@ -40,7 +40,7 @@ from __future__ import annotations
 import weakref
 from collections import defaultdict
 from itertools import chain
-from typing import Any, Callable, Iterable, Literal, Union
+from typing import Any, Callable, Literal, Union
 
 import torch
 from torch.optim.optimizer import ParamsT
