@@ -4,7 +4,6 @@ misuse must raise torch's exception with torch's message."""
 
 from __future__ import annotations
 
-import copy
 import io
 import math
 import pickle
