@@ -416,7 +416,7 @@ def machine_info(device: str) -> dict:
     except OSError:
         pass
     info["cpu_cores"] = os.cpu_count()
-    info["cpu_kernels"] = ampfuse.cpu_kernel_info()["capability"]
+    info["cpu_kernels"] = ampfuse.cpu_kernel_info()["kernels"]
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
     return info

@@ -13,7 +13,7 @@
 #include <string>
 #include <utility>
 
-#include "ops/checks.h"
+#include "ops/validation.h"
 
 namespace ampfuse::optim {
 namespace {

@@ -2,11 +2,15 @@
 // one multi-tensor pass, and the one-thread scale update. Contracts: csrc/ops/registration.cpp.
 #include <type_traits>
 
-#include "cuda/launch.h"
+#include "cuda/kernels.cuh"
 #include "cuda/multi_tensor_apply.cuh"
 
 namespace ampfuse::cuda {
 namespace {
+
+using kernels::AccumulateArgs;
+using kernels::UnscaleCheckArgs;
+using kernels::UpdateScaleArgs;
 
 constexpr int kILP = 4;  // independent 16-byte loads in flight per thread
 
@@ -109,15 +113,15 @@ __global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
     const int64_t end = min(begin + kChunkSize, meta.numel[t]);
     bool bad = false;
     void* p = meta.ptr[0][t];
-    switch (meta.dtype[t]) {
-      case kHalf:
+    switch (static_cast<DType>(meta.dtype[t])) {
+      case DType::Half:
         unscale_chunk<__half, kNorm>(static_cast<__half*>(p), begin, end, inv, store, bad, acc);
         break;
-      case kBFloat16:
+      case DType::BFloat16:
         unscale_chunk<__nv_bfloat16, kNorm>(static_cast<__nv_bfloat16*>(p), begin, end, inv,
                                             store, bad, acc);
         break;
-      case kFloat:
+      case DType::Float:
         unscale_chunk<float, kNorm>(static_cast<float*>(p), begin, end, inv, store, bad, acc);
         break;
       default:
@@ -216,9 +220,9 @@ __global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
     const int64_t end = min(begin + kChunkSize, meta.numel[t]);
     float* acc = static_cast<float*>(meta.ptr[0][t]);
     void* g = meta.ptr[1][t];
-    switch (meta.dtype[t]) {
-      case kHalf: accumulate_chunk(acc, static_cast<__half*>(g), begin, end, zero, bad); break;
-      case kBFloat16:
+    switch (static_cast<DType>(meta.dtype[t])) {
+      case DType::Half: accumulate_chunk(acc, static_cast<__half*>(g), begin, end, zero, bad); break;
+      case DType::BFloat16:
         accumulate_chunk(acc, static_cast<__nv_bfloat16*>(g), begin, end, zero, bad);
         break;
       default: accumulate_chunk(acc, static_cast<float*>(g), begin, end, zero, bad); break;
@@ -240,16 +244,16 @@ int64_t num_launches(int64_t num_tensors) {
   return num_tensors == 0 ? 1 : (num_tensors + cap - 1) / cap;
 }
 
-}  // namespace
-
-size_t unscale_check_workspace_bytes(const UnscaleCheckLaunch& a) {
+// Workspace: a launch counter (zeroed on the stream here; the last block leaves it zero) and one
+// partial norm per block of every launch of the pass.
+size_t unscale_check_workspace(const UnscaleCheckArgs& a, const LaunchContext& ctx) {
   if (a.norm == NormKind::None) return 0;
-  const int64_t max_grid = static_cast<int64_t>(a.num_sms) * kBlocksPerSM;
+  const int64_t max_grid = static_cast<int64_t>(ctx.num_sms) * kBlocksPerSM;
   return kCounterBytes + sizeof(float) * static_cast<size_t>(num_launches(a.num_tensors) * max_grid);
 }
 
-cudaError_t launch_unscale_check(const UnscaleCheckLaunch& a, void* workspace,
-                                 cudaStream_t stream) {
+int unscale_check(const UnscaleCheckArgs& a, void* workspace, const LaunchContext& ctx) {
+  const cudaStream_t stream = stream_of(ctx);
   std::vector<HostTensor<1>> tensors(a.num_tensors);
   for (int64_t i = 0; i < a.num_tensors; ++i) {
     tensors[i] = {{a.tensors[i].data}, a.tensors[i].numel, static_cast<int32_t>(i),
@@ -262,21 +266,21 @@ cudaError_t launch_unscale_check(const UnscaleCheckLaunch& a, void* workspace,
     const cudaError_t err = cudaMemsetAsync(counter, 0, sizeof(unsigned int), stream);
     if (err != cudaSuccess) return err;
   }
-  const int max_grid = a.num_sms * kBlocksPerSM;
+  const int max_grid = ctx.num_sms * kBlocksPerSM;
   return multi_tensor_apply<1>(tensors, max_grid, [&](const TensorListMeta<1>& meta, int grid) {
     switch (a.norm) {
       case NormKind::None:
-        unscale_check_kernel<NormKind::None><<<grid, kBlockSize, 0, stream>>>(
+        AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, unscale_check_kernel<NormKind::None>)(
             meta, a.inv_scale, a.found_inf, a.per_tensor_found_inf, a.write_back, partials,
             counter, a.total_norm, a.clip_coef, a.has_max_norm, a.max_norm);
         break;
       case NormKind::L2:
-        unscale_check_kernel<NormKind::L2><<<grid, kBlockSize, 0, stream>>>(
+        AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, unscale_check_kernel<NormKind::L2>)(
             meta, a.inv_scale, a.found_inf, a.per_tensor_found_inf, a.write_back, partials,
             counter, a.total_norm, a.clip_coef, a.has_max_norm, a.max_norm);
         break;
       case NormKind::Inf:
-        unscale_check_kernel<NormKind::Inf><<<grid, kBlockSize, 0, stream>>>(
+        AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, unscale_check_kernel<NormKind::Inf>)(
             meta, a.inv_scale, a.found_inf, a.per_tensor_found_inf, a.write_back, partials,
             counter, a.total_norm, a.clip_coef, a.has_max_norm, a.max_norm);
         break;
@@ -284,26 +288,50 @@ cudaError_t launch_unscale_check(const UnscaleCheckLaunch& a, void* workspace,
   });
 }
 
-cudaError_t launch_accumulate(const AccumulateLaunch& a, cudaStream_t stream) {
+int accumulate(const AccumulateArgs& a, const LaunchContext& ctx) {
+  if (a.num_tensors == 0) return cudaSuccess;
+  const cudaStream_t stream = stream_of(ctx);
   std::vector<HostTensor<2>> tensors(a.num_tensors);
   for (int64_t i = 0; i < a.num_tensors; ++i) {
     tensors[i] = {{a.accumulators[i], a.grads[i].data}, a.grads[i].numel, static_cast<int32_t>(i),
                   static_cast<uint8_t>(a.grads[i].dtype)};
   }
-  if (a.num_tensors == 0) return cudaSuccess;
-  return multi_tensor_apply<2>(tensors, a.num_sms * kBlocksPerSM,
+  return multi_tensor_apply<2>(tensors, ctx.num_sms * kBlocksPerSM,
                                [&](const TensorListMeta<2>& meta, int grid) {
-                                 accumulate_kernel<<<grid, kBlockSize, 0, stream>>>(
+                                 AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, accumulate_kernel)(
                                      meta, a.zero_grads, a.found_inf);
                                });
 }
 
-cudaError_t launch_update_scale(float* scale, int32_t* growth_tracker, const float* found_inf,
-                                int32_t* hysteresis_left, int64_t* stats,
-                                const ScaleRuleParams& params, cudaStream_t stream) {
-  update_scale_kernel<<<1, 1, 0, stream>>>(scale, growth_tracker, found_inf, hysteresis_left,
-                                           stats, params);
+int update_scale(const UpdateScaleArgs& a, const LaunchContext& ctx) {
+  AMPFUSE_LAUNCH(1, 1, 0, stream_of(ctx), update_scale_kernel)(
+      a.scale, a.growth_tracker, a.found_inf, a.hysteresis_left, a.stats, a.params);
   return cudaGetLastError();
+}
+
+const char* error_string(int status) {
+  return cudaGetErrorString(static_cast<cudaError_t>(status));
+}
+
+}  // namespace
+
+const KernelTable& kernel_table() {
+  static const KernelTable table = [] {
+    KernelTable t{};
+#if defined(CUEMU)
+    t.name = "cuda-emulated";
+#else
+    t.name = "cuda";
+#endif
+    t.unscale_check_workspace = &unscale_check_workspace;
+    t.unscale_check = &unscale_check;
+    t.accumulate = &accumulate;
+    t.update_scale = &update_scale;
+    t.error_string = &error_string;
+    fill_optim_kernels(t);
+    return t;
+  }();
+  return table;
 }
 
 }  // namespace ampfuse::cuda

@@ -5,11 +5,14 @@
 // needed. The update rules are shared with the CPU kernels (ops/rules.h).
 #include <type_traits>
 
-#include "cuda/launch.h"
+#include "cuda/kernels.cuh"
 #include "cuda/multi_tensor_apply.cuh"
 
 namespace ampfuse::cuda {
 namespace {
+
+using kernels::OptimArgs;
+using kernels::OptimTensor;
 
 struct CudaMath {
   static __device__ __forceinline__ float neg(float x) { return -x; }
@@ -94,7 +97,7 @@ __device__ __forceinline__ void process_chunk(T* param, const G* grad, float* ma
     const int64_t nq = (end - begin) / 4;
     for (int64_t q = threadIdx.x; q < nq; q += blockDim.x) {
       const int64_t i = begin + 4 * q;
-      float p[4], g[4], st[NS][4];
+      float p[4], st[NS][4];
       if (master) {
         const Quad<float> mq = *reinterpret_cast<const Quad<float>*>(master + i);
 #pragma unroll
@@ -205,11 +208,19 @@ __global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
   }
 }
 
+// Workspace: one arrival counter per tensor of the call (zeroed on the stream here; the last block
+// of each tensor leaves its counter zero).
+size_t optim_workspace(const OptimArgs& a, const LaunchContext&) {
+  return sizeof(unsigned int) * static_cast<size_t>(a.num_tensors > 0 ? a.num_tensors : 1);
+}
+
 template <class Kind>
-cudaError_t launch_optim(const OptimLaunch& a, const typename Kind::Hyper& hyper, void* workspace,
-                         cudaStream_t stream) {
+int launch_optim(const OptimArgs& a, const typename Kind::Hyper& hyper, void* workspace,
+                 const LaunchContext& ctx) {
   constexpr int N = kLists<Kind>;
   constexpr int NS = Kind::kStates;
+  if (a.num_tensors == 0) return cudaSuccess;
+  const cudaStream_t stream = stream_of(ctx);
   std::vector<HostTensor<N>> tensors;
   tensors.reserve(a.num_tensors);
   for (int64_t i = 0; i < a.num_tensors; ++i) {
@@ -225,47 +236,48 @@ cudaError_t launch_optim(const OptimLaunch& a, const typename Kind::Hyper& hyper
     h.dtype = 0;
     tensors.push_back(h);
   }
-  cudaError_t err = cudaMemsetAsync(workspace, 0, optim_workspace_bytes(a), stream);
+  cudaError_t err = cudaMemsetAsync(workspace, 0, optim_workspace(a, ctx), stream);
   if (err != cudaSuccess) return err;
   ScaleArgs sa{a.lr_tensor, a.grad_scale, a.found_inf, a.clip_coef,
                static_cast<unsigned int*>(workspace)};
-  const int max_grid = a.num_sms * kBlocksPerSM;
+  const int max_grid = ctx.num_sms * kBlocksPerSM;
   auto launch = [&](auto param_tag, auto grad_tag) {
     using T = decltype(param_tag);
     using G = decltype(grad_tag);
     return multi_tensor_apply<N>(tensors, max_grid, [&](const TensorListMeta<N>& meta, int grid) {
-      optim_kernel<T, G, Kind><<<grid, kBlockSize, 0, stream>>>(meta, sa, hyper);
+      AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, optim_kernel<T, G, Kind>)(meta, sa, hyper);
     });
   };
   auto with_grad = [&](auto param_tag) {
     switch (a.grad_dtype) {
-      case kHalf: return launch(param_tag, __half{});
-      case kBFloat16: return launch(param_tag, __nv_bfloat16{});
+      case DType::Half: return launch(param_tag, __half{});
+      case DType::BFloat16: return launch(param_tag, __nv_bfloat16{});
       default: return launch(param_tag, float{});
     }
   };
   switch (a.param_dtype) {
-    case kHalf: return with_grad(__half{});
-    case kBFloat16: return with_grad(__nv_bfloat16{});
+    case DType::Half: return with_grad(__half{});
+    case DType::BFloat16: return with_grad(__nv_bfloat16{});
     default: return with_grad(float{});
   }
 }
 
+int sgd_step(const OptimArgs& a, const SgdHyper& hyper, void* workspace, const LaunchContext& ctx) {
+  return launch_optim<SgdKind>(a, hyper, workspace, ctx);
+}
+
+int adam_step(const OptimArgs& a, const AdamHyper& hyper, void* workspace,
+              const LaunchContext& ctx) {
+  if (hyper.amsgrad) return launch_optim<AdamKind<true>>(a, hyper, workspace, ctx);
+  return launch_optim<AdamKind<false>>(a, hyper, workspace, ctx);
+}
+
 }  // namespace
 
-size_t optim_workspace_bytes(const OptimLaunch& a) {
-  return sizeof(unsigned int) * static_cast<size_t>(a.num_tensors > 0 ? a.num_tensors : 1);
-}
-
-cudaError_t launch_sgd_step(const OptimLaunch& a, const SgdHyper& hyper, void* workspace,
-                            cudaStream_t stream) {
-  return launch_optim<SgdKind>(a, hyper, workspace, stream);
-}
-
-cudaError_t launch_adam_step(const OptimLaunch& a, const AdamHyper& hyper, void* workspace,
-                             cudaStream_t stream) {
-  if (hyper.amsgrad) return launch_optim<AdamKind<true>>(a, hyper, workspace, stream);
-  return launch_optim<AdamKind<false>>(a, hyper, workspace, stream);
+void fill_optim_kernels(KernelTable& table) {
+  table.optim_workspace = &optim_workspace;
+  table.sgd_step = &sgd_step;
+  table.adam_step = &adam_step;
 }
 
 }  // namespace ampfuse::cuda

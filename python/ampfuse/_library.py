@@ -76,17 +76,38 @@ def load_library() -> None:
         raise ImportError(f"ampfuse: loading {path} failed: {e}") from e
 
 
-def cpu_kernel_info() -> dict[str, Any]:
-    """Which CPU kernel build runs (``DEFAULT``/``AVX2``/``AVX512``, chosen like torch's own and
-    honouring ``ATEN_CPU_CAPABILITY``) and how many threads one parallel pass used."""
+def _native() -> Any:
     import ctypes
 
     load_library()
     lib = ctypes.CDLL(library_path())
-    lib.ampfuse_cpu_capability.restype = ctypes.c_char_p
+    lib.ampfuse_cpu_kernels.restype = ctypes.c_char_p
     lib.ampfuse_cpu_parallel_threads_used.restype = ctypes.c_int
+    lib.ampfuse_select_cpu_kernels.restype = ctypes.c_char_p
+    lib.ampfuse_select_cpu_kernels.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    return lib
+
+
+def cpu_kernel_info() -> dict[str, Any]:
+    """Which kernel table runs CPU tensors and how many threads one parallel pass of the CPU
+    kernels used.
+
+    ``kernels`` is the CPU kernel build chosen like torch's own (``DEFAULT``/``AVX2``/``AVX512``,
+    honouring ``ATEN_CPU_CAPABILITY``), or ``cuda-emulated`` when ``AMPFUSE_CPU_KERNELS=cuda-emulated``
+    runs CPU tensors through the CUDA kernels under the emulator (test builds).
+    """
+    lib = _native()
     return {
-        "capability": lib.ampfuse_cpu_capability().decode(),
+        "kernels": lib.ampfuse_cpu_kernels().decode(),
         "threads_used": int(lib.ampfuse_cpu_parallel_threads_used()),
         "torch_num_threads": torch.get_num_threads(),
     }
+
+
+def select_cpu_kernels(name: str, num_sms: int = 1) -> None:
+    """For tests: run CPU tensors through the kernel table ``name`` from now on (``"native"``, the
+    CPU kernels, or ``"cuda-emulated"``, the CUDA kernels under the emulator with ``num_sms``
+    emulated multiprocessors). Not thread-safe against ops running concurrently."""
+    err = _native().ampfuse_select_cpu_kernels(name.encode(), int(num_sms))
+    if err is not None:
+        raise RuntimeError(err.decode())

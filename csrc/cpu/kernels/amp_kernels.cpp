@@ -8,6 +8,14 @@ namespace ampfuse::cpu {
 namespace CPU_CAPABILITY {
 namespace {
 
+using kernels::AccumulateArgs;
+using kernels::DType;
+using kernels::KernelTable;
+using kernels::LaunchContext;
+using kernels::TensorRef;
+using kernels::UnscaleCheckArgs;
+using kernels::UpdateScaleArgs;
+
 // Result of one chunk of unscale_check: whether a non-finite value was seen, and the chunk's
 // partial norm (sum of squares, or max |x|) of the unscaled values.
 struct ChunkResult {
@@ -118,53 +126,52 @@ ChunkResult unscale_span_double(double* data, int64_t n, float inv, bool store, 
 }
 
 template <NormKind norm, bool scale, bool store>
-ChunkResult unscale_chunk(const Span& s, int64_t begin, int64_t end, float inv) {
+ChunkResult unscale_chunk(const TensorRef& s, int64_t begin, int64_t end, float inv) {
   const int64_t n = end - begin;
   switch (s.dtype) {
-    case c10::kFloat:
+    case DType::Float:
       return unscale_span<float, norm, scale, store>(static_cast<float*>(s.data) + begin, n, inv);
-    case c10::kHalf:
+    case DType::Half:
       return unscale_span<c10::Half, norm, scale, store>(static_cast<c10::Half*>(s.data) + begin,
                                                          n, inv);
-    case c10::kBFloat16:
+    case DType::BFloat16:
       return unscale_span<c10::BFloat16, norm, scale, store>(
           static_cast<c10::BFloat16*>(s.data) + begin, n, inv);
-    case c10::kDouble:
+    case DType::Double:
       return unscale_span_double(static_cast<double*>(s.data) + begin, n, inv, store, norm);
-    default:
-      return {false, 0.0f};  // unreachable: dtypes are validated by the caller
   }
+  return {false, 0.0f};  // unreachable: dtypes are validated by the op layer
 }
 
 template <NormKind norm, bool scale, bool store>
-void unscale_all(const UnscaleCheckArgs& a, const std::vector<Chunk>& chunks,
+void unscale_all(const UnscaleCheckArgs& a, float inv, const std::vector<Chunk>& chunks,
                  std::vector<ChunkResult>& results) {
   parallel_chunks(chunks, [&](int64_t c) {
     const Chunk& ch = chunks[c];
-    results[c] = unscale_chunk<norm, scale, store>(a.tensors[ch.tensor], ch.begin, ch.end,
-                                                   a.inv_scale);
+    results[c] = unscale_chunk<norm, scale, store>(a.tensors[ch.tensor], ch.begin, ch.end, inv);
   });
 }
 
 template <NormKind norm>
-void unscale_all(const UnscaleCheckArgs& a, const std::vector<Chunk>& chunks,
+void unscale_all(const UnscaleCheckArgs& a, float inv, const std::vector<Chunk>& chunks,
                  std::vector<ChunkResult>& results) {
-  if (a.inv_scale == 1.0f) {
-    unscale_all<norm, false, false>(a, chunks, results);  // x * 1 == x: nothing to store
+  if (inv == 1.0f) {
+    unscale_all<norm, false, false>(a, inv, chunks, results);  // x * 1 == x: nothing to store
   } else if (a.write_back) {
-    unscale_all<norm, true, true>(a, chunks, results);
+    unscale_all<norm, true, true>(a, inv, chunks, results);
   } else {
-    unscale_all<norm, true, false>(a, chunks, results);
+    unscale_all<norm, true, false>(a, inv, chunks, results);
   }
 }
 
-void unscale_check(const UnscaleCheckArgs& a) {
+int unscale_check(const UnscaleCheckArgs& a, void* /*workspace*/, const LaunchContext&) {
+  const float inv = *a.inv_scale;
   const auto chunks = make_chunks(a.num_tensors, [&](int64_t t) { return a.tensors[t].numel; });
   std::vector<ChunkResult> results(chunks.size());
   switch (a.norm) {
-    case NormKind::None: unscale_all<NormKind::None>(a, chunks, results); break;
-    case NormKind::L2: unscale_all<NormKind::L2>(a, chunks, results); break;
-    case NormKind::Inf: unscale_all<NormKind::Inf>(a, chunks, results); break;
+    case NormKind::None: unscale_all<NormKind::None>(a, inv, chunks, results); break;
+    case NormKind::L2: unscale_all<NormKind::L2>(a, inv, chunks, results); break;
+    case NormKind::Inf: unscale_all<NormKind::Inf>(a, inv, chunks, results); break;
   }
   // Reduce in chunk order: the result does not depend on the number of threads.
   double sum = 0.0;
@@ -172,17 +179,17 @@ void unscale_check(const UnscaleCheckArgs& a) {
   for (size_t c = 0; c < chunks.size(); ++c) {
     const ChunkResult& r = results[c];
     if (r.nonfinite) {
-      *a.any_nonfinite = true;
-      if (a.per_tensor_nonfinite) a.per_tensor_nonfinite[chunks[c].tensor] = 1;
+      *a.found_inf = 1.0f;
+      if (a.per_tensor_found_inf) a.per_tensor_found_inf[chunks[c].tensor] = 1.0f;
     }
     sum += r.partial;
     mx = (r.partial > mx || r.partial != r.partial) ? r.partial : mx;
   }
-  if (a.norm == NormKind::L2) {
-    *a.total_norm = static_cast<float>(std::sqrt(sum));
-  } else if (a.norm == NormKind::Inf) {
-    *a.total_norm = mx;
-  }
+  if (a.norm == NormKind::None) return 0;
+  const float norm = a.norm == NormKind::L2 ? static_cast<float>(std::sqrt(sum)) : mx;
+  *a.total_norm = norm;
+  *a.clip_coef = a.has_max_norm ? clip_coefficient(norm, a.max_norm) : 1.0f;
+  return 0;
 }
 
 // accumulators[t][i] += float(grads[t][i]); grads[t][i] = 0; one pass, fp32 math.
@@ -214,24 +221,38 @@ bool accumulate_span(float* acc, G* grad, int64_t n, bool zero) {
   return nonfinite;
 }
 
-void accumulate(const AccumulateArgs& a) {
+int accumulate(const AccumulateArgs& a, const LaunchContext&) {
   const auto chunks = make_chunks(a.num_tensors, [&](int64_t t) { return a.grads[t].numel; });
   std::vector<uint8_t> bad(chunks.size(), 0);
   parallel_chunks(chunks, [&](int64_t c) {
     const Chunk& ch = chunks[c];
-    float* acc = static_cast<float*>(a.accumulators[ch.tensor].data) + ch.begin;
+    float* acc = a.accumulators[ch.tensor] + ch.begin;
     void* g = a.grads[ch.tensor].data;
     const int64_t n = ch.end - ch.begin;
     switch (a.grads[ch.tensor].dtype) {
-      case c10::kHalf: bad[c] = accumulate_span(acc, static_cast<c10::Half*>(g) + ch.begin, n, a.zero_grads); break;
-      case c10::kBFloat16: bad[c] = accumulate_span(acc, static_cast<c10::BFloat16*>(g) + ch.begin, n, a.zero_grads); break;
+      case DType::Half: bad[c] = accumulate_span(acc, static_cast<c10::Half*>(g) + ch.begin, n, a.zero_grads); break;
+      case DType::BFloat16: bad[c] = accumulate_span(acc, static_cast<c10::BFloat16*>(g) + ch.begin, n, a.zero_grads); break;
       default: bad[c] = accumulate_span(acc, static_cast<float*>(g) + ch.begin, n, a.zero_grads); break;
     }
   });
   for (uint8_t b : bad) {
-    if (b) *a.any_nonfinite = true;
+    if (b) *a.found_inf = 1.0f;
   }
+  return 0;
 }
+
+int update_scale(const UpdateScaleArgs& a, const LaunchContext&) {
+  update_scale_rule(a.scale, a.growth_tracker, *a.found_inf, a.hysteresis_left, a.stats, a.params);
+  return 0;
+}
+
+size_t no_workspace_unscale(const UnscaleCheckArgs&, const LaunchContext&) { return 0; }
+
+const char* error_string(int status) {
+  return status == 0 ? "no error" : "CPU kernel error";
+}
+
+}  // namespace
 
 int parallel_threads_used() {
   std::vector<Chunk> chunks(256, Chunk{0, 0, 0});
@@ -245,17 +266,17 @@ int parallel_threads_used() {
   return static_cast<int>(std::unique(thread_of.begin(), thread_of.end()) - thread_of.begin());
 }
 
-}  // namespace
-
 void fill_optim_kernels(KernelTable& table);  // optim_kernels.cpp
 
 const KernelTable& kernel_table() {
   static const KernelTable table = [] {
     KernelTable t{};
-    t.capability = C10_STRINGIZE(CPU_CAPABILITY);
-    t.parallel_threads_used = &parallel_threads_used;
+    t.name = C10_STRINGIZE(CPU_CAPABILITY);
+    t.unscale_check_workspace = &no_workspace_unscale;
     t.unscale_check = &unscale_check;
     t.accumulate = &accumulate;
+    t.update_scale = &update_scale;
+    t.error_string = &error_string;
     fill_optim_kernels(t);
     return t;
   }();

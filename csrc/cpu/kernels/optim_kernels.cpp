@@ -12,6 +12,30 @@ namespace ampfuse::cpu {
 namespace CPU_CAPABILITY {
 namespace {
 
+using kernels::DType;
+using kernels::KernelTable;
+using kernels::LaunchContext;
+using kernels::OptimArgs;
+
+// The scalars of one call, read once from their (host) tensors.
+struct CallScalars {
+  double lr;
+  float grad_scale;  // grads are divided by it when `divide`
+  bool divide;
+  float clip;        // and multiplied by it
+};
+
+// nullopt: the step is skipped (found_inf set), nothing may change.
+template <typename Hyper>
+bool call_scalars(const OptimArgs& a, const Hyper& h, CallScalars& out) {
+  if (a.found_inf != nullptr && *a.found_inf != 0.0f) return false;
+  out.lr = a.lr_tensor ? static_cast<double>(*a.lr_tensor) : h.lr;
+  out.grad_scale = a.grad_scale ? *a.grad_scale : 1.0f;
+  out.divide = out.grad_scale != 1.0f;
+  out.clip = a.clip_coef ? *a.clip_coef : 1.0f;
+  return true;
+}
+
 // neg/sqrt/max for the shared update rules (ops/rules.h), per lane type.
 struct CpuMath {
   static float neg(float x) { return -x; }
@@ -71,11 +95,11 @@ inline V prepare_grad(V g, float grad_scale, bool divide, float clip) {
 // param), g the prepared grad; `state(k)` gives the tensor's state pointers. Stores the param
 // (rounded to its dtype) and master.
 template <typename T, typename G, typename Fn>
-void optim_chunk(const OptimArgs& a, int64_t t, int64_t begin, int64_t end, const Fn& fn) {
-  T* param = static_cast<T*>(a.params[t]);
-  const G* grad = static_cast<const G*>(a.grads[t]);
-  float* master = a.masters ? a.masters[t] : nullptr;
-  const bool divide = a.grad_scale != 1.0f;
+void optim_chunk(const OptimArgs& a, const CallScalars& cs, int64_t t, int64_t begin, int64_t end,
+                 const Fn& fn) {
+  T* param = static_cast<T*>(a.tensors[t].param);
+  const G* grad = static_cast<const G*>(a.tensors[t].grad);
+  float* master = a.tensors[t].master;
   int64_t i = begin;
   for (; i + Pair<T>::kLanes <= end; i += Pair<T>::kLanes) {
     FVec p0, p1, g0, g1;
@@ -85,8 +109,8 @@ void optim_chunk(const OptimArgs& a, int64_t t, int64_t begin, int64_t end, cons
       Pair<T>::load(param + i, p0, p1);
     }
     Pair<G>::load(grad + i, g0, g1);
-    g0 = prepare_grad(g0, a.grad_scale, divide, a.clip_coef);
-    g1 = prepare_grad(g1, a.grad_scale, divide, a.clip_coef);
+    g0 = prepare_grad(g0, cs.grad_scale, cs.divide, cs.clip);
+    g1 = prepare_grad(g1, cs.grad_scale, cs.divide, cs.clip);
     p0 = fn(p0, g0, t, i);
     p1 = fn(p1, g1, t, i + FVec::size());
     if (master) Pair<float>::store(master + i, p0, p1);
@@ -94,7 +118,7 @@ void optim_chunk(const OptimArgs& a, int64_t t, int64_t begin, int64_t end, cons
   }
   for (; i < end; ++i) {
     float p = master ? master[i] : static_cast<float>(param[i]);
-    float g = prepare_grad(static_cast<float>(grad[i]), a.grad_scale, divide, a.clip_coef);
+    float g = prepare_grad(static_cast<float>(grad[i]), cs.grad_scale, cs.divide, cs.clip);
     p = fn(p, g, t, i);
     if (master) master[i] = p;
     param[i] = static_cast<T>(p);
@@ -102,29 +126,31 @@ void optim_chunk(const OptimArgs& a, int64_t t, int64_t begin, int64_t end, cons
 }
 
 template <typename Fn>
-void dispatch_chunk(const OptimArgs& a, int64_t t, int64_t begin, int64_t end, const Fn& fn) {
+void dispatch_chunk(const OptimArgs& a, const CallScalars& cs, int64_t t, int64_t begin,
+                    int64_t end, const Fn& fn) {
   auto with_grad = [&](auto param_tag) {
     using T = decltype(param_tag);
     switch (a.grad_dtype) {
-      case c10::kHalf: return optim_chunk<T, c10::Half>(a, t, begin, end, fn);
-      case c10::kBFloat16: return optim_chunk<T, c10::BFloat16>(a, t, begin, end, fn);
-      default: return optim_chunk<T, float>(a, t, begin, end, fn);
+      case DType::Half: return optim_chunk<T, c10::Half>(a, cs, t, begin, end, fn);
+      case DType::BFloat16: return optim_chunk<T, c10::BFloat16>(a, cs, t, begin, end, fn);
+      default: return optim_chunk<T, float>(a, cs, t, begin, end, fn);
     }
   };
   switch (a.param_dtype) {
-    case c10::kHalf: return with_grad(c10::Half{});
-    case c10::kBFloat16: return with_grad(c10::BFloat16{});
+    case DType::Half: return with_grad(c10::Half{});
+    case DType::BFloat16: return with_grad(c10::BFloat16{});
     default: return with_grad(float{});
   }
 }
 
+// One parallel pass over every chunk of every tensor, then each step counter advanced by one.
 template <typename Fn>
-void optim_pass(const OptimArgs& a, const Fn& fn) {
-  const auto chunks = make_chunks(a.num_tensors, [&](int64_t t) { return a.numels[t]; });
+void optim_pass(const OptimArgs& a, const CallScalars& cs, const Fn& fn) {
+  const auto chunks = make_chunks(a.num_tensors, [&](int64_t t) { return a.tensors[t].numel; });
   parallel_chunks(chunks, [&](int64_t c) {
-    dispatch_chunk(a, chunks[c].tensor, chunks[c].begin, chunks[c].end, fn);
+    dispatch_chunk(a, cs, chunks[c].tensor, chunks[c].begin, chunks[c].end, fn);
   });
-  for (int64_t t = 0; t < a.num_tensors; ++t) *a.steps[t] += 1.0f;
+  for (int64_t t = 0; t < a.num_tensors; ++t) *a.tensors[t].step += 1.0f;
 }
 
 // Lane helpers: a state element or vector at index i of tensor t.
@@ -145,39 +171,50 @@ inline void store_state(float* p, int64_t i, const V& v) {
   }
 }
 
-void sgd_step(const OptimArgs& a, const SgdHyper& h) {
+int sgd_step(const OptimArgs& a, const SgdHyper& h, void*, const LaunchContext&) {
+  CallScalars cs;
+  if (!call_scalars(a, h, cs)) return 0;  // skipped step
   std::vector<SgdScalars> scalars(a.num_tensors);
-  for (int64_t t = 0; t < a.num_tensors; ++t) scalars[t] = sgd_scalars(h, a.lr, *a.steps[t]);
-  optim_pass(a, [&](auto p, auto g, int64_t t, int64_t i) {
+  for (int64_t t = 0; t < a.num_tensors; ++t) scalars[t] = sgd_scalars(h, cs.lr, *a.tensors[t].step);
+  optim_pass(a, cs, [&](auto p, auto g, int64_t t, int64_t i) {
     using V = decltype(p);
     const SgdScalars& s = scalars[t];
     if (!s.has_momentum) return sgd_update<V, CpuMath>(p, g, nullptr, s);
-    V buf = s.first_step ? V(0.0f) : load_state<V>(a.state0[t], i);
+    float* mom = a.tensors[t].state[0];
+    V buf = s.first_step ? V(0.0f) : load_state<V>(mom, i);
     p = sgd_update<V, CpuMath>(p, g, &buf, s);
-    store_state<V>(a.state0[t], i, buf);
+    store_state<V>(mom, i, buf);
     return p;
   });
+  return 0;
 }
 
-void adam_step(const OptimArgs& a, const AdamHyper& h) {
+int adam_step(const OptimArgs& a, const AdamHyper& h, void*, const LaunchContext&) {
+  CallScalars cs;
+  if (!call_scalars(a, h, cs)) return 0;  // skipped step
   std::vector<AdamScalars> scalars(a.num_tensors);
-  for (int64_t t = 0; t < a.num_tensors; ++t) scalars[t] = adam_scalars(h, a.lr, *a.steps[t]);
-  optim_pass(a, [&](auto p, auto g, int64_t t, int64_t i) {
+  for (int64_t t = 0; t < a.num_tensors; ++t) scalars[t] = adam_scalars(h, cs.lr, *a.tensors[t].step);
+  optim_pass(a, cs, [&](auto p, auto g, int64_t t, int64_t i) {
     using V = decltype(p);
-    V m = load_state<V>(a.state0[t], i);
-    V v = load_state<V>(a.state1[t], i);
-    V vm = h.amsgrad ? load_state<V>(a.state2[t], i) : V(0.0f);
+    float* const* st = a.tensors[t].state;
+    V m = load_state<V>(st[0], i);
+    V v = load_state<V>(st[1], i);
+    V vm = h.amsgrad ? load_state<V>(st[2], i) : V(0.0f);
     p = adam_update<V, CpuMath>(p, g, m, v, vm, scalars[t]);
-    store_state<V>(a.state0[t], i, m);
-    store_state<V>(a.state1[t], i, v);
-    if (h.amsgrad) store_state<V>(a.state2[t], i, vm);
+    store_state<V>(st[0], i, m);
+    store_state<V>(st[1], i, v);
+    if (h.amsgrad) store_state<V>(st[2], i, vm);
     return p;
   });
+  return 0;
 }
+
+size_t no_workspace(const OptimArgs&, const LaunchContext&) { return 0; }
 
 }  // namespace
 
 void fill_optim_kernels(KernelTable& table) {
+  table.optim_workspace = &no_workspace;
   table.sgd_step = &sgd_step;
   table.adam_step = &adam_step;
 }

@@ -1,0 +1,33 @@
+// Internal header of the CUDA kernel table (csrc/cuda/*.cu). The .cu files include no torch
+// headers: they are compiled by nvcc for the GPU, and in the test build by the host compiler under
+// the emulator (csrc/cuemu/), which runs the same kernels on CPU tensors.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "ops/kernel_api.h"
+
+// A kernel launch, `AMPFUSE_LAUNCH(grid, block, smem, stream, kernel)(args...)`: the triple-chevron
+// launch under nvcc, the emulator's grid runner under cuemu (which force-includes cuemu/cuemu.h).
+#if defined(CUEMU)
+#define AMPFUSE_LAUNCH(grid, block, smem, stream, ...) \
+  CUEMU_LAUNCH(grid, block, smem, stream, __VA_ARGS__)
+#else
+#define AMPFUSE_LAUNCH(grid, block, smem, stream, ...) __VA_ARGS__<<<grid, block, smem, stream>>>
+#endif
+
+namespace ampfuse::cuda {
+
+using kernels::DType;
+using kernels::KernelTable;
+using kernels::LaunchContext;
+
+inline cudaStream_t stream_of(const LaunchContext& ctx) {
+  return static_cast<cudaStream_t>(ctx.stream);
+}
+
+// The CUDA kernel table (amp_kernels.cu); optim_kernels.cu fills its optimizer entries.
+const KernelTable& kernel_table();
+void fill_optim_kernels(KernelTable& table);
+
+}  // namespace ampfuse::cuda

@@ -1,0 +1,111 @@
+// The one kernel interface of ampfuse: plain C++ (no torch headers, so nvcc and the host
+// compiler of the emulated CUDA build parse it cheaply), shared by
+//   - the backend-neutral op layer (ops/op_layer.cpp), which checks arguments, flattens tensors,
+//     fills one argument struct per op, allocates the workspace a table asks for and calls the
+//     table of the tensors' backend;
+//   - the CPU kernel tables (cpu/kernels/, one per CPU capability: DEFAULT, AVX2, AVX512);
+//   - the CUDA kernel table (cuda/*.cu), compiled by nvcc for the GPU, and in the test build also
+//     by the host compiler under the emulator (cuemu/) as a table for CPU tensors.
+//
+// Every pointer an argument struct holds points into the memory of the tensors' device ("device
+// pointers"): scalars such as inv_scale, found_inf or lr are read and written by the kernels, never
+// by the op layer, so no backend synchronises with the host.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "ops/rules.h"
+
+namespace ampfuse::kernels {
+
+// Element types the kernels read and write.
+enum class DType : uint8_t { Half = 0, BFloat16 = 1, Float = 2, Double = 3 };
+
+// A flat run of `numel` elements of `dtype` starting at `data`.
+struct TensorRef {
+  void* data;
+  int64_t numel;
+  DType dtype;
+};
+
+// Where a call runs: an opaque stream (a cudaStream_t for CUDA tables, null for CPU tables) and
+// the device's multiprocessor count (sizes CUDA grids; unused by CPU tables).
+struct LaunchContext {
+  void* stream;
+  int num_sms;
+};
+
+// unscale_check_ / unscale_check_norm_ / check_norm_.
+struct UnscaleCheckArgs {
+  const TensorRef* tensors;
+  int64_t num_tensors;
+  const float* inv_scale;       // 1 element
+  float* found_inf;             // 1 element; set to 1 on a non-finite value, never reset
+  float* per_tensor_found_inf;  // num_tensors elements, or null; entry i set to 1 likewise
+  bool write_back;              // store the unscaled values (false: read-only check)
+  NormKind norm;                // None: total_norm and clip_coef are not written
+  float* total_norm;            // 1 element: the norm of the unscaled values (fp32)
+  float* clip_coef;             // 1 element: clip_coefficient(norm, max_norm), or 1
+  bool has_max_norm;
+  float max_norm;
+};
+
+// accumulate_grads_: accumulators[i] += grads[i] (fp32 math), grads zeroed when zero_grads.
+struct AccumulateArgs {
+  float* const* accumulators;  // fp32, each walked in the same element order as its grad
+  const TensorRef* grads;      // fp16/bf16/fp32
+  int64_t num_tensors;
+  bool zero_grads;
+  float* found_inf;            // 1 element; set to 1 on a non-finite grad element
+};
+
+// update_scale_: one application of update_scale_rule (ops/rules.h).
+struct UpdateScaleArgs {
+  float* scale;
+  int32_t* growth_tracker;
+  const float* found_inf;
+  int32_t* hysteresis_left;  // null when params.hysteresis == 1 and not consecutive
+  int64_t* stats;            // kNumScaleStats counters, or null
+  ScaleRuleParams params;
+};
+
+// One tensor of a fused optimizer call: param, grad, fp32 master (or null), up to three fp32
+// state tensors (null when absent) and an fp32 step counter, all walked in one element order.
+struct OptimTensor {
+  void* param;
+  const void* grad;
+  float* master;
+  float* state[3];  // SGD: {momentum}; Adam: {exp_avg, exp_avg_sq, max_exp_avg_sq}
+  float* step;
+  int64_t numel;
+};
+
+// sgd_step_ / adam_step_. A non-zero *found_inf makes the call change nothing at all.
+struct OptimArgs {
+  const OptimTensor* tensors;
+  int64_t num_tensors;
+  DType param_dtype;  // Half, BFloat16 or Float
+  DType grad_dtype;   // Half, BFloat16 or Float
+  const float* lr_tensor;   // 1 element, or null: the hyper-parameters' lr
+  const float* grad_scale;  // grads are divided by it, or null
+  const float* found_inf;   // or null
+  const float* clip_coef;   // grads are multiplied by it, or null
+};
+
+// A backend's kernels. Each entry returns 0 on success or a backend status that error_string
+// describes. Workspace: the op layer allocates `*_workspace(...)` bytes of uninitialised device
+// memory (none when 0) and passes it to the matching call.
+struct KernelTable {
+  const char* name;  // "DEFAULT", "AVX2", "AVX512", "cuda", "cuda-emulated"
+  size_t (*unscale_check_workspace)(const UnscaleCheckArgs&, const LaunchContext&);
+  int (*unscale_check)(const UnscaleCheckArgs&, void* workspace, const LaunchContext&);
+  int (*accumulate)(const AccumulateArgs&, const LaunchContext&);
+  int (*update_scale)(const UpdateScaleArgs&, const LaunchContext&);
+  size_t (*optim_workspace)(const OptimArgs&, const LaunchContext&);
+  int (*sgd_step)(const OptimArgs&, const SgdHyper&, void* workspace, const LaunchContext&);
+  int (*adam_step)(const OptimArgs&, const AdamHyper&, void* workspace, const LaunchContext&);
+  const char* (*error_string)(int status);
+};
+
+}  // namespace ampfuse::kernels

@@ -1,0 +1,239 @@
+// The backend-neutral op layer (see op_layer.h): validation, flattening, argument structs,
+// workspace, one call of the backend's kernel table, write-back of copies.
+#include "ops/op_layer.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/util/Exception.h>
+
+#include <vector>
+
+#include "ops/flatten.h"
+#include "ops/validation.h"
+
+namespace ampfuse::ops {
+namespace {
+
+using detail::FlatRow;
+using detail::FlatTensor;
+
+void check_status(const kernels::KernelTable& table, int status, const char* op) {
+  TORCH_CHECK(status == 0, "ampfuse.", op, ": the ", table.name,
+              " kernel failed: ", table.error_string(status));
+}
+
+// Uninitialised device memory for a kernel (the kernels initialise what they need on the stream).
+at::Tensor workspace(size_t bytes, const c10::Device& device) {
+  if (bytes == 0) return {};
+  return at::empty({static_cast<int64_t>(bytes)},
+                   at::TensorOptions().dtype(at::kByte).device(device));
+}
+
+void* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+
+template <typename T>
+T* ptr_or_null(const std::optional<at::Tensor>& t) {
+  return t ? t->mutable_data_ptr<T>() : nullptr;
+}
+
+template <typename T>
+const T* const_ptr_or_null(const std::optional<at::Tensor>& t) {
+  return t ? t->const_data_ptr<T>() : nullptr;
+}
+
+// Shared body of unscale_check_, unscale_check_norm_ and check_norm_ (arguments validated).
+std::tuple<at::Tensor, at::Tensor> unscale_check_impl(
+    const Backend& b, at::TensorList tensors, const at::Tensor& found_inf,
+    const at::Tensor& inv_scale, bool write_back, NormKind norm, std::optional<double> max_norm,
+    const std::optional<at::Tensor>& per_tensor_found_inf, const char* op) {
+  const c10::Device device = found_inf.device();
+  const c10::DeviceGuard guard(device);
+  std::vector<FlatTensor> copies;
+  std::vector<kernels::TensorRef> refs;
+  refs.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    refs.push_back({detail::flat_data(t, copies), t.numel(), detail::kernel_dtype(t.scalar_type())});
+  }
+  at::Tensor total_norm, clip_coef;
+  if (norm != NormKind::None) {
+    total_norm = at::empty({}, found_inf.options());
+    clip_coef = at::empty({}, found_inf.options());
+  }
+  kernels::UnscaleCheckArgs args{};
+  args.tensors = refs.data();
+  args.num_tensors = static_cast<int64_t>(refs.size());
+  args.inv_scale = inv_scale.const_data_ptr<float>();
+  args.found_inf = found_inf.mutable_data_ptr<float>();
+  args.per_tensor_found_inf = ptr_or_null<float>(per_tensor_found_inf);
+  args.write_back = write_back;
+  args.norm = norm;
+  args.total_norm = total_norm.defined() ? total_norm.mutable_data_ptr<float>() : nullptr;
+  args.clip_coef = clip_coef.defined() ? clip_coef.mutable_data_ptr<float>() : nullptr;
+  args.has_max_norm = max_norm.has_value();
+  args.max_norm = max_norm ? static_cast<float>(*max_norm) : 0.0f;
+  const kernels::KernelTable& table = b.table();
+  const kernels::LaunchContext ctx = b.context(device);
+  const at::Tensor ws = workspace(table.unscale_check_workspace(args, ctx), device);
+  check_status(table, table.unscale_check(args, data_or_null(ws), ctx), op);
+  if (write_back) {
+    for (const auto& f : copies) f.finish();
+  }
+  return {total_norm, clip_coef};
+}
+
+// Shared body of the fused optimizer steps (arguments validated).
+template <typename Hyper>
+void optim_step_impl(const Backend& b, const detail::OptimLists& l, const Hyper& h,
+                     const c10::Device& device,
+                     int (*kernels::KernelTable::*entry)(const kernels::OptimArgs&, const Hyper&,
+                                                         void*, const kernels::LaunchContext&),
+                     const std::optional<at::Tensor>& lr_tensor,
+                     const std::optional<at::Tensor>& grad_scale,
+                     const std::optional<at::Tensor>& found_inf,
+                     const std::optional<at::Tensor>& clip_coef, const char* op) {
+  const size_t n = l.params.size();
+  if (n == 0) return;
+  const c10::DeviceGuard guard(device);
+  std::vector<FlatRow> copies;
+  std::vector<kernels::OptimTensor> tensors(n);
+  void* row[detail::kRowPointers];
+  for (size_t i = 0; i < n; ++i) {
+    detail::row_pointers(l, i, row, copies);
+    kernels::OptimTensor& o = tensors[i];
+    o.param = row[0];
+    o.grad = row[1];
+    o.master = static_cast<float*>(row[2]);
+    for (size_t k = 0; k < 3; ++k) o.state[k] = static_cast<float*>(row[3 + k]);
+    o.step = l.steps[i].mutable_data_ptr<float>();
+    o.numel = l.params[i].numel();
+  }
+  kernels::OptimArgs args{tensors.data(),
+                          static_cast<int64_t>(n),
+                          detail::kernel_dtype(l.params[0].scalar_type()),
+                          detail::kernel_dtype(l.grads[0].scalar_type()),
+                          const_ptr_or_null<float>(lr_tensor),
+                          const_ptr_or_null<float>(grad_scale),
+                          const_ptr_or_null<float>(found_inf),
+                          const_ptr_or_null<float>(clip_coef)};
+  const kernels::KernelTable& table = b.table();
+  const kernels::LaunchContext ctx = b.context(device);
+  const at::Tensor ws = workspace(table.optim_workspace(args, ctx), device);
+  check_status(table, (table.*entry)(args, h, data_or_null(ws), ctx), op);
+  for (const auto& r : copies) r.finish();
+}
+
+}  // namespace
+
+void unscale_check(const Backend& b, at::TensorList tensors, const at::Tensor& found_inf,
+                   const at::Tensor& inv_scale) {
+  detail::check_unscale_args(tensors, found_inf, inv_scale);
+  unscale_check_impl(b, tensors, found_inf, inv_scale, /*write_back=*/true, NormKind::None,
+                     std::nullopt, std::nullopt, "unscale_check_");
+}
+
+std::tuple<at::Tensor, at::Tensor> unscale_check_norm(
+    const Backend& b, at::TensorList tensors, const at::Tensor& found_inf,
+    const at::Tensor& inv_scale, double norm_type, std::optional<double> max_norm,
+    const std::optional<at::Tensor>& per_tensor_found_inf) {
+  detail::check_unscale_args(tensors, found_inf, inv_scale);
+  detail::check_norm_args(norm_type, max_norm, per_tensor_found_inf, tensors.size(),
+                          found_inf.device());
+  return unscale_check_impl(b, tensors, found_inf, inv_scale, /*write_back=*/true,
+                            detail::norm_kind(norm_type), max_norm, per_tensor_found_inf,
+                            "unscale_check_norm_");
+}
+
+std::tuple<at::Tensor, at::Tensor> check_norm(
+    const Backend& b, at::TensorList tensors, const at::Tensor& found_inf,
+    const at::Tensor& inv_scale, double norm_type, std::optional<double> max_norm,
+    const std::optional<at::Tensor>& per_tensor_found_inf) {
+  detail::check_unscale_args(tensors, found_inf, inv_scale);
+  detail::check_norm_args(norm_type, max_norm, per_tensor_found_inf, tensors.size(),
+                          found_inf.device());
+  return unscale_check_impl(b, tensors, found_inf, inv_scale, /*write_back=*/false,
+                            detail::norm_kind(norm_type), max_norm, per_tensor_found_inf,
+                            "check_norm_");
+}
+
+void update_scale(const Backend& b, const at::Tensor& scale, const at::Tensor& growth_tracker,
+                  const at::Tensor& found_inf, double growth_factor, double backoff_factor,
+                  int64_t growth_interval, int64_t hysteresis,
+                  const std::optional<at::Tensor>& hysteresis_tracker, bool consecutive_hysteresis,
+                  std::optional<double> min_scale, std::optional<double> max_scale,
+                  const std::optional<at::Tensor>& stats) {
+  const ScaleRuleParams p = detail::check_update_scale_args(
+      scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval, hysteresis,
+      hysteresis_tracker, consecutive_hysteresis, min_scale, max_scale, stats);
+  const c10::Device device = scale.device();
+  const c10::DeviceGuard guard(device);
+  const kernels::UpdateScaleArgs args{scale.mutable_data_ptr<float>(),
+                                      growth_tracker.mutable_data_ptr<int32_t>(),
+                                      found_inf.const_data_ptr<float>(),
+                                      ptr_or_null<int32_t>(hysteresis_tracker),
+                                      ptr_or_null<int64_t>(stats),
+                                      p};
+  const kernels::KernelTable& table = b.table();
+  check_status(table, table.update_scale(args, b.context(device)), "update_scale_");
+}
+
+void accumulate_grads(const Backend& b, at::TensorList accumulators, at::TensorList grads,
+                      const at::Tensor& found_inf, bool zero_grads) {
+  detail::check_accumulate_args(accumulators, grads, found_inf);
+  const c10::Device device = found_inf.device();
+  const c10::DeviceGuard guard(device);
+  // Accumulator and grad are walked in one element order; the grad is written only to zero it.
+  std::vector<FlatRow> copies;
+  std::vector<float*> acc_ptrs(grads.size());
+  std::vector<kernels::TensorRef> grad_refs(grads.size());
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor* row[2] = {&accumulators[i], &grads[i]};
+    void* ptrs[2];
+    detail::flat_pointers(row, 2, zero_grads ? 0u : 2u, ptrs, copies);
+    acc_ptrs[i] = static_cast<float*>(ptrs[0]);
+    grad_refs[i] = {ptrs[1], grads[i].numel(), detail::kernel_dtype(grads[i].scalar_type())};
+  }
+  const kernels::AccumulateArgs args{acc_ptrs.data(), grad_refs.data(),
+                                     static_cast<int64_t>(grads.size()), zero_grads,
+                                     found_inf.mutable_data_ptr<float>()};
+  const kernels::KernelTable& table = b.table();
+  check_status(table, table.accumulate(args, b.context(device)), "accumulate_grads_");
+  for (const auto& r : copies) r.finish();
+}
+
+void sgd_step(const Backend& b, at::TensorList params, at::TensorList grads,
+              at::TensorList master_params, at::TensorList momentum_buffers, at::TensorList steps,
+              double lr, const std::optional<at::Tensor>& lr_tensor, double momentum,
+              double dampening, double weight_decay, bool nesterov, bool maximize,
+              const std::optional<at::Tensor>& grad_scale,
+              const std::optional<at::Tensor>& found_inf,
+              const std::optional<at::Tensor>& clip_coef) {
+  const detail::OptimLists l{params, grads, master_params, {momentum_buffers},
+                             {"momentum_buffers"}, steps};
+  const c10::Device device =
+      detail::check_optim_args(l, lr_tensor, grad_scale, found_inf, clip_coef);
+  const SgdHyper h{lr, momentum, dampening, weight_decay, nesterov, maximize};
+  detail::check_sgd_hyper(h, l);
+  optim_step_impl(b, l, h, device, &kernels::KernelTable::sgd_step, lr_tensor, grad_scale,
+                  found_inf, clip_coef, "sgd_step_");
+}
+
+void adam_step(const Backend& b, at::TensorList params, at::TensorList grads,
+               at::TensorList master_params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+               at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr,
+               const std::optional<at::Tensor>& lr_tensor, double beta1, double beta2, double eps,
+               double weight_decay, bool amsgrad, bool maximize, bool decoupled_weight_decay,
+               const std::optional<at::Tensor>& grad_scale,
+               const std::optional<at::Tensor>& found_inf,
+               const std::optional<at::Tensor>& clip_coef) {
+  const detail::OptimLists l{params, grads, master_params,
+                             {exp_avgs, exp_avg_sqs, max_exp_avg_sqs},
+                             {"exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"}, steps};
+  const c10::Device device =
+      detail::check_optim_args(l, lr_tensor, grad_scale, found_inf, clip_coef);
+  const AdamHyper h{lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay};
+  detail::check_adam_hyper(h, l);
+  optim_step_impl(b, l, h, device, &kernels::KernelTable::adam_step, lr_tensor, grad_scale,
+                  found_inf, clip_coef, "adam_step_");
+}
+
+}  // namespace ampfuse::ops
