@@ -1,6 +1,9 @@
 # ampfuse developer entry points.
 #   make demo    - run the mixed-precision demo (bootstraps everything on a fresh machine)
-#   make test    - build the native library and run the C++ and Python test suites
+#   make test    - build the native library and run the C++ and Python test suites, then run them
+#                  again with CPU tensors going through the CUDA kernels under the emulator, once in
+#                  forward order and once in a seeded random block/thread order (CUEMU_SEED=N
+#                  replays one)
 #   make bench   - CPU benchmarks against torch (results under benchmarks/results/)
 #   make build   - configure + build the native library, install it into python/ampfuse
 #
@@ -23,14 +26,14 @@ CUDA_ARCHS ?= 80;90
 BUILD_TYPE := $(if $(DEBUG),Debug,Release)
 MAX_JOBS ?= $(shell nproc)
 
-.PHONY: all venv sysdeps build test test-cpp test-py demo bench clean
+.PHONY: all venv sysdeps build test test-cpp test-py test-emulated demo bench clean cuda-coverage cuda-mutants
 
 all: build
 
 # --- system packages (GoogleTest headers/sources, ccache) from Debian --------------------------
 sysdeps:
 	@missing=""; \
-	for p in libgtest-dev ccache; do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	for p in libgtest-dev ccache libboost-context-dev; do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages:$$missing"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -62,6 +65,7 @@ $(BUILD_DIR)/build.ninja: CMakeLists.txt | venv sysdeps
 	  -DAMPFUSE_CUDA=$(AMPFUSE_CUDA) \
 	  -DCMAKE_CUDA_ARCHITECTURES="$(CUDA_ARCHS)" \
 	  -DAMPFUSE_BUILD_TESTS=ON \
+	  -DAMPFUSE_CUDA_EMULATION=ON \
 	  -DCMAKE_INSTALL_PREFIX=$(abspath python/ampfuse)
 
 build: $(BUILD_DIR)/build.ninja
@@ -69,13 +73,36 @@ build: $(BUILD_DIR)/build.ninja
 	cmake --install $(BUILD_DIR) > /dev/null
 
 # --- tests -------------------------------------------------------------------------------------------
+# The emulated runs repeat every suite with CPU tensors going through the CUDA kernels
+# (AMPFUSE_CPU_KERNELS=cuda-emulated): once in forward order, once in random block and thread order
+# with two worker threads and a fresh seed (printed; `make test-emulated CUEMU_SEED=N` replays it).
+# The package-consumer test, the emulator's self-test and the benchmark and GPU-check smoke tests, which run no
+# kernel code of their own, run only in the native pass.
+ifndef CUEMU_SEED
+CUEMU_SEED := $(shell date +%s)
+endif
+PYTEST := AMPFUSE_CPP_BUILD_DIR=$(abspath $(BUILD_DIR)) AMPFUSE_REQUIRE_EMULATION=1 PYTHONPATH=python $(PY) -m pytest -q -p no:cacheprovider
+EMULATED := AMPFUSE_CPU_KERNELS=cuda-emulated
+NOT_EMULATED_CTEST := -E "ampfuse_cpp_consumer|cuemu_selftest"
+NOT_EMULATED_PYTEST := --ignore=tests/test_bench.py --ignore=tests/test_gpu_check.py
+FORWARD := CUEMU_BLOCK_ORDER=forward CUEMU_THREAD_ORDER=forward CUEMU_WORKERS=1
+RANDOM := CUEMU_BLOCK_ORDER=random CUEMU_THREAD_ORDER=random CUEMU_WORKERS=2 CUEMU_SEED=$(CUEMU_SEED)
+
 test-cpp: build
-	cd $(BUILD_DIR) && ctest --output-on-failure
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(MAX_JOBS)
 
 test-py: build
-	AMPFUSE_CPP_BUILD_DIR=$(abspath $(BUILD_DIR)) PYTHONPATH=python $(PY) -m pytest -q tests
+	$(PYTEST) tests
 
-test: test-cpp test-py
+test-emulated: build
+	@echo "== emulated CUDA kernels, forward schedule"
+	cd $(BUILD_DIR) && $(EMULATED) $(FORWARD) ctest --output-on-failure -j $(MAX_JOBS) $(NOT_EMULATED_CTEST)
+	$(EMULATED) $(FORWARD) $(PYTEST) $(NOT_EMULATED_PYTEST) tests
+	@echo "== emulated CUDA kernels, random schedule: CUEMU_SEED=$(CUEMU_SEED)"
+	cd $(BUILD_DIR) && $(EMULATED) $(RANDOM) ctest --output-on-failure -j $(MAX_JOBS) $(NOT_EMULATED_CTEST)
+	$(EMULATED) $(RANDOM) $(PYTEST) $(NOT_EMULATED_PYTEST) tests
+
+test: test-cpp test-py test-emulated
 
 # --- demo and benchmarks -----------------------------------------------------------------------------
 demo: build
@@ -86,3 +113,10 @@ bench: build
 
 clean:
 	rm -rf $(BUILD_DIR) python/ampfuse/lib python/ampfuse/include python/ampfuse/share
+
+# --- evidence for the emulated CUDA suites (on demand, after `make build`) ---------------------------
+cuda-coverage: build
+	$(PY) tests/cuemu/coverage.py
+
+cuda-mutants: build
+	$(PY) tests/cuemu/mutants.py

@@ -161,12 +161,13 @@ def copy_bandwidth(clock: Clock, nbytes: int, repeats: int) -> tuple[float, floa
 
 
 def make_params(shapes, dtype, device, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    """Params and (scaled by 1024) grads, generated on the device itself."""
+    g = torch.Generator(device=device).manual_seed(seed)
     ps = []
     for s in shapes:
-        p = (torch.randn(s, generator=g) * 0.02).to(device=device, dtype=dtype)
+        p = (torch.randn(s, generator=g, device=device) * 0.02).to(dtype)
         p.requires_grad_(True)
-        p.grad = (torch.randn(s, generator=g) * 1e-3 * 1024).to(device=device, dtype=dtype)  # scaled by 1024
+        p.grad = (torch.randn(s, generator=g, device=device) * 1e-3 * 1024).to(dtype)
         ps.append(p)
     return ps
 
@@ -316,8 +317,8 @@ class Row:
     torch_frac_inplace: float = 0.0
 
 
-def plan(device: str, quick: bool) -> list[tuple]:
-    """(case, layout, params, dtype, kwargs)"""
+def plan(device: str, quick: bool, max_params: int | None = None) -> list[tuple]:
+    """(case, layout, params, dtype, kwargs); no case above max_params."""
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     if quick:
         sizes, big = [10**5], 10**5
@@ -325,6 +326,13 @@ def plan(device: str, quick: bool) -> list[tuple]:
         sizes, big = [10**5, 10**6, 10**7, 10**8, 10**9], 10**8
     else:
         sizes, big = [10**5, 10**6, 10**7, 10**8], 10**7
+    rows = _plan_rows(device, quick, sizes, big, bf16, fp16, fp32)
+    if max_params is not None:
+        rows = [r for r in rows if r[2] <= max_params]
+    return rows
+
+
+def _plan_rows(device, quick, sizes, big, bf16, fp16, fp32):
     lp = fp16 if device == "cuda" else bf16
     rows = []
     for n in sizes:  # the headline: AdamW with masters, parameter-count sweep, GPT-2 shapes
@@ -430,8 +438,20 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--max-params", type=int, default=None, help="skip cases with more parameters")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="stop starting new cases after this many seconds (the JSON holds what was measured)")
+    ap.add_argument("--plan-only", action="store_true", help="write the planned cases, measure nothing")
     a = ap.parse_args(argv)
     device = a.device
+    if a.plan_only:
+        cases = plan(device, a.quick, a.max_params)
+        os.makedirs(a.out, exist_ok=True)
+        path = os.path.join(a.out, f"plan-{device}.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"device": device, "planned": [[c, l, n, str(d).replace("torch.", "")] for c, l, n, d, _ in cases]}, f, indent=1)
+        print(f"{len(cases)} cases planned for {device}, at most {max(n for _, _, n, _, _ in cases):.0e} parameters; wrote {path}")
+        return path
     threads = torch.get_num_threads()
     torch.set_num_threads(threads)  # explicit: all cores
     repeats = a.repeats or (3 if a.quick else 7)
@@ -439,8 +459,23 @@ def main(argv: list[str] | None = None) -> str:
     from tqdm import tqdm
 
     rows: list[Row] = []
-    cases = plan(device, a.quick)
+    cases = plan(device, a.quick, a.max_params)
+    started = time.perf_counter()
+    os.makedirs(a.out, exist_ok=True)
+    tag = "quick-" if a.quick else ""
+    info = machine_info(device)
+    path = os.path.join(a.out, f"{tag}{device}-{info['date']}.json")
+
+    def save(extra=None) -> None:  # after every case: a run cut off by a time limit keeps its rows
+        result = {"machine": info, "rows": [asdict(r) for r in rows], **(extra or {})}
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+        os.replace(path + ".tmp", path)
+
     for case, layout, n, dtype, _ in tqdm(cases, desc=f"benchmarks ({device})", disable=a.no_progress):
+        if a.deadline_s is not None and time.perf_counter() - started > a.deadline_s:
+            print(f"deadline reached: {len(rows)} of {len(cases)} cases measured")
+            break
         shapes = layout_shapes(layout, n)
         params = sum(math.prod(s) for s in shapes)
         fns, bpp = build(case, shapes, dtype, device)
@@ -462,14 +497,11 @@ def main(argv: list[str] | None = None) -> str:
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-    result = {"machine": machine_info(device), "rows": [asdict(r) for r in rows]}
+        save()
+    result = {"machine": info, "rows": [asdict(r) for r in rows]}
     if device == "cuda":
         result["step_diagnostics"] = gpu_step_diagnostics(device)
-    os.makedirs(a.out, exist_ok=True)
-    tag = "quick-" if a.quick else ""
-    path = os.path.join(a.out, f"{tag}{device}-{result['machine']['date']}.json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
+    save({k: v for k, v in result.items() if k not in ("machine", "rows")})
     print(f"wrote {path}")
     from report import markdown_table, plot
 

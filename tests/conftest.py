@@ -16,10 +16,52 @@ if _PY not in sys.path:
 import ampfuse  # noqa: E402,F401  (loads the native library once for every test module)
 
 HAS_CUDA = torch.cuda.is_available()
+
+#: True when this run executes CPU tensors through the emulated CUDA kernels
+#: (AMPFUSE_CPU_KERNELS=cuda-emulated, `make test` runs every suite once more that way).
+EMULATED = os.environ.get("AMPFUSE_CPU_KERNELS") == "cuda-emulated"
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device on this machine")
 
 #: devices to parametrize over: CUDA tests are collected everywhere and skipped without a GPU
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+
+
+def _kernels_line() -> str:
+    line = f"ampfuse CPU kernels: {ampfuse.cpu_kernel_info()['kernels']}"
+    emu = ampfuse._library.emulator()
+    if emu is not None:
+        line += (f"; cuemu schedule: {emu.cuemu_schedule().decode()} "
+                 "(replay with CUEMU_BLOCK_ORDER, CUEMU_THREAD_ORDER, CUEMU_SEED, CUEMU_WORKERS)")
+    return line
+
+
+def pytest_report_header(config):
+    return [_kernels_line()]
+
+
+def pytest_terminal_summary(terminalreporter):
+    # Also at the end, and under -q: which kernels ran, and the emulator's schedule and seed.
+    terminalreporter.write_line(_kernels_line())
+
+
+@pytest.fixture(autouse=True)
+def _no_emulator_diagnostics():
+    """Under the emulator, a kernel error (divergent barrier, bad warp collective, deadlock) that
+    did not already surface as an exception still fails the test that caused it."""
+    emu = ampfuse._library.emulator() if EMULATED else None
+    if emu is not None:
+        emu.cuemu_take_diagnostics()
+    yield
+    if emu is not None:
+        diag = emu.cuemu_take_diagnostics().decode()
+        assert diag == "", f"emulated CUDA kernel errors: {diag}"
+
+
+def pytest_make_parametrize_id(config, val, argname):
+    # Readable test ids for dtypes ("bfloat16", not "dtype1"), so that -k can select them.
+    if isinstance(val, torch.dtype):
+        return str(val).replace("torch.", "")
+    return None
 
 
 def pytest_configure(config):

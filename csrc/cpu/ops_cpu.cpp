@@ -6,7 +6,8 @@
 //   - AMPFUSE_CPU_KERNELS=cuda-emulated: the CUDA kernels (csrc/cuda/*.cu) compiled for the host
 //     under the emulator (libampfuse_cuemu.so, built by the test build next to libampfuse), so that
 //     every suite can run on CPU tensors through the CUDA kernel code. AMPFUSE_CUEMU_SMS sets the
-//     emulated multiprocessor count (default 1: grids of 4 blocks).
+//     emulated multiprocessor count (default 1: grids of 4 blocks); AMPFUSE_CUEMU_LIBRARY names
+//     another build of that library (coverage and mutation builds).
 #include <ATen/Version.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -50,16 +51,22 @@ int capability_threads_used() {
 
 constexpr const char* kEmulatedLibrary = "libampfuse_cuemu.so";
 
-// The emulated CUDA table from libampfuse_cuemu.so next to this library, or an error message.
+// The emulated CUDA table from $AMPFUSE_CUEMU_LIBRARY or libampfuse_cuemu.so next to this
+// library; null and a message when it cannot be loaded.
 const KernelTable* emulated_table(std::string& error) {
-  Dl_info self{};
-  if (dladdr(reinterpret_cast<void*>(&capability_table), &self) == 0 || !self.dli_fname) {
-    error = "cannot locate libampfuse";
-    return nullptr;
+  std::string path;
+  if (const char* env = std::getenv("AMPFUSE_CUEMU_LIBRARY"); env && *env) {
+    path = env;
+  } else {
+    Dl_info self{};
+    if (dladdr(reinterpret_cast<void*>(&capability_table), &self) == 0 || !self.dli_fname) {
+      error = "cannot locate libampfuse";
+      return nullptr;
+    }
+    path = self.dli_fname;
+    const size_t slash = path.rfind('/');
+    path = (slash == std::string::npos ? std::string() : path.substr(0, slash + 1)) + kEmulatedLibrary;
   }
-  std::string path = self.dli_fname;
-  const size_t slash = path.rfind('/');
-  path = (slash == std::string::npos ? std::string() : path.substr(0, slash + 1)) + kEmulatedLibrary;
   void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!handle) {
     error = std::string(dlerror()) +

@@ -97,7 +97,7 @@ __device__ __forceinline__ void process_chunk(T* param, const G* grad, float* ma
     const int64_t nq = (end - begin) / 4;
     for (int64_t q = threadIdx.x; q < nq; q += blockDim.x) {
       const int64_t i = begin + 4 * q;
-      float p[4], st[NS][4];
+      float p[4], st[NS][4] = {};  // absent states stay 0 (never stored)
       if (master) {
         const Quad<float> mq = *reinterpret_cast<const Quad<float>*>(master + i);
 #pragma unroll

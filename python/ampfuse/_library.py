@@ -104,6 +104,27 @@ def cpu_kernel_info() -> dict[str, Any]:
     }
 
 
+def emulator_path() -> str:
+    """Where the emulated CUDA kernels (test builds) are looked for: ``$AMPFUSE_CUEMU_LIBRARY`` or
+    ``libampfuse_cuemu.so`` next to the native library."""
+    return os.environ.get("AMPFUSE_CUEMU_LIBRARY") or os.path.join(_LIB_DIR, "libampfuse_cuemu.so")
+
+
+def emulator() -> Any:
+    """The CUDA emulator's controls (a ``ctypes.CDLL`` of the emulated kernel library: schedule,
+    launch counters, kernel diagnostics), or ``None`` when this build has no emulated kernels."""
+    import ctypes
+
+    path = emulator_path()
+    if not os.path.exists(path):
+        return None
+    lib = ctypes.CDLL(path)
+    lib.cuemu_take_diagnostics.restype = ctypes.c_char_p
+    lib.cuemu_schedule.restype = ctypes.c_char_p
+    lib.cuemu_configure.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulonglong, ctypes.c_int]
+    return lib
+
+
 def select_cpu_kernels(name: str, num_sms: int = 1) -> None:
     """For tests: run CPU tensors through the kernel table ``name`` from now on (``"native"``, the
     CPU kernels, or ``"cuda-emulated"``, the CUDA kernels under the emulator with ``num_sms``

@@ -1,0 +1,181 @@
+"""Mutation check of the emulated CUDA suites: inject one kernel bug at a time, show it is caught.
+
+For each mutant: copy csrc/ to a scratch directory, apply one textual change to a CUDA kernel
+source, compile the emulated kernel library from the copy with the exact flags of the main build
+(its compile_commands.json), and run the kernel-level suite (tests/test_cuda_kernels.py) and the
+emulated op tests through it (AMPFUSE_CUEMU_LIBRARY), under the forward schedule and, if that
+passes, the random one. A mutant is caught when a run fails (a wrong result, or a kernel error
+the emulator reports). Needs a `make build` first.
+
+    make cuda-mutants             # or: .venv/bin/python tests/cuemu/mutants.py [--only 0,3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# (what, file under csrc/cuda, original text (must occur once), mutated text)
+MUTANTS = [
+    ("missing __syncthreads in block_reduce (shared partials read before all are written)",
+     "multi_tensor_apply.cuh",
+     "  if (lane == 0) shared[warp] = v;\n  __syncthreads();\n",
+     "  if (lane == 0) shared[warp] = v;\n"),
+    ("16-byte path taken for unaligned pointers (wrong alignment test)",
+     "multi_tensor_apply.cuh",
+     "return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;",
+     "return (reinterpret_cast<uintptr_t>(p) & 7u) == 0;"),
+    ("wrong chunk -> tensor index (binary search off by one)",
+     "multi_tensor_apply.cuh",
+     "if (meta.chunk_start[mid] <= c) {",
+     "if (meta.chunk_start[mid] < c) {"),
+    ("off-by-one tail: chunk end one element short (unscale)",
+     "amp_kernels.cu",
+     "const int64_t end = min(begin + kChunkSize, meta.numel[t]);\n    bool bad = false;",
+     "const int64_t end = min(begin + kChunkSize - 1, meta.numel[t]);\n    bool bad = false;"),
+    ("vector path: scalar tail restarts at the chunk start (unscale)",
+     "amp_kernels.cu",
+     "    begin += nvec * V::kSize;\n",
+     ""),
+    ("wrong last-block condition: last block of the launch, not of the pass (norm)",
+     "amp_kernels.cu",
+     "is_last = ticket == static_cast<unsigned int>(meta.total_blocks - 1);",
+     "is_last = ticket == static_cast<unsigned int>(gridDim.x - 1);"),
+    ("norm partials indexed per launch instead of per pass",
+     "amp_kernels.cu",
+     "partials[meta.block_offset + blockIdx.x] = block_total;",
+     "partials[blockIdx.x] = block_total;"),
+    ("wrong last-block condition: step counter advanced on the wrong arrival",
+     "optim_kernels.cu",
+     "if (atomicAdd(counter, 1u) == chunks_of_t - 1) {",
+     "if (atomicAdd(counter, 1u) == chunks_of_t) {"),
+    ("grid-stride loop skips chunks (optimizer)",
+     "optim_kernels.cu",
+     "  for (int32_t c = blockIdx.x; c < nchunks; c += gridDim.x) {\n    const int t = find_tensor(meta, c);\n    const int64_t begin = static_cast<int64_t>(c - meta.chunk_start[t]) * kChunkSize;\n    const int64_t end = min(begin + kChunkSize, meta.numel[t]);\n    float* step",
+     "  for (int32_t c = blockIdx.x; c < nchunks; c += gridDim.x + 1) {\n    const int t = find_tensor(meta, c);\n    const int64_t begin = static_cast<int64_t>(c - meta.chunk_start[t]) * kChunkSize;\n    const int64_t end = min(begin + kChunkSize, meta.numel[t]);\n    float* step"),
+    ("optimizer quad path ignores the master's alignment",
+     "optim_kernels.cu",
+     "(master == nullptr || aligned_quad<float>(master));",
+     "true;"),
+    ("skip path removed: a set found_inf still steps",
+     "optim_kernels.cu",
+     "if (sa.found_inf != nullptr && *sa.found_inf != 0.0f) return;",
+     ""),
+    ("accumulate: non-finite grads of the vector path not flagged",
+     "amp_kernels.cu",
+     "        bad |= !isfinite(f);\n        a[e / 4].v[e % 4] += f;",
+     "        a[e / 4].v[e % 4] += f;"),
+    ("shuffle reduction reads lanes outside the warp",
+     "multi_tensor_apply.cuh",
+     "  for (int off = 16; off > 0; off >>= 1) {\n    const float o = __shfl_down_sync(0xffffffffu, v, off);\n    v = kMax ? ((o > v || o != o) ? o : v) : v + o;\n  }\n  if (lane == 0)",
+     "  for (int off = 32; off > 0; off >>= 1) {\n    const float o = __shfl_down_sync(0xffffffffu, v, off);\n    v = kMax ? ((o > v || o != o) ? o : v) : v + o;\n  }\n  if (lane == 0)"),
+]
+
+SUITES = ["tests/test_cuda_kernels.py", "tests/test_ops.py", "tests/test_optim.py", "tests/test_accumulation.py"]
+
+
+def compile_entries(build_dir: str) -> list[dict]:
+    with open(os.path.join(build_dir, "compile_commands.json"), encoding="utf-8") as f:
+        entries = json.load(f)
+    wanted = [e for e in entries if "/cuemu/" in e["file"] and os.path.basename(e["file"]) != "runtime.cpp"
+              and "CMakeFiles/ampfuse_cuemu.dir" in e.get("output", e["command"])]
+    if not wanted:
+        sys.exit(f"no emulated-kernel entries in {build_dir}/compile_commands.json: run `make build` first")
+    return wanted
+
+
+def cache_value(build_dir: str, key: str) -> str:
+    with open(os.path.join(build_dir, "CMakeCache.txt"), encoding="utf-8") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return line.split("=", 1)[1].strip()
+    return ""
+
+
+def build_mutant(build_dir: str, work: str, entries: list[dict]) -> str:
+    """Compile the emulated library from work/csrc with the main build's flags; returns its path."""
+    src = os.path.join(ROOT, "csrc")
+    objs = []
+    for e in entries:
+        wrapper_src = open(e["file"], encoding="utf-8").read().replace(src, os.path.join(work, "csrc"))
+        wrapper = os.path.join(work, os.path.basename(e["file"]))
+        with open(wrapper, "w", encoding="utf-8") as f:
+            f.write(wrapper_src)
+        obj = os.path.join(work, os.path.basename(e["file"]) + ".o")
+        cmd = e["command"].replace(src + "/", os.path.join(work, "csrc") + "/").replace(src + " ", os.path.join(work, "csrc") + " ")
+        cmd = re.sub(r"-o \S+", f"-o {obj}", cmd, count=1)
+        cmd = cmd.replace(e["file"], wrapper)
+        cmd = re.sub(r"^\S*ccache\s+", "", cmd)
+        r = subprocess.run(cmd, shell=True, cwd=e["directory"], capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"compiling the mutant failed:\n{r.stderr[-3000:]}")
+        objs.append(obj)
+    runtime = os.path.join(build_dir, "CMakeFiles", "ampfuse_cuemu_runtime.dir", "csrc", "cuemu", "runtime.cpp.o")
+    lib = os.path.join(work, "libampfuse_cuemu.so")
+    boost = cache_value(build_dir, "AMPFUSE_BOOST_CONTEXT_LIBRARY")
+    libs = [boost] if boost and not boost.endswith("NOTFOUND") else []
+    subprocess.run(["g++", "-shared", "-Wl,-Bsymbolic", "-Wl,--no-undefined", "-o", lib, *objs, runtime, *libs,
+                    "-lpthread", "-ldl"], check=True)
+    return lib
+
+
+def run_suites(lib: str, python: str, order: str) -> tuple[bool, str]:
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), AMPFUSE_CPU_KERNELS="cuda-emulated",
+               AMPFUSE_CUEMU_LIBRARY=lib, AMPFUSE_REQUIRE_EMULATION="1", CUEMU_QUIET="1",
+               CUEMU_BLOCK_ORDER=order, CUEMU_THREAD_ORDER=order, CUEMU_SEED="7")
+    r = subprocess.run([python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *SUITES], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=1800)
+    out = (r.stdout + r.stderr).splitlines()
+    first = next((l for l in out if l.startswith("FAILED") or l.startswith("ERROR") or "Fatal Python error" in l), "")
+    if not first and r.returncode:
+        first = f"exit status {r.returncode}: " + (out[-1] if out else "")
+    return r.returncode != 0, first
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--build-dir", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--python", default=os.path.join(ROOT, ".venv", "bin", "python"))
+    ap.add_argument("--only", default="", help="comma-separated mutant indices")
+    args = ap.parse_args(argv)
+    entries = compile_entries(args.build_dir)
+    only = {int(x) for x in args.only.split(",") if x}
+    caught = tried = 0
+    for k, (what, fname, old, new) in enumerate(MUTANTS):
+        if only and k not in only:
+            continue
+        tried += 1
+        t0 = time.time()
+        with tempfile.TemporaryDirectory(prefix="ampfuse-mutant-") as work:
+            shutil.copytree(os.path.join(ROOT, "csrc"), os.path.join(work, "csrc"))
+            path = os.path.join(work, "csrc", "cuda", fname)
+            text = open(path, encoding="utf-8").read()
+            if text.count(old) != 1:
+                print(f"[{k}] {what}: the original text occurs {text.count(old)} times in {fname}; update the mutant")
+                return 2
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text.replace(old, new))
+            lib = build_mutant(args.build_dir, work, entries)
+            hit, detail = run_suites(lib, args.python, "forward")
+            schedule = "forward"
+            if not hit:
+                hit, detail = run_suites(lib, args.python, "random")
+                schedule = "random"
+        caught += hit
+        verdict = f"CAUGHT ({schedule} schedule)" if hit else "MISSED"
+        print(f"[{k}] {verdict:26s} {what}  ({time.time() - t0:.0f}s)\n      {detail[:200]}", flush=True)
+    print(f"{caught} of {tried} mutants caught")
+    return 0 if caught == tried else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

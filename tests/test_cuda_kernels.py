@@ -1,0 +1,521 @@
+"""The CUDA kernels (csrc/cuda/*.cu) run under the emulator, compared with the CPU kernels.
+
+`make test` builds the CUDA kernels for the host too (libampfuse_cuemu.so). Every test here runs the
+same op on the same inputs through the CPU kernel table and through the emulated CUDA table
+(switched in-process) and compares every output: bitwise where both follow the same rule (unscale,
+inf/NaN flags, accumulation, the scale update, the optimizer updates of rules.h: the CPU AVX2 and
+AVX-512 builds and the CUDA kernels use the same fused multiply-adds), norms within a stated
+tolerance (the two backends sum in different orders).
+
+The cases aim at the CUDA code's edges: every dtype; sizes 0, 1, chunk-1, chunk, chunk+1 and
+several chunks; data pointers 1 and 3 elements off a 16-byte boundary on each list of a multi-list
+op (the scalar paths); inf/NaN at chunk edges; more tensors than one launch holds (the metadata
+capacity), so that the norm's cross-launch partials and the per-tensor step counters are
+exercised; grids smaller than the chunk count; the skip path. The schedule (block and thread
+order) is the emulator's: `make test` runs this file under a forward and a seeded random one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import pytest
+import torch
+
+import ampfuse
+from ampfuse import _library, ops
+
+if _library.emulator() is None:
+    if os.environ.get("AMPFUSE_REQUIRE_EMULATION") == "1":
+        raise RuntimeError(f"the emulated CUDA kernels are required but {_library.emulator_path()} does not exist")
+    pytest.skip("this build has no emulated CUDA kernels (AMPFUSE_CUDA_EMULATION=OFF)", allow_module_level=True)
+
+CHUNK = 32768  # kChunkSize of csrc/cuda/multi_tensor_apply.cuh
+SIZES = [0, 1, 7, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5]
+OFFSETS = [0, 1, 3]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+OPT_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+# Tensors per launch (TensorListMeta<N>::kMax for N lists: unscale 1, accumulate 2, SGD 5, Adam 6,
+# AMSGrad 7).
+PER_LAUNCH = {"unscale": 1197, "accumulate": 907, "sgd": 525, "adam": 460, "amsgrad": 410}
+
+_native_name = None
+
+
+def native_name() -> str:
+    """The CPU kernel build (the optimizer rules' fused multiply-adds round twice in DEFAULT)."""
+    global _native_name
+    if _native_name is None:
+        with kernel_table("native"):
+            _native_name = ampfuse.cpu_kernel_info()["kernels"]
+    return _native_name
+
+
+@contextlib.contextmanager
+def kernel_table(name: str, num_sms: int = 1):
+    previous = "cuda-emulated" if os.environ.get("AMPFUSE_CPU_KERNELS") == "cuda-emulated" else "native"
+    _library.select_cpu_kernels(name, num_sms)
+    try:
+        yield
+    finally:
+        _library.select_cpu_kernels(previous, int(os.environ.get("AMPFUSE_CUEMU_SMS", "1")))
+
+
+def both(make, call, num_sms=1):
+    """call(make()) through the CPU kernels and through the emulated CUDA kernels; returns the two
+    input structures afterwards (make() must build the same inputs each time)."""
+    with kernel_table("native"):
+        a = make()
+        ra = call(a)
+    with kernel_table("cuda-emulated", num_sms):
+        b = make()
+        rb = call(b)
+    return (a, ra), (b, rb)
+
+
+def assert_same(x: torch.Tensor, y: torch.Tensor, msg: str = "") -> None:
+    torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{msg}: {m}")
+
+
+def assert_all_same(xs, ys, what: str) -> None:
+    assert len(xs) == len(ys)
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        assert_same(x, y, f"{what}[{i}]")
+
+
+def offset_tensor(values: torch.Tensor, dtype: torch.dtype, offset: int) -> torch.Tensor:
+    """`values` as a contiguous tensor of `dtype` whose data starts `offset` elements past a
+    64-byte aligned allocation (offsets 1 and 3 break every vector alignment)."""
+    n = values.numel()
+    base = torch.empty(n + offset + 1, dtype=dtype)
+    t = base[offset : offset + n]
+    t.copy_(values.reshape(-1))
+    return t
+
+
+def randn(n: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g, dtype=torch.float64) * scale
+
+
+# ------------------------------------------------------------------------------------------------
+# unscale_check_ / unscale_check_norm_ / check_norm_
+# ------------------------------------------------------------------------------------------------
+
+
+def _unscale_inputs(dtypes, sizes, offsets, seed, scale=300.0, nonfinite=()):
+    tensors = []
+    k = 0
+    for dtype in dtypes:
+        for n in sizes:
+            for off in offsets:
+                tensors.append(offset_tensor(randn(n, seed + k, scale), dtype, off))
+                k += 1
+    for i, pos, val in nonfinite:
+        if tensors[i].numel():
+            tensors[i][pos % tensors[i].numel()] = val
+    return tensors
+
+
+def _unscale_call(kind, inv, norm_type=2.0, max_norm=0.5):
+    def call(tensors):
+        found_inf = torch.zeros(1)
+        flags = torch.zeros(len(tensors))
+        inv_t = torch.full((1,), inv)
+        if kind == "unscale_check_":
+            ops.unscale_check_(tensors, found_inf, inv_t)
+            return found_inf, None, None, None
+        fn = ops.unscale_check_norm_ if kind == "unscale_check_norm_" else ops.check_norm_
+        norm, coef = fn(tensors, found_inf, inv_t, norm_type=norm_type, max_norm=max_norm, per_tensor_found_inf=flags)
+        return found_inf, flags, norm, coef
+
+    return call
+
+
+def _compare_unscale(a, b, norm_type):
+    (ta, (fa, flags_a, norm_a, coef_a)), (tb, (fb, flags_b, norm_b, coef_b)) = a, b
+    assert_all_same(ta, tb, "tensors")
+    assert_same(fa, fb, "found_inf")
+    if flags_a is None:
+        return
+    assert_same(flags_a, flags_b, "per_tensor_found_inf")
+    if norm_type == math.inf or not math.isfinite(norm_a.item()):
+        assert_same(norm_a, norm_b, "norm")  # a max (or inf/NaN) is exact
+        assert_same(coef_a, coef_b, "clip_coef")
+    else:
+        torch.testing.assert_close(norm_b, norm_a, rtol=2e-6, atol=0)  # summation order differs
+        assert coef_b.item() == pytest.approx(coef_a.item(), rel=4e-6)
+
+
+@pytest.mark.parametrize("kind", ["unscale_check_", "unscale_check_norm_", "check_norm_"])
+@pytest.mark.parametrize("dtype", DTYPES + ["mixed"])
+@pytest.mark.parametrize("inv", [1.0 / 1024, 1.0])
+def test_unscale_every_dtype_size_and_offset(kind, dtype, inv):
+    dtypes = DTYPES if dtype == "mixed" else [dtype]
+    sizes = [1, CHUNK + 1, 7] if dtype == "mixed" else SIZES
+    for norm_type in ([2.0, math.inf] if kind != "unscale_check_" else [2.0]):
+        a, b = both(lambda: _unscale_inputs(dtypes, sizes, OFFSETS, seed=11), _unscale_call(kind, inv, norm_type))
+        _compare_unscale(a, b, norm_type)
+        assert a[1][0].item() == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_unscale_nonfinite_at_chunk_edges(dtype, value):
+    n = 3 * CHUNK + 5
+    for pos in [0, CHUNK - 1, CHUNK, 2 * CHUNK, n - 1]:
+        for kind in ["unscale_check_", "unscale_check_norm_", "check_norm_"]:
+            make = lambda: _unscale_inputs([dtype], [5, n, 9], [0, 3], seed=3, nonfinite=[(3, pos, value)])  # noqa: E731
+            for norm_type in [2.0, math.inf]:
+                a, b = both(make, _unscale_call(kind, 1.0 / 8, norm_type))
+                _compare_unscale(a, b, norm_type)
+                assert a[1][0].item() == 1.0 and b[1][0].item() == 1.0, (pos, kind)
+                if a[1][1] is not None:
+                    assert b[1][1].tolist() == [0, 0, 0, 1, 0, 0], (pos, kind)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize("num_sms", [1, 3])
+def test_unscale_more_tensors_than_one_launch(norm_type, num_sms):
+    """Three launches' worth of tensors: the norm combines the partials of every block of every
+    launch, and per-tensor flags map back to positions in the caller's list."""
+    count = 2 * PER_LAUNCH["unscale"] + 7
+    sizes = [0 if i % 101 == 0 else (i * 37) % 50 + 1 + (CHUNK + 3 if i % 400 == 5 else 0) for i in range(count)]
+
+    def make():
+        tensors = [offset_tensor(randn(n, i, 50.0), DTYPES[i % 4], i % 3) for i, n in enumerate(sizes)]
+        for i in (PER_LAUNCH["unscale"] + 3, count - 1):  # in the second and third launches
+            tensors[i][0] = math.nan
+        return tensors
+
+    for kind in ["unscale_check_norm_", "check_norm_"]:
+        a, b = both(make, _unscale_call(kind, 0.25, norm_type), num_sms=num_sms)
+        _compare_unscale(a, b, norm_type)
+        flags = b[1][1]
+        assert flags.nonzero().flatten().tolist() == [PER_LAUNCH["unscale"] + 3, count - 1]
+    # and without non-finite values, a finite norm that agrees with float64
+    def make_finite():
+        return [offset_tensor(randn(n, i, 50.0), torch.float32, i % 3) for i, n in enumerate(sizes)]
+
+    a, b = both(make_finite, _unscale_call("check_norm_", 0.25, norm_type), num_sms=num_sms)
+    _compare_unscale(a, b, norm_type)
+    ref = torch.linalg.vector_norm(torch.cat([t.double() for t in make_finite()]) * 0.25, norm_type)
+    torch.testing.assert_close(b[1][2].double(), ref, rtol=1e-5, atol=0)
+
+
+def test_unscale_empty_list_writes_norm_and_coef():
+    a, b = both(lambda: [], _unscale_call("check_norm_", 0.5))
+    assert b[1][2].item() == 0.0 and b[1][3].item() == 1.0
+    _compare_unscale(a, b, 2.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# accumulate_grads_
+# ------------------------------------------------------------------------------------------------
+
+
+def _accumulate_inputs(gdtype, sizes, offsets, seed, nonfinite=()):
+    accs, grads = [], []
+    k = 0
+    for n in sizes:
+        for acc_off, grad_off in offsets:
+            accs.append(offset_tensor(randn(n, seed + k), torch.float32, acc_off))
+            grads.append(offset_tensor(randn(n, seed + 1000 + k, 10.0), gdtype, grad_off))
+            k += 1
+    for i, pos, val in nonfinite:
+        if grads[i].numel():
+            grads[i][pos % grads[i].numel()] = val
+    return accs, grads
+
+
+def _accumulate_call(zero_grads):
+    def call(inputs):
+        accs, grads = inputs
+        found_inf = torch.zeros(1)
+        ops.accumulate_grads_(accs, grads, found_inf, zero_grads=zero_grads)
+        return found_inf
+
+    return call
+
+
+def _compare_accumulate(a, b):
+    ((acc_a, g_a), f_a), ((acc_b, g_b), f_b) = a, b
+    assert_all_same(acc_a, acc_b, "accumulators")
+    assert_all_same(g_a, g_b, "grads")
+    assert_same(f_a, f_b, "found_inf")
+
+
+ACC_OFFSETS = [(0, 0), (1, 0), (0, 1), (3, 3), (0, 3)]
+
+
+@pytest.mark.parametrize("gdtype", OPT_DTYPES)
+@pytest.mark.parametrize("zero_grads", [True, False])
+def test_accumulate_every_dtype_size_and_offset(gdtype, zero_grads):
+    a, b = both(lambda: _accumulate_inputs(gdtype, SIZES, ACC_OFFSETS, seed=5), _accumulate_call(zero_grads))
+    _compare_accumulate(a, b)
+    assert b[1].item() == 0.0
+    if zero_grads:
+        assert all(not g.any() for g in b[0][1])
+
+
+@pytest.mark.parametrize("gdtype", OPT_DTYPES)
+@pytest.mark.parametrize("value", [math.inf, math.nan])
+def test_accumulate_nonfinite_at_chunk_edges(gdtype, value):
+    n = 2 * CHUNK + 9
+    for pos in [0, CHUNK - 1, CHUNK, n - 1]:
+        a, b = both(lambda: _accumulate_inputs(gdtype, [3, n], [(0, 0), (1, 3)], seed=8, nonfinite=[(3, pos, value)]),
+                    _accumulate_call(True))
+        _compare_accumulate(a, b)
+        assert b[1].item() == 1.0
+
+
+@pytest.mark.parametrize("num_sms", [1, 3])
+def test_accumulate_more_tensors_than_one_launch(num_sms):
+    count = PER_LAUNCH["accumulate"] + 11
+    sizes = [(i * 13) % 40 + 1 for i in range(count)]
+
+    def make():
+        accs = [offset_tensor(randn(n, i), torch.float32, i % 2) for i, n in enumerate(sizes)]
+        grads = [offset_tensor(randn(n, 5000 + i), OPT_DTYPES[i % 3], (i // 2) % 3) for i, n in enumerate(sizes)]
+        grads[count - 2][0] = math.inf  # in the second launch
+        return accs, grads
+
+    a, b = both(make, _accumulate_call(True), num_sms=num_sms)
+    _compare_accumulate(a, b)
+    assert b[1].item() == 1.0
+
+
+# ------------------------------------------------------------------------------------------------
+# update_scale_
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(hysteresis=3),
+        dict(hysteresis=2, consecutive_hysteresis=True, min_scale=2.0**-3, max_scale=2.0**20),
+        dict(min_scale=1.0, max_scale=2.0**18),
+    ],
+    ids=["torch", "hysteresis", "all", "bounds"],
+)
+def test_update_scale_sequences(options):
+    import random
+
+    rng = random.Random(4)
+    found = [1.0 if rng.random() < (0.7 if (s // 50) % 2 else 0.05) else 0.0 for s in range(400)]
+
+    def make():
+        return (torch.full((1,), 2.0**16), torch.zeros(1, dtype=torch.int32),
+                torch.full((1,), options.get("hysteresis", 1), dtype=torch.int32), torch.zeros(4, dtype=torch.int64))
+
+    def call(state):
+        scale, tracker, hyst, stats = state
+        trace = []
+        for f in found:
+            ops.update_scale_(scale, tracker, torch.full((1,), f), 2.0, 0.5, 7, hysteresis_tracker=hyst, stats=stats, **options)
+            trace.append(scale.item())
+        return trace
+
+    (sa, ta), (sb, tb) = both(make, call)
+    assert ta == tb
+    assert_all_same(list(sa), list(sb), "scale state")
+
+
+# ------------------------------------------------------------------------------------------------
+# sgd_step_ / adam_step_
+# ------------------------------------------------------------------------------------------------
+
+# Lists of an optimizer row: 0 param, 1 grad, 2 master, 3.. states. Offset patterns (elements) per
+# list, cycled over the tensors of a call: aligned, each list alone off by 1 or 3, all off.
+def _offset_patterns(nlists):
+    pats = [[0] * nlists]
+    for k in range(nlists):
+        for off in (1, 3):
+            p = [0] * nlists
+            p[k] = off
+            pats.append(p)
+    pats.append([1] * nlists)
+    pats.append([3, 1, 3, 1, 3, 1, 3][:nlists])
+    return pats
+
+
+def _optim_inputs(kind, pdtype, gdtype, master, sizes, nstates, seed, misalign=True):
+    nlists = 3 + nstates
+    pats = _offset_patterns(nlists) if misalign else [[0] * nlists]
+    params, grads, masters, states, steps = [], [], [], [[] for _ in range(nstates)], []
+    for i, n in enumerate(sizes):
+        pat = pats[i % len(pats)]
+        p = randn(n, seed + i)
+        params.append(offset_tensor(p, pdtype, pat[0]))
+        grads.append(offset_tensor(randn(n, seed + 10_000 + i, 3.0), gdtype, pat[1]))
+        if master:
+            masters.append(offset_tensor(p, torch.float32, pat[2]))
+        for k in range(nstates):
+            init = randn(n, seed + 20_000 + 1000 * k + i, 0.1)
+            states[k].append(offset_tensor(init.abs() if k > 0 else init, torch.float32, pat[3 + k]))
+        steps.append(torch.full((), float(i % 3)))
+    return params, grads, masters, states, steps
+
+
+def _optim_call(kind, hyper, schedule):
+    """Several steps: `schedule` lists (found_inf, grad_scale, clip_coef, lr_tensor) per step."""
+
+    def call(inputs):
+        params, grads, masters, states, steps = inputs
+        for k, (found, scale, clip, lr_t) in enumerate(schedule):
+            scaling = dict(
+                found_inf=torch.full((), found) if found is not None else None,
+                grad_scale=torch.full((), scale) if scale is not None else None,
+                clip_coef=torch.full((), clip) if clip is not None else None,
+            )
+            lr = torch.full((), lr_t) if lr_t is not None else hyper["lr"]
+            if k:  # fresh gradients for every step (in place, so offsets stay)
+                for i, g in enumerate(grads):
+                    g.copy_(randn(g.numel(), 777 * k + i, 3.0).reshape(g.shape))
+            h = {key: v for key, v in hyper.items() if key != "lr"}
+            if kind == "sgd":
+                ops.sgd_step_(params, grads, masters, states[0] if states else [], steps, lr=lr, **h, **scaling)
+            else:
+                ops.adam_step_(params, grads, masters, states[0], states[1], states[2] if len(states) > 2 else [],
+                               steps, lr=lr, **h, **scaling)
+        return None
+
+    return call
+
+
+def _compare_optim(a, b, bitwise):
+    (ia, _), (ib, _) = a, b
+    names = ["params", "grads", "masters"]
+    for name, xs, ys in zip(names, ia[:3], ib[:3]):
+        if bitwise or name == "grads":
+            assert_all_same(xs, ys, name)
+        else:
+            for x, y in zip(xs, ys):
+                torch.testing.assert_close(y.float(), x.float(), rtol=1e-5, atol=1e-6)
+    for k, (xs, ys) in enumerate(zip(ia[3], ib[3])):
+        if bitwise:
+            assert_all_same(xs, ys, f"state{k}")
+        else:
+            for x, y in zip(xs, ys):
+                torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
+    assert_all_same(ia[4], ib[4], "steps")
+
+
+def _bitwise() -> bool:
+    return native_name() in ("AVX2", "AVX512")
+
+
+SGD_CONFIGS = {
+    "plain": dict(lr=0.1),
+    "momentum_wd": dict(lr=0.05, momentum=0.9, weight_decay=0.01),
+    "dampening_maximize": dict(lr=0.05, momentum=0.8, dampening=0.3, maximize=True),
+    "nesterov": dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+}
+ADAM_CONFIGS = {
+    "adam": dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8),
+    "adam_wd_maximize": dict(lr=1e-2, weight_decay=0.01, maximize=True),
+    "adamw": dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+    "amsgrad": dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True, amsgrad=True, beta1=0.5, beta2=0.99),
+}
+# (found_inf, grad_scale, clip_coef, lr_tensor) per step: plain, scaled+clipped, skipped, tensor lr.
+SCHEDULE = [(None, None, None, None), (0.0, 1024.0, 0.5, None), (1.0, 1024.0, 0.5, None), (0.0, 2.0, None, 3e-3)]
+
+
+def _sizes():
+    return [0, 1, 5, 17, CHUNK - 1, CHUNK + 1, 2 * CHUNK + 3] + [33 + i for i in range(12)]
+
+
+@pytest.mark.parametrize("pdtype", OPT_DTYPES)
+@pytest.mark.parametrize("gdtype", OPT_DTYPES)
+@pytest.mark.parametrize("config", list(SGD_CONFIGS))
+def test_sgd_step_every_dtype_offset_and_option(pdtype, gdtype, config):
+    hyper = SGD_CONFIGS[config]
+    nstates = 1 if hyper.get("momentum") else 0
+    for master in ([False, True] if pdtype != torch.float32 else [False]):
+        a, b = both(lambda: _optim_inputs("sgd", pdtype, gdtype, master, _sizes(), nstates, seed=21),
+                    _optim_call("sgd", hyper, SCHEDULE))
+        _compare_optim(a, b, _bitwise())
+
+
+@pytest.mark.parametrize("pdtype", OPT_DTYPES)
+@pytest.mark.parametrize("gdtype", OPT_DTYPES)
+@pytest.mark.parametrize("config", list(ADAM_CONFIGS))
+def test_adam_step_every_dtype_offset_and_option(pdtype, gdtype, config):
+    hyper = ADAM_CONFIGS[config]
+    nstates = 3 if hyper.get("amsgrad") else 2
+    for master in ([False, True] if pdtype != torch.float32 else [False]):
+        a, b = both(lambda: _optim_inputs("adam", pdtype, gdtype, master, _sizes(), nstates, seed=31),
+                    _optim_call("adam", hyper, SCHEDULE))
+        _compare_optim(a, b, _bitwise())
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "amsgrad"])
+@pytest.mark.parametrize("num_sms", [1, 3])
+def test_optim_more_tensors_than_one_launch(kind, num_sms):
+    """Two or three launches: every tensor's step counter advances exactly once per step taken,
+    also for empty tensors and tensors split over several chunks."""
+    count = 2 * PER_LAUNCH[kind] + 5
+    sizes = [(i * 29) % 60 + (2 * CHUNK if i % 300 == 7 else 0) for i in range(count)]
+    hyper = SGD_CONFIGS["momentum_wd"] if kind == "sgd" else ADAM_CONFIGS["amsgrad" if kind == "amsgrad" else "adamw"]
+    nstates = {"sgd": 1, "adam": 2, "amsgrad": 3}[kind]
+    schedule = [(0.0, 8.0, 0.75, None), (1.0, 8.0, 0.75, None), (0.0, 8.0, None, None)]
+    a, b = both(lambda: _optim_inputs("sgd" if kind == "sgd" else "adam", torch.bfloat16, torch.bfloat16, True, sizes, nstates,
+                                      seed=41, misalign=False),
+                _optim_call("sgd" if kind == "sgd" else "adam", hyper, schedule), num_sms=num_sms)
+    _compare_optim(a, b, _bitwise())
+    steps_b = b[0][4]
+    assert [s.item() for s in steps_b] == [float(i % 3) + 2 for i in range(count)]
+
+
+@pytest.mark.parametrize("num_sms", [1, 2])
+def test_optim_tensors_of_many_chunks_grid_smaller_than_chunks(num_sms):
+    """Tensors of 5 to 11 chunks on grids of 4 or 8 blocks: blocks loop over chunks, and the last
+    block to finish a tensor (not the last launched) advances its step counter once."""
+    sizes = [5 * CHUNK + 11, 11 * CHUNK, 7 * CHUNK - 1]
+    for kind, hyper, nstates in [("sgd", SGD_CONFIGS["nesterov"], 1), ("adam", ADAM_CONFIGS["amsgrad"], 3)]:
+        a, b = both(lambda: _optim_inputs(kind, torch.float16, torch.float32, True, sizes, nstates, seed=51),
+                    _optim_call(kind, hyper, SCHEDULE), num_sms=num_sms)
+        _compare_optim(a, b, _bitwise())
+        assert [s.item() for s in b[0][4]] == [float(i % 3) + 3 for i in range(len(sizes))]
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_optim_skip_changes_nothing(kind):
+    """A set found_inf: no element and no step counter changes, on the first step too."""
+    hyper = SGD_CONFIGS["momentum_wd"] if kind == "sgd" else ADAM_CONFIGS["amsgrad"]
+    nstates = 1 if kind == "sgd" else 3
+
+    def make():
+        return _optim_inputs(kind, torch.bfloat16, torch.bfloat16, True, _sizes(), nstates, seed=61)
+
+    before = make()
+    a, b = both(make, _optim_call(kind, hyper, [(1.0, 4.0, 0.5, None), (3.0, None, None, 1e-2)]))
+    for x, y in zip([before[0], before[2], *before[3]], [b[0][0], b[0][2], *b[0][3]]):
+        assert_all_same(x, y, "unchanged")
+    assert_all_same(before[4], b[0][4], "steps")
+    _compare_optim(a, b, True)
+
+
+def test_emulator_counts_launches():
+    """The emulator's launch counter sees the CUDA launch sequence of one call."""
+    emu = _library.emulator()
+    import ctypes
+
+    def launches():
+        n, blocks, switches = ctypes.c_ulonglong(), ctypes.c_ulonglong(), ctypes.c_ulonglong()
+        emu.cuemu_stats(ctypes.byref(n), ctypes.byref(blocks), ctypes.byref(switches))
+        return n.value
+
+    with kernel_table("cuda-emulated"):
+        grads = [torch.randn(10) for _ in range(PER_LAUNCH["unscale"] + 1)]
+        before = launches()
+        ops.check_norm_(grads, torch.zeros(1), torch.ones(1))
+        assert launches() - before == 2  # two launches of metadata
+        before = launches()
+        ops.update_scale_(torch.ones(1), torch.zeros(1, dtype=torch.int32), torch.zeros(1), 2.0, 0.5, 10)
+        assert launches() - before == 1
