@@ -76,8 +76,8 @@ build: $(BUILD_DIR)/build.ninja
 # The emulated runs repeat every suite with CPU tensors going through the CUDA kernels
 # (AMPFUSE_CPU_KERNELS=cuda-emulated): once in forward order, once in random block and thread order
 # with two worker threads and a fresh seed (printed; `make test-emulated CUEMU_SEED=N` replays it).
-# The package-consumer test, the emulator's self-test and the benchmark and GPU-check smoke tests, which run no
-# kernel code of their own, run only in the native pass.
+# The package-consumer test, the emulator's self-test and the benchmark and GPU-check smoke tests,
+# which run no kernel code of their own, run only in the native pass.
 ifndef CUEMU_SEED
 CUEMU_SEED := $(shell date +%s)
 endif

@@ -266,10 +266,11 @@ def test_accumulate_every_dtype_size_and_offset(gdtype, zero_grads):
 def test_accumulate_nonfinite_at_chunk_edges(gdtype, value):
     n = 2 * CHUNK + 9
     for pos in [0, CHUNK - 1, CHUNK, n - 1]:
-        a, b = both(lambda: _accumulate_inputs(gdtype, [3, n], [(0, 0), (1, 3)], seed=8, nonfinite=[(3, pos, value)]),
-                    _accumulate_call(True))
-        _compare_accumulate(a, b)
-        assert b[1].item() == 1.0
+        for target in (2, 3):  # aligned (the vector path) and misaligned (the scalar path)
+            a, b = both(lambda: _accumulate_inputs(gdtype, [3, n], [(0, 0), (1, 3)], seed=8, nonfinite=[(target, pos, value)]),
+                        _accumulate_call(True))
+            _compare_accumulate(a, b)
+            assert b[1].item() == 1.0
 
 
 @pytest.mark.parametrize("num_sms", [1, 3])
