@@ -46,18 +46,25 @@ std::tuple<at::Tensor, at::Tensor> unscale_check_impl(
     const Backend& b, at::TensorList tensors, const at::Tensor& found_inf,
     const at::Tensor& inv_scale, bool write_back, NormKind norm, std::optional<double> max_norm,
     const std::optional<at::Tensor>& per_tensor_found_inf, const char* op) {
+  detail::OverlapCheck overlap;
+  overlap.add(tensors, "tensors", write_back);
+  overlap.add(found_inf, "found_inf", true);
+  overlap.add(inv_scale, "inv_scale", false);
+  overlap.add(per_tensor_found_inf, "per_tensor_found_inf", true);
+  overlap.check();
   const c10::Device device = found_inf.device();
+  at::Tensor total_norm, clip_coef;
+  if (norm != NormKind::None) {
+    total_norm = at::empty({}, found_inf.options());
+    clip_coef = at::empty({}, found_inf.options());
+  }
+  if (b.table == nullptr) return {total_norm, clip_coef};  // validation only
   const c10::DeviceGuard guard(device);
   std::vector<FlatTensor> copies;
   std::vector<kernels::TensorRef> refs;
   refs.reserve(tensors.size());
   for (const auto& t : tensors) {
     refs.push_back({detail::flat_data(t, copies), t.numel(), detail::kernel_dtype(t.scalar_type())});
-  }
-  at::Tensor total_norm, clip_coef;
-  if (norm != NormKind::None) {
-    total_norm = at::empty({}, found_inf.options());
-    clip_coef = at::empty({}, found_inf.options());
   }
   kernels::UnscaleCheckArgs args{};
   args.tensors = refs.data();
@@ -71,8 +78,8 @@ std::tuple<at::Tensor, at::Tensor> unscale_check_impl(
   args.clip_coef = clip_coef.defined() ? clip_coef.mutable_data_ptr<float>() : nullptr;
   args.has_max_norm = max_norm.has_value();
   args.max_norm = max_norm ? static_cast<float>(*max_norm) : 0.0f;
-  const kernels::KernelTable& table = b.table();
   const kernels::LaunchContext ctx = b.context(device);
+  const kernels::KernelTable& table = b.table();
   const at::Tensor ws = workspace(table.unscale_check_workspace(args, ctx), device);
   check_status(table, table.unscale_check(args, data_or_null(ws), ctx), op);
   if (write_back) {
@@ -91,8 +98,19 @@ void optim_step_impl(const Backend& b, const detail::OptimLists& l, const Hyper&
                      const std::optional<at::Tensor>& grad_scale,
                      const std::optional<at::Tensor>& found_inf,
                      const std::optional<at::Tensor>& clip_coef, const char* op) {
+  detail::OverlapCheck overlap;
+  overlap.add(l.params, "params", true);
+  overlap.add(l.grads, "grads", false);
+  overlap.add(l.masters, "master_params", true);
+  for (size_t k = 0; k < l.states.size(); ++k) overlap.add(l.states[k], l.state_names[k], true);
+  overlap.add(l.steps, "steps", true);
+  overlap.add(lr_tensor, "lr_tensor", false);
+  overlap.add(grad_scale, "grad_scale", false);
+  overlap.add(found_inf, "found_inf", false);
+  overlap.add(clip_coef, "clip_coef", false);
+  overlap.check();
   const size_t n = l.params.size();
-  if (n == 0) return;
+  if (n == 0 || b.table == nullptr) return;
   const c10::DeviceGuard guard(device);
   std::vector<FlatRow> copies;
   std::vector<kernels::OptimTensor> tensors(n);
@@ -115,8 +133,8 @@ void optim_step_impl(const Backend& b, const detail::OptimLists& l, const Hyper&
                           const_ptr_or_null<float>(grad_scale),
                           const_ptr_or_null<float>(found_inf),
                           const_ptr_or_null<float>(clip_coef)};
-  const kernels::KernelTable& table = b.table();
   const kernels::LaunchContext ctx = b.context(device);
+  const kernels::KernelTable& table = b.table();
   const at::Tensor ws = workspace(table.optim_workspace(args, ctx), device);
   check_status(table, (table.*entry)(args, h, data_or_null(ws), ctx), op);
   for (const auto& r : copies) r.finish();
@@ -164,6 +182,14 @@ void update_scale(const Backend& b, const at::Tensor& scale, const at::Tensor& g
   const ScaleRuleParams p = detail::check_update_scale_args(
       scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval, hysteresis,
       hysteresis_tracker, consecutive_hysteresis, min_scale, max_scale, stats);
+  detail::OverlapCheck overlap;
+  overlap.add(scale, "scale", true);
+  overlap.add(growth_tracker, "growth_tracker", true);
+  overlap.add(found_inf, "found_inf", false);
+  overlap.add(hysteresis_tracker, "hysteresis_tracker", true);
+  overlap.add(stats, "stats", true);
+  overlap.check();
+  if (b.table == nullptr) return;
   const c10::Device device = scale.device();
   const c10::DeviceGuard guard(device);
   const kernels::UpdateScaleArgs args{scale.mutable_data_ptr<float>(),
@@ -172,13 +198,20 @@ void update_scale(const Backend& b, const at::Tensor& scale, const at::Tensor& g
                                       ptr_or_null<int32_t>(hysteresis_tracker),
                                       ptr_or_null<int64_t>(stats),
                                       p};
+  const kernels::LaunchContext ctx = b.context(device);
   const kernels::KernelTable& table = b.table();
-  check_status(table, table.update_scale(args, b.context(device)), "update_scale_");
+  check_status(table, table.update_scale(args, ctx), "update_scale_");
 }
 
 void accumulate_grads(const Backend& b, at::TensorList accumulators, at::TensorList grads,
                       const at::Tensor& found_inf, bool zero_grads) {
   detail::check_accumulate_args(accumulators, grads, found_inf);
+  detail::OverlapCheck overlap;
+  overlap.add(accumulators, "accumulators", true);
+  overlap.add(grads, "grads", zero_grads);
+  overlap.add(found_inf, "found_inf", true);
+  overlap.check();
+  if (b.table == nullptr) return;
   const c10::Device device = found_inf.device();
   const c10::DeviceGuard guard(device);
   // Accumulator and grad are walked in one element order; the grad is written only to zero it.
@@ -195,8 +228,9 @@ void accumulate_grads(const Backend& b, at::TensorList accumulators, at::TensorL
   const kernels::AccumulateArgs args{acc_ptrs.data(), grad_refs.data(),
                                      static_cast<int64_t>(grads.size()), zero_grads,
                                      found_inf.mutable_data_ptr<float>()};
+  const kernels::LaunchContext ctx = b.context(device);
   const kernels::KernelTable& table = b.table();
-  check_status(table, table.accumulate(args, b.context(device)), "accumulate_grads_");
+  check_status(table, table.accumulate(args, ctx), "accumulate_grads_");
   for (const auto& r : copies) r.finish();
 }
 

@@ -19,7 +19,9 @@
 namespace ampfuse::ops {
 
 struct Backend {
-  // The table to run (may be chosen at load time, e.g. the CPU capability).
+  // The table to run (may be chosen at load time, e.g. the CPU capability); null for a backend
+  // that only validates (Meta: shape and dtype propagation for torch.compile and FakeTensor,
+  // with the same checks and messages as every other backend).
   const kernels::KernelTable& (*table)();
   // Stream and size of the device the call runs on (called with that device current).
   kernels::LaunchContext (*context)(const c10::Device& device);

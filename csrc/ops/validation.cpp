@@ -1,10 +1,13 @@
 #include "ops/validation.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <cfloat>
 #include <cmath>
+#include <algorithm>
 #include <limits>
+#include <string>
 
 namespace ampfuse::detail {
 
@@ -35,7 +38,7 @@ void check_scalar_tensor(const at::Tensor& t, const char* name, c10::ScalarType 
                          const c10::Device& device) {
   TORCH_CHECK(t.defined(), name, " must be a defined tensor.");
   TORCH_CHECK(t.layout() == c10::kStrided, name, " must be a strided (dense) tensor.");
-  TORCH_CHECK(t.numel() == 1, name, " must be a 1-element tensor, got ", t.numel(),
+  TORCH_CHECK(t.sym_numel() == 1, name, " must be a 1-element tensor, got ", t.sym_numel(),
               " elements.");
   TORCH_CHECK(t.scalar_type() == dtype, name, " must be a ", dtype_name(dtype),
               " tensor, got ", dtype_name(t.scalar_type()), ".");
@@ -84,8 +87,8 @@ void check_accumulate_args(at::TensorList accumulators, at::TensorList grads,
                 " but found_inf is on ", device, ".");
     TORCH_CHECK(grads[i].scalar_type() != c10::kDouble, "grads[", i, "] has dtype torch.float64; "
                 "expected torch.float16, torch.bfloat16 or torch.float32.");
-    TORCH_CHECK(a.sizes() == grads[i].sizes(), "accumulators[", i, "] has shape ", a.sizes(),
-                " but grads[", i, "] has shape ", grads[i].sizes(), ".");
+    TORCH_CHECK(a.sym_sizes() == grads[i].sym_sizes(), "accumulators[", i, "] has shape ",
+                a.sym_sizes(), " but grads[", i, "] has shape ", grads[i].sym_sizes(), ".");
   }
 }
 
@@ -106,10 +109,10 @@ void check_norm_args(double norm_type, std::optional<double> max_norm,
   }
   if (per_tensor_found_inf) {
     const at::Tensor& f = *per_tensor_found_inf;
-    TORCH_CHECK(f.layout() == c10::kStrided && f.dim() == 1 && f.size(0) == num_tensors &&
+    TORCH_CHECK(f.layout() == c10::kStrided && f.dim() == 1 && f.sym_size(0) == num_tensors &&
                     f.is_contiguous(),
                 "per_tensor_found_inf must be a contiguous 1-D tensor with one element per "
-                "tensor (", num_tensors, "), got shape ", f.sizes(), ".");
+                "tensor (", num_tensors, "), got shape ", f.sym_sizes(), ".");
     TORCH_CHECK(f.scalar_type() == c10::kFloat, "per_tensor_found_inf must be a torch.float32 "
                 "tensor, got ", dtype_name(f.scalar_type()), ".");
     TORCH_CHECK(f.device() == device, "per_tensor_found_inf must be on ", device, ", got ",
@@ -167,10 +170,10 @@ ScaleRuleParams check_update_scale_args(const at::Tensor& scale, const at::Tenso
               ") is below the smallest normal float32 scale (", FLT_MIN, ").");
   if (stats) {
     const at::Tensor& st = *stats;
-    TORCH_CHECK(st.layout() == c10::kStrided && st.dim() == 1 && st.numel() == kNumScaleStats &&
-                    st.is_contiguous(),
+    TORCH_CHECK(st.layout() == c10::kStrided && st.dim() == 1 &&
+                    st.sym_numel() == kNumScaleStats && st.is_contiguous(),
                 "stats must be a contiguous 1-D tensor of ", static_cast<int>(kNumScaleStats),
-                " elements, got shape ", st.sizes(), ".");
+                " elements, got shape ", st.sym_sizes(), ".");
     TORCH_CHECK(st.scalar_type() == c10::kLong, "stats must be a torch.int64 tensor, got ",
                 dtype_name(st.scalar_type()), ".");
     TORCH_CHECK(st.device() == device, "stats must be on ", device, ", got ", st.device(), ".");
@@ -213,7 +216,7 @@ c10::Device check_optim_args(const OptimLists& l, const std::optional<at::Tensor
   auto check_tensor = [&](const at::Tensor& t, const char* name, size_t i, c10::ScalarType dtype,
                           const at::Tensor& param) {
     if (t.defined() && t.layout() == c10::kStrided && t.device() == *device &&
-        t.scalar_type() == dtype && t.sizes() == param.sizes()) {
+        t.scalar_type() == dtype && t.sym_sizes() == param.sym_sizes()) {
       return;
     }
     TORCH_CHECK(t.defined(), name, "[", i, "] is undefined.");
@@ -224,8 +227,8 @@ c10::Device check_optim_args(const OptimLists& l, const std::optional<at::Tensor
                 *device, "; all tensors of one call must be on one device.");
     TORCH_CHECK(t.scalar_type() == dtype, name, "[", i, "] has dtype ", dtype_name(t.scalar_type()),
                 "; expected ", dtype_name(dtype), " (one dtype per list in a call).");
-    TORCH_CHECK(false, name, "[", i, "] has shape ", t.sizes(), " but params[", i, "] has shape ",
-                param.sizes(), ".");
+    TORCH_CHECK(false, name, "[", i, "] has shape ", t.sym_sizes(), " but params[", i,
+                "] has shape ", param.sym_sizes(), ".");
   };
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = l.params[i];
@@ -236,7 +239,7 @@ c10::Device check_optim_args(const OptimLists& l, const std::optional<at::Tensor
       if (!l.states[k].empty()) check_tensor(l.states[k][i], l.state_names[k], i, c10::kFloat, p);
     }
     const at::Tensor& st = l.steps[i];
-    if (!(st.defined() && st.layout() == c10::kStrided && st.numel() == 1 &&
+    if (!(st.defined() && st.layout() == c10::kStrided && st.sym_numel() == 1 &&
           st.scalar_type() == c10::kFloat && st.device() == *device)) {
       const std::string step_name = "steps[" + std::to_string(i) + "]";
       check_scalar_tensor(st, step_name.c_str(), c10::kFloat, *device);
@@ -271,6 +274,70 @@ void check_adam_hyper(const AdamHyper& h, const OptimLists& l) {
                 "exp_avgs and exp_avg_sqs must have one tensor per param.");
     TORCH_CHECK(h.amsgrad == !l.states[2].empty(), "max_exp_avg_sqs must have one tensor per "
                 "param when amsgrad is set, and be empty otherwise.");
+  }
+}
+
+// ---- memory overlap --------------------------------------------------------------------------------
+namespace {
+
+std::string describe(const char* name, int64_t index) {
+  return index < 0 ? std::string(name) : std::string(name) + "[" + std::to_string(index) + "]";
+}
+
+}  // namespace
+
+void OverlapCheck::add(const at::Tensor& t, const char* name, bool written) {
+  const size_t before = spans_.size();
+  add(at::TensorList(&t, 1), name, written);
+  if (spans_.size() > before) spans_.back().index = -1;
+}
+
+void OverlapCheck::add(const std::optional<at::Tensor>& t, const char* name, bool written) {
+  if (t && t->defined()) add(*t, name, written);
+}
+
+void OverlapCheck::add(at::TensorList list, const char* name, bool written) {
+  for (size_t i = 0; i < list.size(); ++i) {
+    const at::Tensor& t = list[i];
+    if (t.is_meta() || t.numel() == 0) continue;  // meta tensors: no memory to check
+    const auto* data = static_cast<const char*>(t.const_data_ptr());
+    if (data == nullptr) continue;
+    if (written && t.dim() > 0 && !t.is_non_overlapping_and_dense()) {
+      TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, describe(name, i),
+                  " has internally overlapping memory (an expanded or stride-0 view: several of "
+                  "its elements are one memory location), but the kernel writes it; pass a "
+                  "tensor that owns its elements (e.g. .clone()).");
+    }
+    int64_t lo = 0, hi = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      const int64_t extent = (t.size(d) - 1) * t.stride(d);
+      (extent < 0 ? lo : hi) += extent;
+    }
+    const auto item = static_cast<int64_t>(t.element_size());
+    const auto base = reinterpret_cast<uintptr_t>(data);
+    spans_.push_back(Span{base + lo * item, base + (hi + 1) * item, &t, name,
+                          static_cast<int64_t>(i), written});
+  }
+}
+
+void OverlapCheck::check() const {
+  std::vector<const Span*> order(spans_.size());
+  for (size_t i = 0; i < spans_.size(); ++i) order[i] = &spans_[i];
+  std::sort(order.begin(), order.end(),
+            [](const Span* a, const Span* b) { return a->begin < b->begin; });
+  for (size_t i = 0; i < order.size(); ++i) {
+    const Span& a = *order[i];
+    for (size_t j = i + 1; j < order.size() && order[j]->begin < a.end; ++j) {
+      const Span& b = *order[j];
+      if (!a.written && !b.written) continue;
+      // Byte ranges intersect; views that interleave without sharing an element (TooHard) pass.
+      const at::MemOverlapStatus status = at::get_overlap_status(*a.tensor, *b.tensor);
+      TORCH_CHECK(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial,
+                  describe(a.name, a.index), " and ", describe(b.name, b.index),
+                  " share memory (the same tensor twice, or overlapping views), and the kernel "
+                  "writes ", a.written ? describe(a.name, a.index) : describe(b.name, b.index),
+                  "; pass every tensor once, each with its own memory.");
+    }
   }
 }
 

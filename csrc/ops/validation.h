@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -65,6 +66,29 @@ c10::Device check_optim_args(const OptimLists& l, const std::optional<at::Tensor
                              const std::optional<at::Tensor>& grad_scale,
                              const std::optional<at::Tensor>& found_inf,
                              const std::optional<at::Tensor>& clip_coef);
+
+// Memory the kernels write must belong to one tensor of the call only: a written tensor with
+// internally overlapping elements (an expanded, stride-0 view) or sharing memory with another
+// tensor of the call (the same tensor twice, overlapping views) is rejected, naming both, before
+// anything runs. Read-only tensors may share memory with each other.
+class OverlapCheck {
+ public:
+  void add(at::TensorList list, const char* name, bool written);
+  void add(const at::Tensor& t, const char* name, bool written);
+  void add(const std::optional<at::Tensor>& t, const char* name, bool written);
+  // Throws on the first conflict.
+  void check() const;
+
+ private:
+  struct Span {
+    uintptr_t begin, end;  // bytes [begin, end) that the tensor's elements lie in
+    const at::Tensor* tensor;
+    const char* name;
+    int64_t index;  // -1 for a single tensor
+    bool written;
+  };
+  std::vector<Span> spans_;
+};
 
 // Hyper-parameter checks (torch's rules) and which state lists the configuration requires.
 void check_sgd_hyper(const SgdHyper& h, const OptimLists& l);

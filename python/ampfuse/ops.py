@@ -1,13 +1,12 @@
 """Typed wrappers around the ``torch.ops.ampfuse`` custom ops, and their fake kernels.
 
 The schemas and kernels live in the native library (``csrc/``); these wrappers only give the ops
-Python signatures and docstrings. The fake kernels (``torch.library.register_fake``) let
-``torch.compile`` and ``FakeTensorMode`` trace the ops; their checks mirror the C++ ones.
+Python signatures and docstrings. ``torch.compile`` and ``FakeTensorMode`` trace the ops through
+their Meta kernels, registered in C++ with the very checks (and messages) of the real kernels.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -27,8 +26,6 @@ __all__ = [
     "NUM_SCALE_STATS",
     "ScaleStat",
 ]
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 #: Number of int64 counters in the ``stats`` tensor of :func:`update_scale_`.
 NUM_SCALE_STATS = 4
@@ -265,143 +262,3 @@ def adam_step_(
         decoupled_weight_decay=decoupled_weight_decay, grad_scale=grad_scale,
         found_inf=found_inf, clip_coef=clip_coef,
     )
-
-
-# --------------------------------------------------------------------------------------------
-# Fake kernels: shape/dtype/device propagation with the same preconditions as the C++ checks.
-# --------------------------------------------------------------------------------------------
-
-
-def _check_scalar(t: torch.Tensor, name: str, dtype: torch.dtype, device: torch.device) -> None:
-    torch._check(t.numel() == 1, lambda: f"{name} must be a 1-element tensor, got {t.numel()} elements.")
-    torch._check(t.dtype == dtype, lambda: f"{name} must be a {dtype} tensor, got {t.dtype}.")
-    torch._check(t.device == device, lambda: f"{name} must be on {device}, got {t.device}.")
-
-
-def _check_unscale(tensors, found_inf, inv_scale) -> None:
-    device = found_inf.device
-    _check_scalar(found_inf, "found_inf", torch.float32, device)
-    _check_scalar(inv_scale, "inv_scale", torch.float32, device)
-    for i, t in enumerate(tensors):
-        torch._check(t.layout == torch.strided, lambda: f"tensors[{i}] has layout {t.layout}; only strided tensors are supported.")
-        torch._check(t.dtype in _FLOAT_DTYPES, lambda: f"tensors[{i}] has dtype {t.dtype}; expected torch.float16, torch.bfloat16, torch.float32 or torch.float64.")
-        torch._check(t.device == device, lambda: f"tensors[{i}] is on {t.device} but found_inf is on {device}; all tensors must be on one device.")
-
-
-def _check_norm(tensors, found_inf, norm_type, max_norm, per_tensor_found_inf) -> None:
-    torch._check(
-        norm_type == 2.0 or (math.isinf(norm_type) and norm_type > 0),
-        lambda: f"norm_type must be 2.0 or inf, got {norm_type}.",
-    )
-    if max_norm is not None:
-        torch._check(math.isfinite(max_norm) and max_norm > 0, lambda: f"max_norm must be a positive finite number, got {max_norm}.")
-    if per_tensor_found_inf is not None:
-        torch._check(
-            per_tensor_found_inf.dim() == 1 and per_tensor_found_inf.shape[0] == len(tensors),
-            lambda: f"per_tensor_found_inf must be a contiguous 1-D tensor with one element per tensor ({len(tensors)}).",
-        )
-        torch._check(per_tensor_found_inf.dtype == torch.float32, lambda: "per_tensor_found_inf must be a torch.float32 tensor.")
-
-
-@torch.library.register_fake("ampfuse::unscale_check_")
-def _unscale_check_fake(tensors, found_inf, inv_scale):
-    _check_unscale(tensors, found_inf, inv_scale)
-
-
-def _norm_fake(tensors, found_inf, inv_scale, *, norm_type=2.0, max_norm=None, per_tensor_found_inf=None):
-    _check_unscale(tensors, found_inf, inv_scale)
-    _check_norm(tensors, found_inf, norm_type, max_norm, per_tensor_found_inf)
-    return found_inf.new_empty(()), found_inf.new_empty(())
-
-
-torch.library.register_fake("ampfuse::unscale_check_norm_")(_norm_fake)
-torch.library.register_fake("ampfuse::check_norm_")(_norm_fake)
-
-
-@torch.library.register_fake("ampfuse::update_scale_")
-def _update_scale_fake(
-    scale,
-    growth_tracker,
-    found_inf,
-    growth_factor,
-    backoff_factor,
-    growth_interval,
-    *,
-    hysteresis=1,
-    hysteresis_tracker=None,
-    consecutive_hysteresis=False,
-    min_scale=None,
-    max_scale=None,
-    stats=None,
-):
-    device = scale.device
-    _check_scalar(scale, "scale", torch.float32, device)
-    _check_scalar(growth_tracker, "growth_tracker", torch.int32, device)
-    _check_scalar(found_inf, "found_inf", torch.float32, device)
-    torch._check(growth_factor > 1.0, lambda: f"growth_factor must be a finite number > 1.0, got {growth_factor}.")
-    torch._check(0.0 < backoff_factor < 1.0, lambda: f"backoff_factor must be in (0, 1), got {backoff_factor}.")
-    torch._check(growth_interval >= 1, lambda: f"growth_interval must be an integer >= 1, got {growth_interval}.")
-    torch._check(hysteresis >= 1, lambda: f"hysteresis must be an integer >= 1, got {hysteresis}.")
-    if hysteresis_tracker is not None:
-        _check_scalar(hysteresis_tracker, "hysteresis_tracker", torch.int32, device)
-    if stats is not None:
-        torch._check(stats.numel() == NUM_SCALE_STATS and stats.dtype == torch.int64, lambda: "stats must be a contiguous 1-D torch.int64 tensor of 4 elements.")
-
-
-@torch.library.register_fake("ampfuse::accumulate_grads_")
-def _accumulate_grads_fake(accumulators, grads, found_inf, *, zero_grads=True):
-    device = found_inf.device
-    _check_scalar(found_inf, "found_inf", torch.float32, device)
-    torch._check(len(accumulators) == len(grads), lambda: f"accumulators and grads must have the same length, got {len(accumulators)} and {len(grads)}.")
-    for i, (a, g) in enumerate(zip(accumulators, grads)):
-        torch._check(a.dtype == torch.float32, lambda: f"accumulators[{i}] has dtype {a.dtype}; accumulators must be torch.float32.")
-        torch._check(g.dtype in (torch.float16, torch.bfloat16, torch.float32), lambda: f"grads[{i}] has dtype {g.dtype}; expected torch.float16, torch.bfloat16 or torch.float32.")
-        torch._check(a.device == device and g.device == device, lambda: f"accumulators[{i}] and grads[{i}] must be on {device}.")
-        torch._check(a.shape == g.shape, lambda: f"accumulators[{i}] has shape {tuple(a.shape)} but grads[{i}] has shape {tuple(g.shape)}.")
-
-
-_OPTIM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _check_optim(params, grads, masters, states, steps, scalars) -> None:
-    n = len(params)
-    torch._check(len(grads) == n, lambda: f"grads must have one tensor per param ({n}), got {len(grads)}.")
-    torch._check(len(steps) == n, lambda: f"steps must have one tensor per param ({n}), got {len(steps)}.")
-    torch._check(len(masters) in (0, n), lambda: f"master_params must be empty or have one tensor per param ({n}).")
-    for name, lst in states:
-        torch._check(len(lst) in (0, n), lambda: f"{name} must be empty or have one tensor per param ({n}).")
-    if n == 0:
-        return
-    device, pdtype, gdtype = params[0].device, params[0].dtype, grads[0].dtype
-    torch._check(pdtype in _OPTIM_DTYPES, lambda: f"params[0] has dtype {pdtype}; expected torch.float16, torch.bfloat16 or torch.float32.")
-    torch._check(gdtype in _OPTIM_DTYPES, lambda: f"grads[0] has dtype {gdtype}; expected torch.float16, torch.bfloat16 or torch.float32.")
-    for i in range(n):
-        rows = [("params", params[i], pdtype), ("grads", grads[i], gdtype)]
-        if masters:
-            rows.append(("master_params", masters[i], torch.float32))
-        rows += [(name, lst[i], torch.float32) for name, lst in states if lst]
-        for name, t, dtype in rows:
-            torch._check(t.device == device, lambda: f"{name}[{i}] is on {t.device} but params[0] is on {device}.")
-            torch._check(t.dtype == dtype, lambda: f"{name}[{i}] has dtype {t.dtype}; expected {dtype}.")
-            torch._check(t.shape == params[i].shape, lambda: f"{name}[{i}] has shape {tuple(t.shape)} but params[{i}] has shape {tuple(params[i].shape)}.")
-        _check_scalar(steps[i], f"steps[{i}]", torch.float32, device)
-    for name, t in scalars:
-        if t is not None:
-            _check_scalar(t, name, torch.float32, device)
-
-
-@torch.library.register_fake("ampfuse::sgd_step_")
-def _sgd_step_fake(params, grads, master_params, momentum_buffers, steps, *, lr, lr_tensor=None, momentum=0.0,
-                   dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False, grad_scale=None,
-                   found_inf=None, clip_coef=None):
-    _check_optim(params, grads, master_params, [("momentum_buffers", momentum_buffers)], steps,
-                 [("lr_tensor", lr_tensor), ("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef)])
-
-
-@torch.library.register_fake("ampfuse::adam_step_")
-def _adam_step_fake(params, grads, master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr,
-                    lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, amsgrad=False,
-                    maximize=False, decoupled_weight_decay=False, grad_scale=None, found_inf=None, clip_coef=None):
-    _check_optim(params, grads, master_params,
-                 [("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs), ("max_exp_avg_sqs", max_exp_avg_sqs)], steps,
-                 [("lr_tensor", lr_tensor), ("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef)])

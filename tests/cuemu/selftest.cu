@@ -195,7 +195,7 @@ __global__ void divergent_barrier_kernel(int* out) {
   }
 }
 __global__ void exited_barrier_kernel(int* out, int n) {
-  if (threadIdx.x >= n) return;  // classic bug: early exit before a barrier
+  if (static_cast<int>(threadIdx.x) >= n) return;  // classic bug: early exit before a barrier
   out[threadIdx.x] = 1;
   __syncthreads();
 }
