@@ -36,30 +36,32 @@ __device__ __forceinline__ T store_op(opmath_t<T> x) {
   }
 }
 
-template <NormKind kNorm>
-__device__ __forceinline__ void accumulate(float& acc, float v) {
+// Norm accumulation in Acc: float, or double when the list holds an fp64 tensor (an fp64 norm
+// may exceed the float range while every value is finite).
+template <NormKind kNorm, typename Acc>
+__device__ __forceinline__ void accumulate(Acc& acc, Acc v) {
   if constexpr (kNorm == NormKind::L2) {
-    acc = fmaf(v, v, acc);
+    acc = fma(v, v, acc);
   } else if constexpr (kNorm == NormKind::Inf) {
-    const float a = fabsf(v);
+    const Acc a = fabs(v);
     acc = (a > acc || a != a) ? a : acc;
   }
 }
 
 // One element: check, unscale, accumulate; returns the value to store.
-template <typename T, NormKind kNorm>
-__device__ __forceinline__ T unscale_one(T x, opmath_t<T> inv, bool scale, bool& bad, float& acc) {
+template <typename T, NormKind kNorm, typename Acc>
+__device__ __forceinline__ T unscale_one(T x, opmath_t<T> inv, bool scale, bool& bad, Acc& acc) {
   opmath_t<T> v = load_op(x);
   bad |= !isfinite(v);
   if (scale) v = v * inv;
-  accumulate<kNorm>(acc, static_cast<float>(v));
+  accumulate<kNorm>(acc, static_cast<Acc>(v));
   return scale ? store_op<T>(v) : x;
 }
 
 // Elements [begin, end) of one tensor, processed by the whole block.
-template <typename T, NormKind kNorm>
+template <typename T, NormKind kNorm, typename Acc>
 __device__ void unscale_chunk(T* p, int64_t begin, int64_t end, float inv_f, bool store,
-                              bool& bad, float& acc) {
+                              bool& bad, Acc& acc) {
   using V = Vec16<T>;
   const opmath_t<T> inv = static_cast<opmath_t<T>>(inv_f);
   const bool scale = inv_f != 1.0f;
@@ -77,7 +79,7 @@ __device__ void unscale_chunk(T* p, int64_t begin, int64_t end, float inv_f, boo
 #pragma unroll
       for (int u = 0; u < kILP; ++u) {
 #pragma unroll
-        for (int k = 0; k < V::kSize; ++k) r[u].v[k] = unscale_one<T, kNorm>(r[u].v[k], inv, scale, bad, acc);
+        for (int k = 0; k < V::kSize; ++k) r[u].v[k] = unscale_one<T, kNorm, Acc>(r[u].v[k], inv, scale, bad, acc);
       }
       if (write) {
 #pragma unroll
@@ -87,25 +89,25 @@ __device__ void unscale_chunk(T* p, int64_t begin, int64_t end, float inv_f, boo
     for (; i < nvec; i += stride) {
       V r = vp[i];
 #pragma unroll
-      for (int k = 0; k < V::kSize; ++k) r.v[k] = unscale_one<T, kNorm>(r.v[k], inv, scale, bad, acc);
+      for (int k = 0; k < V::kSize; ++k) r.v[k] = unscale_one<T, kNorm, Acc>(r.v[k], inv, scale, bad, acc);
       if (write) vp[i] = r;
     }
     begin += nvec * V::kSize;
   }
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    const T y = unscale_one<T, kNorm>(p[i], inv, scale, bad, acc);
+    const T y = unscale_one<T, kNorm, Acc>(p[i], inv, scale, bad, acc);
     if (write) p[i] = y;
   }
 }
 
-template <NormKind kNorm>
+template <NormKind kNorm, typename Acc>
 __global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
     unscale_check_kernel(const __grid_constant__ TensorListMeta<1> meta, const float* inv_scale,
                          float* found_inf, float* per_tensor_found_inf, bool store,
-                         float* partials, unsigned int* counter, float* total_norm,
-                         float* clip_coef, bool has_max_norm, float max_norm) {
+                         Acc* partials, unsigned int* counter, Acc* total_norm, float* clip_coef,
+                         bool has_max_norm, double max_norm) {
   const float inv = *inv_scale;
-  float acc = 0.0f;
+  Acc acc = 0;
   const int32_t nchunks = meta.chunk_start[meta.count];
   for (int32_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const int t = find_tensor(meta, c);
@@ -136,9 +138,9 @@ __global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
 
   if constexpr (kNorm != NormKind::None) {
     constexpr bool kMax = kNorm == NormKind::Inf;
-    __shared__ float shared[kBlockSize / 32];
+    __shared__ Acc shared[kBlockSize / 32];
     __shared__ bool is_last;
-    const float block_total = block_reduce<kMax>(acc, shared);
+    const Acc block_total = block_reduce<kMax>(acc, shared);
     if (threadIdx.x == 0) {
       partials[meta.block_offset + blockIdx.x] = block_total;
       __threadfence();
@@ -150,16 +152,18 @@ __global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
       // Every block of every launch of this pass has published its partial: reduce them in a
       // fixed order (deterministic for a given grid), bypassing L1.
       __threadfence();
-      float v = 0.0f;
+      Acc v = 0;
       for (int i = threadIdx.x; i < meta.total_blocks; i += blockDim.x) {
-        const float o = __ldcg(partials + i);
+        const Acc o = __ldcg(partials + i);
         v = kMax ? ((o > v || o != o) ? o : v) : v + o;
       }
-      const float total = block_reduce<kMax>(v, shared);
+      const Acc total = block_reduce<kMax>(v, shared);
       if (threadIdx.x == 0) {
-        const float norm = kMax ? total : sqrtf(total);
+        const Acc norm = kMax ? total : sqrt(total);
         *total_norm = norm;
-        *clip_coef = has_max_norm ? clip_coefficient(norm, max_norm) : 1.0f;
+        *clip_coef = has_max_norm
+                         ? static_cast<float>(clip_coefficient<Acc>(norm, static_cast<Acc>(max_norm)))
+                         : 1.0f;
         *counter = 0u;
       }
     }
@@ -249,43 +253,51 @@ int64_t num_launches(int64_t num_tensors) {
 size_t unscale_check_workspace(const UnscaleCheckArgs& a, const LaunchContext& ctx) {
   if (a.norm == NormKind::None) return 0;
   const int64_t max_grid = static_cast<int64_t>(ctx.num_sms) * kBlocksPerSM;
-  return kCounterBytes + sizeof(float) * static_cast<size_t>(num_launches(a.num_tensors) * max_grid);
+  const size_t acc = a.norm_fp64 ? sizeof(double) : sizeof(float);
+  return kCounterBytes + acc * static_cast<size_t>(num_launches(a.num_tensors) * max_grid);
+}
+
+template <typename Acc>
+int launch_unscale_check(const UnscaleCheckArgs& a, const std::vector<HostTensor<1>>& tensors,
+                         unsigned int* counter, void* partials, const LaunchContext& ctx) {
+  const cudaStream_t stream = stream_of(ctx);
+  Acc* part = static_cast<Acc*>(partials);
+  Acc* norm = static_cast<Acc*>(a.total_norm);
+  return multi_tensor_apply<1>(tensors, ctx.num_sms * kBlocksPerSM, [&](const TensorListMeta<1>& meta, int grid) {
+    switch (a.norm) {
+      case NormKind::None:
+        AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, unscale_check_kernel<NormKind::None, Acc>)(
+            meta, a.inv_scale, a.found_inf, a.per_tensor_found_inf, a.write_back, part, counter,
+            norm, a.clip_coef, a.has_max_norm, a.max_norm);
+        break;
+      case NormKind::L2:
+        AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, unscale_check_kernel<NormKind::L2, Acc>)(
+            meta, a.inv_scale, a.found_inf, a.per_tensor_found_inf, a.write_back, part, counter,
+            norm, a.clip_coef, a.has_max_norm, a.max_norm);
+        break;
+      case NormKind::Inf:
+        AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, unscale_check_kernel<NormKind::Inf, Acc>)(
+            meta, a.inv_scale, a.found_inf, a.per_tensor_found_inf, a.write_back, part, counter,
+            norm, a.clip_coef, a.has_max_norm, a.max_norm);
+        break;
+    }
+  });
 }
 
 int unscale_check(const UnscaleCheckArgs& a, void* workspace, const LaunchContext& ctx) {
-  const cudaStream_t stream = stream_of(ctx);
   std::vector<HostTensor<1>> tensors(a.num_tensors);
   for (int64_t i = 0; i < a.num_tensors; ++i) {
     tensors[i] = {{a.tensors[i].data}, a.tensors[i].numel, static_cast<int32_t>(i),
                   static_cast<uint8_t>(a.tensors[i].dtype)};
   }
   unsigned int* counter = static_cast<unsigned int*>(workspace);
-  float* partials = workspace ? reinterpret_cast<float*>(static_cast<char*>(workspace) + kCounterBytes)
-                              : nullptr;
+  void* partials = workspace ? static_cast<char*>(workspace) + kCounterBytes : nullptr;
   if (a.norm != NormKind::None) {
-    const cudaError_t err = cudaMemsetAsync(counter, 0, sizeof(unsigned int), stream);
+    const cudaError_t err = cudaMemsetAsync(counter, 0, sizeof(unsigned int), stream_of(ctx));
     if (err != cudaSuccess) return err;
   }
-  const int max_grid = ctx.num_sms * kBlocksPerSM;
-  return multi_tensor_apply<1>(tensors, max_grid, [&](const TensorListMeta<1>& meta, int grid) {
-    switch (a.norm) {
-      case NormKind::None:
-        AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, unscale_check_kernel<NormKind::None>)(
-            meta, a.inv_scale, a.found_inf, a.per_tensor_found_inf, a.write_back, partials,
-            counter, a.total_norm, a.clip_coef, a.has_max_norm, a.max_norm);
-        break;
-      case NormKind::L2:
-        AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, unscale_check_kernel<NormKind::L2>)(
-            meta, a.inv_scale, a.found_inf, a.per_tensor_found_inf, a.write_back, partials,
-            counter, a.total_norm, a.clip_coef, a.has_max_norm, a.max_norm);
-        break;
-      case NormKind::Inf:
-        AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, unscale_check_kernel<NormKind::Inf>)(
-            meta, a.inv_scale, a.found_inf, a.per_tensor_found_inf, a.write_back, partials,
-            counter, a.total_norm, a.clip_coef, a.has_max_norm, a.max_norm);
-        break;
-    }
-  });
+  return a.norm_fp64 ? launch_unscale_check<double>(a, tensors, counter, partials, ctx)
+                     : launch_unscale_check<float>(a, tensors, counter, partials, ctx);
 }
 
 int accumulate(const AccumulateArgs& a, const LaunchContext& ctx) {

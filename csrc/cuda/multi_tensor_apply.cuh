@@ -166,24 +166,24 @@ cudaError_t multi_tensor_apply(const std::vector<HostTensor<N>>& tensors, int ma
   return cudaSuccess;
 }
 
-// Deterministic block-wide reduction (sum or max) of one float per thread; the result is valid in
-// thread 0. `shared` holds kBlockSize / 32 floats.
-template <bool kMax>
-__device__ __forceinline__ float block_reduce(float v, float* shared) {
+// Deterministic block-wide reduction (sum or max, NaN-propagating) of one value per thread (float
+// or double); the result is valid in thread 0. `shared` holds kBlockSize / 32 values.
+template <bool kMax, typename T>
+__device__ __forceinline__ T block_reduce(T v, T* shared) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
-    const float o = __shfl_down_sync(0xffffffffu, v, off);
+    const T o = __shfl_down_sync(0xffffffffu, v, off);
     v = kMax ? ((o > v || o != o) ? o : v) : v + o;
   }
   if (lane == 0) shared[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    v = lane < (kBlockSize / 32) ? shared[lane] : (kMax ? 0.0f : 0.0f);
+    v = lane < (kBlockSize / 32) ? shared[lane] : T(0);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
-      const float o = __shfl_down_sync(0xffffffffu, v, off);
+      const T o = __shfl_down_sync(0xffffffffu, v, off);
       v = kMax ? ((o > v || o != o) ? o : v) : v + o;
     }
   }

@@ -82,6 +82,12 @@ __device__ __forceinline__ bool aligned_quad(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T))) == 0;
 }
 
+// The value the update starts from for a param with an fp32 master (ops/rules.h).
+template <typename T>
+__device__ __forceinline__ float start_value(float master, T param) {
+  return synced_master(master, to_float(from_float<T>(master)), to_float(param));
+}
+
 template <typename T, typename G, class Kind>
 __device__ __forceinline__ void process_chunk(T* param, const G* grad, float* master,
                                               float* (&state)[Kind::kStates], int64_t begin,
@@ -98,12 +104,12 @@ __device__ __forceinline__ void process_chunk(T* param, const G* grad, float* ma
     for (int64_t q = threadIdx.x; q < nq; q += blockDim.x) {
       const int64_t i = begin + 4 * q;
       float p[4], st[NS][4] = {};  // absent states stay 0 (never stored)
+      const Quad<T> pq = *reinterpret_cast<const Quad<T>*>(param + i);
       if (master) {
         const Quad<float> mq = *reinterpret_cast<const Quad<float>*>(master + i);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) p[e] = mq.v[e];
+        for (int e = 0; e < 4; ++e) p[e] = start_value<T>(mq.v[e], pq.v[e]);
       } else {
-        const Quad<T> pq = *reinterpret_cast<const Quad<T>*>(param + i);
 #pragma unroll
         for (int e = 0; e < 4; ++e) p[e] = to_float(pq.v[e]);
       }
@@ -151,7 +157,7 @@ __device__ __forceinline__ void process_chunk(T* param, const G* grad, float* ma
     i0 = begin + 4 * nq;
   }
   for (int64_t i = i0 + threadIdx.x; i < end; i += blockDim.x) {
-    float p = master ? master[i] : to_float(param[i]);
+    float p = master ? start_value<T>(master[i], param[i]) : to_float(param[i]);
     float g = to_float(grad[i]);
     if (divide) g = g / grad_scale;
     if (clip != 1.0f) g = g * clip;

@@ -45,10 +45,12 @@ struct UnscaleCheckArgs {
   float* per_tensor_found_inf;  // num_tensors elements, or null; entry i set to 1 likewise
   bool write_back;              // store the unscaled values (false: read-only check)
   NormKind norm;                // None: total_norm and clip_coef are not written
-  float* total_norm;            // 1 element: the norm of the unscaled values (fp32)
-  float* clip_coef;             // 1 element: clip_coefficient(norm, max_norm), or 1
+  bool norm_fp64;               // accumulate the norm in double, total_norm is a double (the list
+                                // holds an fp64 tensor); else in float, total_norm is a float
+  void* total_norm;             // 1 element: the norm of the unscaled values
+  float* clip_coef;             // 1 element: clip_coefficient(norm, max_norm) rounded, or 1
   bool has_max_norm;
-  float max_norm;
+  double max_norm;
 };
 
 // accumulate_grads_: accumulators[i] += grads[i] (fp32 math), grads zeroed when zero_grads.

@@ -53,9 +53,13 @@ std::tuple<at::Tensor, at::Tensor> unscale_check_impl(
   overlap.add(per_tensor_found_inf, "per_tensor_found_inf", true);
   overlap.check();
   const c10::Device device = found_inf.device();
+  // An fp64 tensor's norm may exceed the float range while every value is finite: with one in the
+  // list the norm is accumulated and returned in fp64 (as torch's clip_grad_norm_ does).
+  bool norm_fp64 = false;
+  for (const auto& t : tensors) norm_fp64 |= t.scalar_type() == c10::kDouble;
   at::Tensor total_norm, clip_coef;
   if (norm != NormKind::None) {
-    total_norm = at::empty({}, found_inf.options());
+    total_norm = at::empty({}, found_inf.options().dtype(norm_fp64 ? at::kDouble : at::kFloat));
     clip_coef = at::empty({}, found_inf.options());
   }
   if (b.table == nullptr) return {total_norm, clip_coef};  // validation only
@@ -74,10 +78,11 @@ std::tuple<at::Tensor, at::Tensor> unscale_check_impl(
   args.per_tensor_found_inf = ptr_or_null<float>(per_tensor_found_inf);
   args.write_back = write_back;
   args.norm = norm;
-  args.total_norm = total_norm.defined() ? total_norm.mutable_data_ptr<float>() : nullptr;
+  args.norm_fp64 = norm_fp64;
+  args.total_norm = total_norm.defined() ? total_norm.mutable_data_ptr() : nullptr;
   args.clip_coef = clip_coef.defined() ? clip_coef.mutable_data_ptr<float>() : nullptr;
   args.has_max_norm = max_norm.has_value();
-  args.max_norm = max_norm ? static_cast<float>(*max_norm) : 0.0f;
+  args.max_norm = max_norm.value_or(0.0);
   const kernels::LaunchContext ctx = b.context(device);
   const kernels::KernelTable& table = b.table();
   const at::Tensor ws = workspace(table.unscale_check_workspace(args, ctx), device);

@@ -84,11 +84,21 @@ AMPFUSE_HOST_DEVICE void update_scale_rule(float* scale, int32_t* growth_tracker
   }
 }
 
-// Clip coefficient exactly as torch.nn.utils.clip_grad_norm_ computes it in fp32:
-// clamp(max_norm * (1 / (norm + 1e-6)), max=1), NaN propagating.
-AMPFUSE_HOST_DEVICE float clip_coefficient(float norm, float max_norm) {
-  float coef = (1.0f / (norm + 1e-6f)) * max_norm;
-  return coef > 1.0f ? 1.0f : coef;
+// Clip coefficient exactly as torch.nn.utils.clip_grad_norm_ computes it for a float max_norm, in
+// the norm's precision F (float, or double for fp64 gradients): clamp((1 / (norm + 1e-6)) *
+// max_norm, max=1) (torch's `max_norm / t` is reciprocal-then-multiply), NaN propagating.
+template <typename F>
+AMPFUSE_HOST_DEVICE F clip_coefficient(F norm, F max_norm) {
+  const F coef = (F(1) / (norm + F(1e-6))) * max_norm;
+  return coef > F(1) ? F(1) : coef;
+}
+
+// Where a step with an fp32 master starts: the master, unless the param no longer holds the master
+// rounded to its dtype -- it was edited since the last step (an in-place clamp, a
+// model.load_state_dict, a re-initialisation, param.data.copy_(...)); then the edit wins and the
+// master restarts from the param. The step itself always leaves param == round(master).
+AMPFUSE_HOST_DEVICE float synced_master(float master, float master_rounded, float param) {
+  return master_rounded == param ? master : param;
 }
 
 // Hyper-parameters of the fused optimizers (the step-dependent factors are derived per tensor from

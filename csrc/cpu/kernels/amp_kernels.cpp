@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 namespace ampfuse::cpu {
 namespace CPU_CAPABILITY {
@@ -20,7 +21,7 @@ using kernels::UpdateScaleArgs;
 // partial norm (sum of squares, or max |x|) of the unscaled values.
 struct ChunkResult {
   bool nonfinite;
-  float partial;
+  double partial;
 };
 
 // Unscales elements [0, n) of `data` (a reduced type or fp32): math in fp32, identical in the
@@ -125,6 +126,48 @@ ChunkResult unscale_span_double(double* data, int64_t n, float inv, bool store, 
   return r;
 }
 
+// The norm in double (the list holds an fp64 tensor, whose norm may exceed the float range while
+// every value is finite): the values are unscaled exactly as above (fp32 math for reduced types
+// and fp32, double for fp64), only the accumulation is wider. Rare, so scalar.
+template <typename T, NormKind norm>
+ChunkResult unscale_span_wide(T* data, int64_t n, float inv, bool scale, bool store) {
+  using Op = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  ChunkResult r{false, 0.0};
+  for (int64_t i = 0; i < n; ++i) {
+    Op v = static_cast<Op>(data[i]);
+    if (!std::isfinite(v)) r.nonfinite = true;
+    if (scale) {
+      v = v * static_cast<Op>(inv);
+      if (store) data[i] = static_cast<T>(v);
+    }
+    const double d = static_cast<double>(v);
+    if constexpr (norm == NormKind::L2) {
+      r.partial = std::fma(d, d, r.partial);
+    } else if constexpr (norm == NormKind::Inf) {
+      const double a = std::abs(d);
+      r.partial = (a > r.partial || a != a) ? a : r.partial;
+    }
+  }
+  return r;
+}
+
+template <NormKind norm>
+ChunkResult unscale_chunk_wide(const TensorRef& s, int64_t begin, int64_t end, float inv,
+                               bool scale, bool store) {
+  const int64_t n = end - begin;
+  switch (s.dtype) {
+    case DType::Float:
+      return unscale_span_wide<float, norm>(static_cast<float*>(s.data) + begin, n, inv, scale, store);
+    case DType::Half:
+      return unscale_span_wide<c10::Half, norm>(static_cast<c10::Half*>(s.data) + begin, n, inv, scale, store);
+    case DType::BFloat16:
+      return unscale_span_wide<c10::BFloat16, norm>(static_cast<c10::BFloat16*>(s.data) + begin, n, inv, scale, store);
+    case DType::Double:
+      return unscale_span_wide<double, norm>(static_cast<double*>(s.data) + begin, n, inv, scale, store);
+  }
+  return {false, 0.0};
+}
+
 template <NormKind norm, bool scale, bool store>
 ChunkResult unscale_chunk(const TensorRef& s, int64_t begin, int64_t end, float inv) {
   const int64_t n = end - begin;
@@ -140,7 +183,7 @@ ChunkResult unscale_chunk(const TensorRef& s, int64_t begin, int64_t end, float 
     case DType::Double:
       return unscale_span_double(static_cast<double*>(s.data) + begin, n, inv, store, norm);
   }
-  return {false, 0.0f};  // unreachable: dtypes are validated by the op layer
+  return {false, 0.0};  // unreachable: dtypes are validated by the op layer
 }
 
 template <NormKind norm, bool scale, bool store>
@@ -148,7 +191,10 @@ void unscale_all(const UnscaleCheckArgs& a, float inv, const std::vector<Chunk>&
                  std::vector<ChunkResult>& results) {
   parallel_chunks(chunks, [&](int64_t c) {
     const Chunk& ch = chunks[c];
-    results[c] = unscale_chunk<norm, scale, store>(a.tensors[ch.tensor], ch.begin, ch.end, inv);
+    results[c] = a.norm_fp64 ? unscale_chunk_wide<norm>(a.tensors[ch.tensor], ch.begin, ch.end,
+                                                        inv, scale, store)
+                             : unscale_chunk<norm, scale, store>(a.tensors[ch.tensor], ch.begin,
+                                                                 ch.end, inv);
   });
 }
 
@@ -175,7 +221,7 @@ int unscale_check(const UnscaleCheckArgs& a, void* /*workspace*/, const LaunchCo
   }
   // Reduce in chunk order: the result does not depend on the number of threads.
   double sum = 0.0;
-  float mx = 0.0f;
+  double mx = 0.0;
   for (size_t c = 0; c < chunks.size(); ++c) {
     const ChunkResult& r = results[c];
     if (r.nonfinite) {
@@ -186,9 +232,17 @@ int unscale_check(const UnscaleCheckArgs& a, void* /*workspace*/, const LaunchCo
     mx = (r.partial > mx || r.partial != r.partial) ? r.partial : mx;
   }
   if (a.norm == NormKind::None) return 0;
-  const float norm = a.norm == NormKind::L2 ? static_cast<float>(std::sqrt(sum)) : mx;
-  *a.total_norm = norm;
-  *a.clip_coef = a.has_max_norm ? clip_coefficient(norm, a.max_norm) : 1.0f;
+  if (a.norm_fp64) {
+    const double norm = a.norm == NormKind::L2 ? std::sqrt(sum) : mx;
+    *static_cast<double*>(a.total_norm) = norm;
+    *a.clip_coef = a.has_max_norm ? static_cast<float>(clip_coefficient(norm, a.max_norm)) : 1.0f;
+  } else {
+    const float norm = a.norm == NormKind::L2 ? static_cast<float>(std::sqrt(sum))
+                                              : static_cast<float>(mx);
+    *static_cast<float*>(a.total_norm) = norm;
+    *a.clip_coef =
+        a.has_max_norm ? clip_coefficient(norm, static_cast<float>(a.max_norm)) : 1.0f;
+  }
   return 0;
 }
 

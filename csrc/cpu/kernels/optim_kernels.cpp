@@ -89,6 +89,20 @@ inline V prepare_grad(V g, float grad_scale, bool divide, float clip) {
   return g;
 }
 
+// synced_master (ops/rules.h) on two float vectors: the masters, where the params still hold them
+// rounded to T; the params where they were edited. NaN lanes compare unequal and take the param.
+template <typename T>
+inline void synced_master_vec(const float* master, FVec& p0, FVec& p1) {
+  FVec m0, m1;
+  Pair<float>::load(master, m0, m1);
+  FVec r0 = m0, r1 = m1;
+  if constexpr (!std::is_same_v<T, float>) {
+    std::tie(r0, r1) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(m0, m1));
+  }
+  p0 = FVec::blendv(m0, p0, r0 != p0);
+  p1 = FVec::blendv(m1, p1, r1 != p1);
+}
+
 // ---- the pass --------------------------------------------------------------------------------
 
 // Runs update(p, g, k, i) over one chunk of one tensor: p is the fp32 param (master or widened
@@ -103,11 +117,8 @@ void optim_chunk(const OptimArgs& a, const CallScalars& cs, int64_t t, int64_t b
   int64_t i = begin;
   for (; i + Pair<T>::kLanes <= end; i += Pair<T>::kLanes) {
     FVec p0, p1, g0, g1;
-    if (master) {
-      Pair<float>::load(master + i, p0, p1);
-    } else {
-      Pair<T>::load(param + i, p0, p1);
-    }
+    Pair<T>::load(param + i, p0, p1);
+    if (master) synced_master_vec<T>(master + i, p0, p1);
     Pair<G>::load(grad + i, g0, g1);
     g0 = prepare_grad(g0, cs.grad_scale, cs.divide, cs.clip);
     g1 = prepare_grad(g1, cs.grad_scale, cs.divide, cs.clip);
@@ -117,7 +128,8 @@ void optim_chunk(const OptimArgs& a, const CallScalars& cs, int64_t t, int64_t b
     Pair<T>::store(param + i, p0, p1);
   }
   for (; i < end; ++i) {
-    float p = master ? master[i] : static_cast<float>(param[i]);
+    float p = static_cast<float>(param[i]);
+    if (master) p = synced_master(master[i], static_cast<float>(static_cast<T>(master[i])), p);
     float g = prepare_grad(static_cast<float>(grad[i]), cs.grad_scale, cs.divide, cs.clip);
     p = fn(p, g, t, i);
     if (master) master[i] = p;
