@@ -485,8 +485,9 @@ def test_hysteresis_and_max_scale():
 def test_extension_arguments_are_validated():
     for kw, msg in [
         (dict(hysteresis=0), "hysteresis must be an integer >= 1"),
-        (dict(min_scale=-1.0), "min_scale must be a finite number >= 0"),
-        (dict(max_scale=0.0), "max_scale must be > 0"),
+        (dict(min_scale=-1.0), r"min_scale must be a finite number in \[0, 3.40282e\+38\]"),
+        (dict(min_scale=1e39), r"\(the float32 range\), got 1e\+39"),
+        (dict(max_scale=0.0), "max_scale must be a number > 0"),
         (dict(min_scale=2.0, max_scale=1.0), r"min_scale \(2.0\) must not be greater than max_scale \(1.0\)"),
         (dict(on_min_scale="loud"), "on_min_scale must be"),
     ]:

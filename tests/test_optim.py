@@ -90,14 +90,14 @@ def test_low_precision_params_with_masters(device, dtype, name, grad_dtype):
     ref = getattr(torch.optim, kind)(fp32, foreach=False, **kw)
     for step in range(50):
         grads = grads_for(step, params, dtype if grad_dtype == "param" else torch.float32)
-        for p, g in zip(params, grads):
-            if grad_dtype == "param":
+        if grad_dtype == "param":
+            for p, g in zip(params, grads):
                 p.grad = g
-            else:
-                ours._grad_buffers[p] = g  # fp32 grads for low-precision params (GradAccumulator)
+            ours.step()
+        else:  # fp32 grads for low-precision params, handed to the step (GradAccumulator's sums)
+            ours.step(grads=dict(zip(params, grads)))
         for q, g in zip(fp32, grads):
             q.grad = g.float()
-        ours.step()
         ref.step()
     for p, q in zip(params, fp32):
         master = ours.state[p]["master_param"]

@@ -170,8 +170,9 @@ __global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
   }
 }
 
-// accumulator += float(grad); grad = 0 (when zero); flags non-finite grads. 16-byte accesses on
-// the grad side (4 or 8 elements) when both sides are aligned.
+// accumulator += float(grad); grad = 0 (when zero); flags sums that are not finite (an inf/NaN
+// grad, or finite grads whose fp32 sum overflowed). 16-byte accesses on the grad side (4 or 8
+// elements) when both sides are aligned.
 template <typename G>
 __device__ void accumulate_chunk(float* acc, G* grad, int64_t begin, int64_t end, bool zero,
                                  bool& bad) {
@@ -191,9 +192,9 @@ __device__ void accumulate_chunk(float* acc, G* grad, int64_t begin, int64_t end
       for (int k = 0; k < K / 4; ++k) a[k] = av[i * (K / 4) + k];
 #pragma unroll
       for (int e = 0; e < K; ++e) {
-        const float f = to_float(g.v[e]);
-        bad |= !isfinite(f);
-        a[e / 4].v[e % 4] += f;
+        const float sum = a[e / 4].v[e % 4] + to_float(g.v[e]);
+        bad |= !isfinite(sum);
+        a[e / 4].v[e % 4] = sum;
       }
 #pragma unroll
       for (int k = 0; k < K / 4; ++k) av[i * (K / 4) + k] = a[k];
@@ -206,9 +207,9 @@ __device__ void accumulate_chunk(float* acc, G* grad, int64_t begin, int64_t end
     begin += static_cast<int64_t>(nvec) * K;
   }
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    const float f = to_float(grad[i]);
-    bad |= !isfinite(f);
-    acc[i] += f;
+    const float sum = acc[i] + to_float(grad[i]);
+    bad |= !isfinite(sum);
+    acc[i] = sum;
     if (zero) grad[i] = from_float<G>(0.0f);
   }
 }

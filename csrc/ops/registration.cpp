@@ -27,7 +27,8 @@ TORCH_LIBRARY(ampfuse, m) {
       "int hysteresis=1, Tensor(c!)? hysteresis_tracker=None, bool consecutive_hysteresis=False, "
       "float? min_scale=None, float? max_scale=None, Tensor(d!)? stats=None) -> ()");
   // accumulators[i] += grads[i] in fp32 (grads fp16/bf16/fp32), zeroing grads[i] in the same pass
-  // when zero_grads; found_inf := 1 if any grad element is inf/NaN (never reset).
+  // when zero_grads; found_inf := 1 if any sum is inf/NaN (an inf/NaN grad, or an fp32 overflow;
+  // never reset).
   m.def(
       "accumulate_grads_(Tensor(a!)[] accumulators, Tensor(b!)[] grads, Tensor(c!) found_inf, *, "
       "bool zero_grads=True) -> ()");

@@ -10,7 +10,7 @@ from ampfuse._library import build_info, cmake_prefix_path, cpu_kernel_info, lib
 
 load_library()
 
-from ampfuse import ops, optim  # noqa: E402
+from ampfuse import cpu, cuda, ops, optim  # noqa: E402
 from ampfuse.accumulation import GradAccumulator  # noqa: E402
 from ampfuse.grad_scaler import GradScaler, OverflowReport  # noqa: E402
 
@@ -20,6 +20,8 @@ __all__ = [
     "GradAccumulator",
     "GradScaler",
     "OverflowReport",
+    "cpu",
+    "cuda",
     "ops",
     "optim",
     "build_info",

@@ -29,33 +29,36 @@ with::
 What it guarantees: the loss scale is constant inside a window (``update`` only at window ends);
 an overflow in any micro-batch skips the whole window, backs the scale off once and resets the
 buffers; DDP synchronises once per window; an attached LR scheduler advances only on windows that
-stepped; fp16/bf16 gradients are summed in fp32.
+stepped; fp16/bf16 gradients are summed in fp32; a parameter that got no gradient in a window is
+not stepped.
 
 FP32 accumulation: for fp16/bf16 parameters, after each micro-batch's backward one fused kernel
-(``ampfuse.ops.accumulate_grads_``) adds the gradients into fp32 buffers, zeroes ``.grad`` and checks
-for inf/NaN in the same pass. With an ampfuse optimizer those buffers are exactly what the fused
-step reads (no extra copy); with another optimizer they are written back into ``.grad`` once per
-window. fp32 parameters accumulate in ``.grad`` as torch does.
+(``ampfuse.ops.accumulate_grads_``) adds the gradients into fp32 buffers and checks the sums for
+inf/NaN in the same pass; ``.grad`` is then set to ``None``. With an ampfuse optimizer driven by
+``ampfuse.GradScaler`` (or no scaler) the fused step reads those buffers directly, handed to it
+explicitly for the window's step (``optimizer.step(grads=...)``); with ``torch.amp.GradScaler``
+or another optimizer, which read ``.grad``, the sums are written into ``.grad`` (rounded once)
+at the window's end. fp32 parameters accumulate in ``.grad`` as torch does.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
 
 import torch
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from ampfuse import ops
 from ampfuse.grad_scaler import GradScaler as _AmpfuseScaler
+from ampfuse.optim import StepScaling, _FusedOptimizer
 
 __all__ = ["GradAccumulator"]
 
 _LOW = (torch.float16, torch.bfloat16)
-
-
-def _unwrap(model: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
-    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-    return model, ddp
 
 
 class GradAccumulator:
@@ -85,18 +88,32 @@ class GradAccumulator:
         lr_scheduler: Any | None = None,
         fp32_accumulation: bool = True,
     ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler (ampfuse.GradScaler included) or None, got {type(scaler).__name__}.")
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"steps must be an integer >= 1, got {steps!r}.")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}.")
-        self.model, self._ddp = _unwrap(model)
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and math.isfinite(max_grad_norm) and max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}.")
+        if not (isinstance(norm_type, (int, float)) and (norm_type > 0 or norm_type == math.inf)):
+            raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}.")
+        if lr_scheduler is not None and not callable(getattr(lr_scheduler, "step", None)):
+            raise TypeError(f"lr_scheduler must have a step() method, got {type(lr_scheduler).__name__}.")
+        self.model = model
+        self._ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         self.optimizer = optimizer
         self.scaler = scaler if (scaler is not None and scaler.is_enabled()) else None
         self.steps = steps
         self.max_grad_norm = max_grad_norm
         self.norm_type = float(norm_type)
         self.lr_scheduler = lr_scheduler
-        self._fused_opt = bool(getattr(optimizer, "_ampfuse_fused_step", False))
+        self._fused_opt = isinstance(optimizer, _FusedOptimizer)
+        self._our_scaler = isinstance(self.scaler, _AmpfuseScaler)
+        # The fused step reads the fp32 sums when nothing else has to read .grad first.
+        self._step_reads_buffers = self._fused_opt and (self.scaler is None or self._our_scaler)
         self.micro_step = 0  #: micro-batches in the current window
         self.windows = 0  #: windows completed (stepped or skipped)
         self.skipped_windows_host = 0  #: windows known (on the host) to have been skipped
@@ -105,15 +122,15 @@ class GradAccumulator:
         self._in_context = False
         self._backward_called = False
 
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        params = self._all_params()
         self._low = [p for p in params if p.dtype in _LOW] if fp32_accumulation else []
         self._flat: dict[torch.device, torch.Tensor] = {}
         self._buffers: list[torch.Tensor] = []
         self._found_inf: dict[torch.device, torch.Tensor] = {}
         if self._low:
-            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
             for p in self._low:
-                by_device.setdefault(p.device, []).append(p)
+                by_device[p.device].append(p)
             buffers: dict[int, torch.Tensor] = {}
             for device, ps in by_device.items():
                 flat = torch.zeros(sum(p.numel() for p in ps), dtype=torch.float32, device=device)
@@ -124,10 +141,9 @@ class GradAccumulator:
                     buffers[id(p)] = flat[offset : offset + p.numel()].view(p.shape)
                     offset += p.numel()
             self._buffers = [buffers[id(p)] for p in self._low]
-            if self._fused_opt:
-                for p, b in zip(self._low, self._buffers):
-                    optimizer._grad_buffers[p] = b  # the fused step reads the fp32 sums
         self._has_grad = [False] * len(self._low)
+        # The gradients handed to the fused step (one dict, updated every window).
+        self._step_grads: dict[torch.Tensor, torch.Tensor | None] = {}
 
     # ---- the loop ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -152,13 +168,15 @@ class GradAccumulator:
             raise RuntimeError("GradAccumulator.accumulate(): call acc.backward(loss) inside the context.")
         self._collect()
         self.micro_step += 1
-        if self.micro_step == self.steps:
+        if self.micro_step >= self.steps:
             self._end_window(self.steps)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss`` times the loss scale and ``1/steps``, backpropagated."""
         if not self._in_context:
             raise RuntimeError("GradAccumulator.backward() must be called inside acc.accumulate().")
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss must be a tensor, got {type(loss).__name__}.")
         loss = loss / self.steps
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
@@ -169,36 +187,42 @@ class GradAccumulator:
         """Step an incomplete window now (e.g. at the end of an epoch), scaling the update as the
         mean over the micro-batches it holds. Returns whether there was anything to step. Under
         DDP, only use it when every rank holds the same number of micro-batches."""
+        self.window_ended = False
         if self.micro_step == 0:
             return False
         if self._ddp and not self._flat:
             # the last micro-batch ran under no_sync: synchronise the .grad sums now
-            self._all_reduce([p.grad for p in self._params_with_grad()])
+            self._all_reduce([p.grad for p in self._all_params() if p.grad is not None])
         self._end_window(self.micro_step)
         return True
 
     # ---- internals ----------------------------------------------------------------------------
-    def _params_with_grad(self) -> list[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
 
     def _collect(self) -> None:
         """After a micro-batch's backward: fp16/bf16 grads into the fp32 buffers (one fused pass
-        per device, zeroing .grad and checking for inf/NaN on the way)."""
+        per device, checking the sums for inf/NaN on the way), then ``.grad = None``."""
         if not self._low:
             return
         per_device: dict[torch.device, tuple[list, list]] = {}
+        taken = []
         for k, (p, b) in enumerate(zip(self._low, self._buffers)):
-            if p.grad is None:
+            g = p.grad
+            if g is None:
                 continue
-            if p.grad.is_sparse:
+            if g.is_sparse:
                 raise RuntimeError("GradAccumulator does not support sparse gradients.")
-            self._has_grad[k] = True
+            taken.append(k)
             accs, grads = per_device.setdefault(p.device, ([], []))
             accs.append(b)
-            grads.append(p.grad)
+            grads.append(g)
         with torch.no_grad():
             for device, (accs, grads) in per_device.items():
-                ops.accumulate_grads_(accs, grads, self._found_inf[device])
+                ops.accumulate_grads_(accs, grads, self._found_inf[device], zero_grads=False)
+        for k in taken:
+            self._has_grad[k] = True
+            self._low[k].grad = None
 
     def _all_reduce(self, tensors: list[torch.Tensor]) -> None:
         import torch.distributed as dist
@@ -209,73 +233,81 @@ class GradAccumulator:
             t.div_(world)
 
     def _end_window(self, micro_batches: int) -> None:
-        opt = self.optimizer
-        buffered = {id(p) for p in self._low}
-        others = [p for p in self._all_params() if id(p) not in buffered and p.grad is not None]
-        with torch.no_grad():
-            if self._ddp and self._flat:
-                # Every micro-batch ran under no_sync: one all-reduce per device buffer (plus the
-                # .grad of parameters not buffered), and every rank skips the same windows.
-                import torch.distributed as dist
+        """Step (or skip) the window; whatever happens, the next window starts clean."""
+        try:
+            buffered = {id(p) for p in self._low}
+            others = [p for p in self._all_params() if id(p) not in buffered and p.grad is not None]
+            with torch.no_grad():
+                if self._ddp and self._flat:
+                    # Every micro-batch ran under no_sync: one all-reduce per device buffer (plus the
+                    # .grad of parameters not buffered), and every rank skips the same windows.
+                    import torch.distributed as dist
 
-                self._all_reduce(list(self._flat.values()) + [p.grad for p in others])
-                for fi in self._found_inf.values():
-                    dist.all_reduce(fi, op=dist.ReduceOp.MAX)
-            if micro_batches != self.steps:  # incomplete window: the sums hold sum / steps
-                tensors = list(self._flat.values()) + [p.grad for p in others]
-                if tensors:
-                    torch._foreach_mul_(tensors, self.steps / micro_batches)
-            if self._low and not self._fused_opt:
-                # An ordinary optimizer reads .grad: hand it the fp32 sums, rounded once.
+                    self._all_reduce(list(self._flat.values()) + [p.grad for p in others])
+                    for fi in self._found_inf.values():
+                        dist.all_reduce(fi, op=dist.ReduceOp.MAX)
+                if micro_batches != self.steps:  # incomplete window: the sums hold sum / steps
+                    tensors = list(self._flat.values()) + [p.grad for p in others]
+                    if tensors:
+                        torch._foreach_mul_(tensors, self.steps / micro_batches)
+                if self._low and not self._step_reads_buffers:
+                    # The optimizer (or torch's scaler) reads .grad: hand it the sums, rounded once.
+                    for k, (p, b) in enumerate(zip(self._low, self._buffers)):
+                        p.grad = b.to(p.dtype) if self._has_grad[k] else None
+            self._step_grads.clear()
+            if self._step_reads_buffers:
                 for k, (p, b) in enumerate(zip(self._low, self._buffers)):
-                    p.grad = b.to(p.dtype) if self._has_grad[k] else None
-        if self._low and self._fused_opt:
-            # Parameters that got no gradient in this window are not stepped.
-            for k, (p, b) in enumerate(zip(self._low, self._buffers)):
-                if self._has_grad[k]:
-                    opt._grad_buffers[p] = b
-                else:
-                    opt._grad_buffers.pop(p)
-        self.last_window_skipped = self._step()
-        with torch.no_grad():
-            for flat in self._flat.values():
-                flat.zero_()
-            for fi in self._found_inf.values():
-                fi.zero_()
-        for p in self._all_params():
-            if not (id(p) in buffered and self._fused_opt):
-                p.grad = None  # buffered grads were zeroed by the accumulation kernel
-        self._has_grad = [False] * len(self._low)
-        self.micro_step = 0
-        self.windows += 1
-        self.window_ended = True
+                    self._step_grads[p] = b if self._has_grad[k] else None  # None: not stepped
+            self.last_window_skipped = self._step()
+        except BaseException:
+            if self.scaler is not None:  # a failed step must not leave this iteration half-recorded
+                self.scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+            raise
+        finally:
+            with torch.no_grad():
+                for flat in self._flat.values():
+                    flat.zero_()
+                for fi in self._found_inf.values():
+                    fi.zero_()
+            for p in self._all_params():
+                p.grad = None
+            self._has_grad = [False] * len(self._low)
+            self.micro_step = 0
+            self.windows += 1
+            self.window_ended = True
 
     def _step(self) -> torch.Tensor | None:
         """unscale (+ clip), step, update; returns the device skip flag (None without a scaler)."""
         opt, scaler = self.optimizer, self.scaler
+        grads = self._step_grads if self._step_reads_buffers else None
         if scaler is None:
-            if self.max_grad_norm is not None:
-                self._clip_unscaled()
-            opt.step()
-            if hasattr(opt, "clip_coef"):
-                del opt.clip_coef
+            if self.max_grad_norm is None:
+                opt.step(grads=grads) if self._fused_opt else opt.step()
+            elif self._fused_opt:
+                opt.step(grads=grads, scaling=StepScaling(clip_coef=self._clip_coef(grads)))
+            else:
+                torch.nn.utils.clip_grad_norm_(self._params_with_grad(), self.max_grad_norm, self.norm_type)
+                opt.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             return None
-        ours = isinstance(scaler, _AmpfuseScaler)
         if self.max_grad_norm is not None:
-            if ours:
-                scaler.unscale_and_clip_(opt, self.max_grad_norm, self.norm_type)
+            if self._our_scaler:
+                scaler.unscale_and_clip_(opt, self.max_grad_norm, self.norm_type, grads=grads)
             else:
                 scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(self._clip_params(), self.max_grad_norm, self.norm_type)
-        elif ours and self._fused_opt and self._low and len(self._low) == len(self._all_params()):
-            # The accumulation kernel already checked every gradient: no check pass at the end.
-            scaler._record_external_check(opt, dict(self._found_inf))
-        scaler.step(opt)
-        found = list(scaler._found_inf_per_device(opt).values())
+                torch.nn.utils.clip_grad_norm_(self._params_with_grad(), self.max_grad_norm, self.norm_type)
+        elif self._low and grads is not None and not any(p.grad is not None for p in self._all_params()):
+            # Every gradient the step reads is an fp32 sum the accumulation kernel already checked:
+            # no check pass at the end of the window.
+            scaler.record_inf_check(opt, dict(self._found_inf))
+        if grads is not None:
+            scaler.step(opt, grads=grads)
+        else:
+            scaler.step(opt)
+        found = list(scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values())
         device = scaler._scale.device if scaler._scale is not None else None
-        flag = sum(f.to(device, non_blocking=True) for f in found) if found else None
+        flag = sum(f.to(device, non_blocking=True) for f in found).clone() if found else None
         scaler.update()
         if self.lr_scheduler is not None:
             # One host read per window (the flag of a step that has just been queued).
@@ -285,30 +317,24 @@ class GradAccumulator:
                 self.lr_scheduler.step()
         return flag
 
-    def _all_params(self) -> list[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
-
-    def _clip_params(self) -> list[torch.Tensor]:
+    def _params_with_grad(self) -> list[torch.Tensor]:
         return [p for p in self._all_params() if p.grad is not None]
 
-    def _clip_unscaled(self) -> None:
-        """Clipping without a scaler: the fused step takes the coefficient; others clip .grad."""
-        opt = self.optimizer
-        if self._fused_opt:
-            grads = [g for g in (opt._grad_of(p) for p in self._all_params()) if g is not None]
-            if not grads:
-                return
-            device = grads[0].device
-            _, coef = ops.check_norm_(grads, torch.zeros(1, device=device), torch.ones(1, device=device),
+    def _clip_coef(self, grads: dict | None) -> torch.Tensor | None:
+        """The clip coefficient of the gradients the fused step reads (no scaler: unscaled)."""
+        tensors = [g for g in (grads.get(p, p.grad) if grads is not None else p.grad for p in self._all_params()) if g is not None]
+        if not tensors:
+            return None
+        device = tensors[0].device
+        with torch.no_grad():
+            _, coef = ops.check_norm_(tensors, torch.zeros(1, device=device), torch.ones(1, device=device),
                                       norm_type=self.norm_type, max_norm=float(self.max_grad_norm))
-            opt.clip_coef = coef
-        else:
-            torch.nn.utils.clip_grad_norm_(self._clip_params(), self.max_grad_norm, self.norm_type)
+        return coef
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Counters plus the optimizer's, scaler's and scheduler's state (and the partial fp32
-        sums when taken inside a window)."""
+        """Counters plus the optimizer's, scaler's and scheduler's state, and, when taken inside a
+        window, the partial sums: the fp32 buffers and the ``.grad`` of the other parameters."""
         sd: dict[str, Any] = {
             "steps": self.steps,
             "micro_step": self.micro_step,
@@ -322,24 +348,60 @@ class GradAccumulator:
             sd["buffers"] = {str(d): f.clone() for d, f in self._flat.items()}
             sd["found_inf"] = {str(d): f.clone() for d, f in self._found_inf.items()}
             sd["has_grad"] = list(self._has_grad)
+            buffered = {id(p) for p in self._low}
+            sd["grads"] = {i: p.grad.detach().clone() for i, p in enumerate(self._all_params())
+                           if id(p) not in buffered and p.grad is not None}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`. Everything the accumulator and an ampfuse scaler hold is
+        checked before anything (optimizer, scaler, scheduler, sums) is loaded."""
+        for key in ("steps", "micro_step", "windows", "optimizer"):
+            if key not in state_dict:
+                raise KeyError(f"GradAccumulator state dict has no '{key}' entry.")
         if state_dict["steps"] != self.steps:
             raise ValueError(f"state_dict was saved with steps={state_dict['steps']}, this accumulator has steps={self.steps}.")
+        micro = state_dict["micro_step"]
+        if not (isinstance(micro, int) and 0 <= micro < self.steps):
+            raise ValueError(f"the state dict's micro_step must be an integer in [0, {self.steps}), got {micro!r}.")
+        params = self._all_params()
+        buffers, found_infs, grads = {}, {}, {}
+        has_grad = [False] * len(self._low)
+        if micro != 0:
+            for d, f in self._flat.items():
+                b = state_dict.get("buffers", {}).get(str(d))
+                if not (isinstance(b, torch.Tensor) and b.shape == f.shape and b.dtype == torch.float32):
+                    raise ValueError(f"the state dict's buffers['{d}'] must be a float32 tensor of shape {tuple(f.shape)}, got {b!r}.")
+                fi = state_dict.get("found_inf", {}).get(str(d))
+                if not (isinstance(fi, torch.Tensor) and fi.numel() == 1):
+                    raise ValueError(f"the state dict's found_inf['{d}'] must be a 1-element tensor, got {fi!r}.")
+                buffers[d], found_infs[d] = b, fi
+            has_grad = list(state_dict.get("has_grad", has_grad))
+            if len(has_grad) != len(self._low):
+                raise ValueError(f"the state dict's has_grad has {len(has_grad)} entries; this accumulator buffers {len(self._low)} parameters.")
+            for i, g in dict(state_dict.get("grads", {})).items():
+                if not (isinstance(i, int) and 0 <= i < len(params) and isinstance(g, torch.Tensor) and g.shape == params[i].shape):
+                    raise ValueError(f"the state dict's grads[{i!r}] does not match a parameter of this accumulator's optimizer.")
+                grads[i] = g
+        if self._our_scaler and state_dict.get("scaler"):
+            self.scaler._validate_state_dict(state_dict["scaler"])
+        # apply
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.scaler is not None and state_dict.get("scaler"):
             self.scaler.load_state_dict(state_dict["scaler"])
         if self.lr_scheduler is not None and state_dict.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
-        self.micro_step = state_dict["micro_step"]
+        self.micro_step = micro
         self.windows = state_dict["windows"]
         self.skipped_windows_host = state_dict.get("skipped_windows_host", 0)
+        buffered = {id(q) for q in self._low}
         with torch.no_grad():
             for d, f in self._flat.items():
-                saved = state_dict.get("buffers", {}).get(str(d))
-                f.copy_(saved) if saved is not None else f.zero_()
+                f.copy_(buffers[d]) if d in buffers else f.zero_()
             for d, f in self._found_inf.items():
-                saved = state_dict.get("found_inf", {}).get(str(d))
-                f.copy_(saved) if saved is not None else f.zero_()
-        self._has_grad = list(state_dict.get("has_grad", [False] * len(self._low)))
+                f.copy_(found_infs[d].reshape(())) if d in found_infs else f.zero_()
+            for i, p in enumerate(params):
+                if id(p) not in buffered:
+                    p.grad = grads[i].to(device=p.device, dtype=p.dtype).clone() if i in grads else None
+        self._has_grad = has_grad
+        self.window_ended = False

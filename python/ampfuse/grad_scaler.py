@@ -13,6 +13,9 @@ pickling rules are torch's. What changes:
   smallest normal float32, and device counters.
 * ``unscale_and_clip_`` does unscale + check + global norm + clip in one read of the gradients
   (read-only for ampfuse's fused optimizers, which apply the clip coefficient in their own pass).
+* ampfuse's optimizers get an explicit hand-off, ``optimizer.step(scaling=StepScaling(...))``,
+  and run with no host sync; their ``.grad`` stays scaled after the step (call :meth:`unscale_`
+  before :meth:`step` to have unscaled gradients there, at the cost of writing them).
 * Skips are visible without a host sync: ``last_found_inf`` and ``stats()`` are device tensors.
 """
 
@@ -21,24 +24,43 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
 
 from ampfuse import ops
+from ampfuse.optim import StepScaling, _FusedOptimizer
 
 __all__ = ["GradScaler", "OverflowReport"]
 
 OnMinScale = Literal["warn", "raise", "ignore"]
+_FLT_MIN = float(torch.finfo(torch.float32).tiny)
+_FLT_MAX = float(torch.finfo(torch.float32).max)
+Grads = Mapping[torch.Tensor, "torch.Tensor | None"]
 
 
 class OverflowReport(list):
     """A list of ``(group_index, param_index, name)`` for parameters whose gradient is non-finite."""
 
 
-def _is_fused_ampfuse_optimizer(optimizer: torch.optim.Optimizer) -> bool:
-    return bool(getattr(optimizer, "_ampfuse_fused_step", False))
+def _capturing(device: torch.device) -> bool:
+    """Whether work queued now on ``device`` is being captured into a CUDA graph (then nothing
+    may wait for or read back the device: no event queries, no copies to the host)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _check_bounds(min_scale: Any, max_scale: Any) -> None:
+    if min_scale is not None and not (isinstance(min_scale, (int, float)) and math.isfinite(min_scale)
+                                      and 0 <= min_scale <= _FLT_MAX):
+        raise ValueError(f"min_scale must be a finite number in [0, {_FLT_MAX:g}] (the float32 range), got {min_scale!r}.")
+    if max_scale is not None and not (isinstance(max_scale, (int, float)) and max_scale > 0 and not math.isnan(max_scale)):
+        raise ValueError(f"max_scale must be a number > 0 (inf: unbounded), got {max_scale!r}.")
+    if min_scale is not None and max_scale is not None and min_scale > max_scale:
+        raise ValueError(f"min_scale ({min_scale}) must not be greater than max_scale ({max_scale}).")
+    if max_scale is not None and max_scale < _FLT_MIN:
+        raise ValueError(f"max_scale ({max_scale}) is below the smallest normal float32 scale ({_FLT_MIN}).")
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -46,7 +68,8 @@ class GradScaler(torch.amp.GradScaler):
 
     Args (torch's, same defaults and validation):
         device: device type of the scaled losses, ``"cuda"`` (default) or ``"cpu"``. Without CUDA,
-            ``"cuda"`` warns and disables the scaler, as torch's does.
+            ``"cuda"`` warns and disables the scaler, as torch's does. (The deprecated
+            ``torch.cuda.amp.GradScaler(init_scale, ...)`` signature: ``ampfuse.cuda.amp.GradScaler``.)
         init_scale: initial scale (2**16).
         growth_factor: scale multiplier after ``growth_interval`` clean steps (2.0).
         backoff_factor: scale multiplier on overflow (0.5).
@@ -57,12 +80,14 @@ class GradScaler(torch.amp.GradScaler):
         hysteresis: back off only on the ``hysteresis``-th overflow since the budget was refilled
             (1 = every overflow). The budget refills when the scale grows, or after every clean
             step with ``consecutive_hysteresis=True``.
-        min_scale, max_scale: bounds for the scale. The scale never falls below the smallest
-            normal float32 in any case (torch's can decay to 0, which silently stops training).
+        min_scale, max_scale: bounds for the scale (an ``init_scale`` or loaded scale outside them
+            is clamped, with a warning). The scale never falls below the smallest normal float32
+            in any case (torch's can decay to 0, which silently stops training).
         on_min_scale: what to do when an overflow would take the scale below its floor:
             ``"warn"`` (default), ``"raise"`` (``RuntimeError``) or ``"ignore"``. Detected from a
             device counter copied without blocking and checked at later ``update()`` calls (at
-            most a few steps late) or on demand with :meth:`check_min_scale`.
+            most a few steps late; never inside torch.compile or CUDA-graph capture) or on demand
+            with :meth:`check_min_scale`.
     """
 
     def __init__(
@@ -80,14 +105,17 @@ class GradScaler(torch.amp.GradScaler):
         max_scale: float | None = None,
         on_min_scale: OnMinScale = "warn",
     ) -> None:
+        if isinstance(device, torch.device):
+            device = device.type
+        if not isinstance(device, str):
+            raise TypeError(
+                f"GradScaler's first argument is the device type ('cuda', 'cpu', ...), got {device!r}. "
+                "For the signature of the deprecated torch.cuda.amp.GradScaler (init_scale first), use "
+                "ampfuse.cuda.amp.GradScaler."
+            )
         if not isinstance(hysteresis, int) or isinstance(hysteresis, bool) or hysteresis < 1:
             raise ValueError(f"hysteresis must be an integer >= 1, got {hysteresis!r}.")
-        if min_scale is not None and not (math.isfinite(min_scale) and min_scale >= 0):
-            raise ValueError(f"min_scale must be a finite number >= 0, got {min_scale!r}.")
-        if max_scale is not None and not (max_scale > 0):
-            raise ValueError(f"max_scale must be > 0, got {max_scale!r}.")
-        if min_scale is not None and max_scale is not None and min_scale > max_scale:
-            raise ValueError(f"min_scale ({min_scale}) must not be greater than max_scale ({max_scale}).")
+        _check_bounds(min_scale, max_scale)
         if on_min_scale not in ("warn", "raise", "ignore"):
             raise ValueError(f"on_min_scale must be 'warn', 'raise' or 'ignore', got {on_min_scale!r}.")
 
@@ -128,10 +156,27 @@ class GradScaler(torch.amp.GradScaler):
         # Non-blocking floor detection: (host copy of stats, event) pairs in flight.
         self._pending_stats: list[tuple[torch.Tensor, Any]] = []
         self._floor_hits_seen = 0
+        if self._enabled:
+            self._init_scale = self._clamped(init_scale, "init_scale")
 
     # ------------------------------------------------------------------------------------------
-    # lazily created device state
+    # bounds and lazily created device state
     # ------------------------------------------------------------------------------------------
+    def _clamped(self, value: float, what: str) -> float:
+        """A scale within [min_scale, max_scale] (with a warning when it was not)."""
+        lo = self._min_scale if self._min_scale is not None else -math.inf
+        hi = self._max_scale if self._max_scale is not None else math.inf
+        if not (lo <= value <= hi):
+            clamped = min(max(value, lo), hi)
+            warnings.warn(f"GradScaler: {what} {value:g} is outside [min_scale, max_scale] = [{lo:g}, {hi:g}]; "
+                          f"using {clamped:g}.", UserWarning, stacklevel=3)
+            return clamped
+        return value
+
+    def _clamp_tensor_(self, t: torch.Tensor) -> None:
+        if self._min_scale is not None or self._max_scale is not None:
+            t.clamp_(min=self._min_scale, max=self._max_scale)
+
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
         self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
@@ -140,33 +185,33 @@ class GradScaler(torch.amp.GradScaler):
     # ------------------------------------------------------------------------------------------
     # unscale / check
     # ------------------------------------------------------------------------------------------
-    def _grads_per_device(self, optimizer: torch.optim.Optimizer, allow_fp16: bool) -> dict[torch.device, list[torch.Tensor]]:
+    @staticmethod
+    def _grads_per_device(optimizer: torch.optim.Optimizer, allow_fp16: bool, grads: Grads | None = None) -> dict[torch.device, list[torch.Tensor]]:
+        """The gradients the optimizer's step will read (``grads`` overrides ``.grad``), per device;
+        sparse gradients as their coalesced values (torch's rule)."""
         per_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-        # ampfuse optimizers may step from fp32 buffers instead of .grad (GradAccumulator): check
-        # what the optimizer will read.
-        grad_of = getattr(optimizer, "_grad_of", None)
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     if not isinstance(param, torch.Tensor):
                         raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
-                    grad = grad_of(param) if grad_of is not None else param.grad
+                    if grads is not None and param in grads:
+                        grad = grads[param]
+                        if grad is not None:
+                            per_device[grad.device].append(grad)
+                        continue
+                    grad = param.grad
                     if grad is None:
                         continue
-                    if grad is not param.grad:  # an fp32 accumulation buffer
-                        per_device[grad.device].append(grad)
-                        continue
-                    if (not allow_fp16) and param.grad.dtype == torch.float16:
+                    if (not allow_fp16) and grad.dtype == torch.float16:
                         raise ValueError("Attempting to unscale FP16 gradients.")
-                    if param.grad.is_sparse:
+                    if grad.is_sparse:
                         # As torch: check the coalesced values of fp16 sparse grads (coalescing
                         # sums duplicates, which may overflow).
-                        if param.grad.dtype is torch.float16:
-                            param.grad = param.grad.coalesce()
-                        to_unscale = param.grad._values()
-                    else:
-                        to_unscale = param.grad
-                    per_device[to_unscale.device].append(to_unscale)
+                        if grad.dtype is torch.float16:
+                            param.grad = grad.coalesce()
+                        grad = param.grad._values()
+                    per_device[grad.device].append(grad)
         return per_device
 
     def _unscale_grads_(
@@ -175,16 +220,17 @@ class GradScaler(torch.amp.GradScaler):
         inv_scale: torch.Tensor,
         found_inf: torch.Tensor,
         allow_fp16: bool,
+        grads: Grads | None = None,
     ) -> dict[torch.device, torch.Tensor]:
         """torch's contract: unscale every grad of ``optimizer`` by ``inv_scale`` (an ``inv_scale``
         of exactly 1 only checks, writing nothing) and return the per-device found_inf tensors.
         One fused launch sequence per device, for all dtypes together."""
         per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
-        per_device = self._grads_per_device(optimizer, allow_fp16)
+        per_device = self._grads_per_device(optimizer, allow_fp16, grads)
         with torch.no_grad():
-            for device, grads in per_device.items():
-                ops.unscale_check_(grads, per_device_found_inf.get(device), per_device_inv_scale.get(device))
+            for device, gs in per_device.items():
+                ops.unscale_check_(gs, per_device_found_inf.get(device), per_device_inv_scale.get(device))
         return per_device_found_inf._per_device_tensors
 
     def _inv_scale(self) -> torch.Tensor:
@@ -201,11 +247,28 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError("unscale_() is being called after step().")
         return optimizer_state
 
+    def unscale_(self, optimizer: torch.optim.Optimizer, *, grads: Grads | None = None) -> None:
+        """As ``torch.amp.GradScaler.unscale_``: divide the optimizer's gradients by the scale in
+        place and check them for inf/NaN (one fused pass per device, all dtypes together).
+
+        ``grads`` (keyword-only): gradients the optimizer's step will read instead of ``.grad``
+        (pass the same mapping to :meth:`step`).
+        """
+        if not self._enabled:
+            return
+        optimizer_state = self._check_unscale_stage(optimizer, "unscale_")
+        assert self._scale is not None
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
+        optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, self._inv_scale(), found_inf, False, grads)
+        optimizer_state["stage"] = OptState.UNSCALED
+
     def unscale_and_clip_(
         self,
         optimizer: torch.optim.Optimizer,
-        max_norm: float,
+        max_norm: float | torch.Tensor,
         norm_type: float = 2.0,
+        *,
+        grads: Grads | None = None,
     ) -> torch.Tensor:
         """Unscale, check for inf/NaN, compute the global norm and clip, in one pass.
 
@@ -216,40 +279,47 @@ class GradScaler(torch.amp.GradScaler):
         With any other optimizer they are unscaled and clipped in place (a read pass and a
         read-write pass; torch's sequence makes four passes).
 
-        ``norm_type`` 2 and ``inf`` are fused; other norms fall back to ``unscale_`` +
-        ``clip_grad_norm_``. Counts as this iteration's ``unscale_`` for ``optimizer``.
+        ``max_norm`` may be a float or a 1-element tensor (as for ``clip_grad_norm_``, whose
+        coefficient formula each follows). ``norm_type`` 2 and ``inf`` are fused; other norms fall
+        back to ``unscale_`` + ``clip_grad_norm_``. ``grads`` as for :meth:`unscale_`. Counts as
+        this iteration's ``unscale_`` for ``optimizer``.
         """
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        if isinstance(max_norm, torch.Tensor):
+            if max_norm.numel() != 1 or not max_norm.is_floating_point():
+                raise ValueError(f"max_norm must be a number or a 1-element floating-point tensor, got shape {tuple(max_norm.shape)}, {max_norm.dtype}.")
+        elif not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and math.isfinite(max_norm) and max_norm > 0):
+            raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}.")
+        fused = isinstance(optimizer, _FusedOptimizer)
+        if grads is not None and not fused:
+            raise ValueError("grads= can only be given for an ampfuse optimizer (whose step reads them).")
         if not self._enabled:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-        if not (isinstance(max_norm, (int, float)) and math.isfinite(max_norm) and max_norm > 0):
-            raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}.")
         norm_type = float(norm_type)
         if not (norm_type == 2.0 or norm_type == math.inf):
-            self.unscale_(optimizer)
+            self.unscale_(optimizer, grads=grads)
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
-        fused = _is_fused_ampfuse_optimizer(optimizer)
         optimizer_state = self._check_unscale_stage(optimizer, "unscale_and_clip_")
-        if any(p.grad is not None and p.grad.is_sparse for p in params):
+        per_device = self._grads_per_device(optimizer, allow_fp16=fused, grads=grads)
+        if any(g.is_sparse for gs in per_device.values() for g in gs) or any(
+            p.grad is not None and p.grad.is_sparse for p in params if grads is None or p not in grads
+        ):
             raise RuntimeError("unscale_and_clip_ does not support sparse gradients; use unscale_() and clip_grad_norm_().")
-        per_device = self._grads_per_device(optimizer, allow_fp16=fused)
         assert self._scale is not None
         inv_scale = self._inv_scale()
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
         per_device_inv = _MultiDeviceReplicator(inv_scale)
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
+        float_max = None if isinstance(max_norm, torch.Tensor) else float(max_norm)
         single = len(per_device) <= 1
         norms: list[torch.Tensor] = []
         coef: torch.Tensor | None = None
         with torch.no_grad():
-            for device, grads in per_device.items():
+            for device, gs in per_device.items():
                 norm, c = ops.check_norm_(
-                    grads,
-                    per_device_found_inf.get(device),
-                    per_device_inv.get(device),
-                    norm_type=norm_type,
-                    max_norm=float(max_norm) if single else None,
+                    gs, per_device_found_inf.get(device), per_device_inv.get(device), norm_type=norm_type,
+                    max_norm=float_max if single else None,
                 )
                 norms.append(norm)
                 coef = c
@@ -259,30 +329,44 @@ class GradScaler(torch.amp.GradScaler):
             elif single:
                 total_norm = norms[0]
             else:
-                stacked = torch.stack([n.to(self._scale.device) for n in norms])
-                total_norm = torch.linalg.vector_norm(stacked, norm_type)
-                coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+                total_norm = torch.linalg.vector_norm(torch.stack([n.to(self._scale.device) for n in norms]), norm_type)
+            if per_device and (not single or float_max is None):
+                # torch.nn.utils.clip_grad_norm_'s formula on the total norm (for a tensor max_norm
+                # a true division; for a float, reciprocal-then-multiply as the fused op does).
+                coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).to(torch.float32)
             assert coef is not None
             if fused:
                 optimizer_state["clip_coef"] = coef
                 optimizer_state["grads_still_scaled"] = True
             else:
                 factor = _MultiDeviceReplicator((inv_scale * coef.to(inv_scale.device)).reshape(1))
-                for device, grads in per_device.items():
+                for device, gs in per_device.items():
                     # found_inf is already final: re-setting it is idempotent.
-                    ops.unscale_check_(grads, per_device_found_inf.get(device), factor.get(device))
+                    ops.unscale_check_(gs, per_device_found_inf.get(device), factor.get(device))
         optimizer_state["found_inf_per_device"] = per_device_found_inf._per_device_tensors
         optimizer_state["stage"] = OptState.UNSCALED
         return total_norm
 
-    def _record_external_check(self, optimizer: torch.optim.Optimizer, found_inf_per_device: dict[torch.device, torch.Tensor]) -> None:
-        """Record inf checks made elsewhere (the fused accumulation kernel) for a fused ampfuse
-        optimizer whose gradients are still scaled, so that step() needs no check pass."""
-        if not _is_fused_ampfuse_optimizer(optimizer):
-            raise RuntimeError("an external inf check can only stand in for the check of an ampfuse fused optimizer")
-        optimizer_state = self._check_unscale_stage(optimizer, "unscale_")
-        # Copies: the caller reuses its flags, and update() may add into the first one in place.
-        optimizer_state["found_inf_per_device"] = {d: t.clone() for d, t in found_inf_per_device.items()}
+    def record_inf_check(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | Mapping[torch.device, torch.Tensor]) -> None:
+        """Record that the gradients ``optimizer``'s next step reads were already checked for
+        inf/NaN elsewhere, e.g. by ``ampfuse.ops.accumulate_grads_`` while they were summed, and
+        are still scaled: :meth:`step` then runs no check pass of its own. Counts as this
+        iteration's ``unscale_``. Only for ampfuse optimizers (whose step reads scaled gradients).
+
+        Args:
+            found_inf: a 1-element float32 tensor (non-zero: inf/NaN seen), or one per device.
+        """
+        if not isinstance(optimizer, _FusedOptimizer):
+            raise TypeError("record_inf_check() needs an ampfuse optimizer (ampfuse.optim.*), whose step reads scaled gradients.")
+        flags = dict(found_inf) if isinstance(found_inf, Mapping) else {found_inf.device: found_inf}
+        for device, t in flags.items():
+            if not (isinstance(t, torch.Tensor) and t.numel() == 1 and t.dtype == torch.float32):
+                raise ValueError(f"found_inf for {device} must be a 1-element float32 tensor, got {t!r}.")
+        if not self._enabled:
+            return
+        optimizer_state = self._check_unscale_stage(optimizer, "record_inf_check")
+        # Copies: the caller reuses its flags, and update() adds into the first one in place.
+        optimizer_state["found_inf_per_device"] = {d: t.reshape(()).clone() for d, t in flags.items()}
         optimizer_state["grads_still_scaled"] = True
         optimizer_state["clip_coef"] = None
         optimizer_state["stage"] = OptState.UNSCALED
@@ -293,37 +377,42 @@ class GradScaler(torch.amp.GradScaler):
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
         """As ``torch.amp.GradScaler.step``: unscale (unless done), then step unless inf/NaN.
 
-        Optimizers with ``_step_supports_amp_scaling`` (ampfuse's and torch's fused ones) receive
-        ``grad_scale``/``found_inf`` (and, for ampfuse's, the clip coefficient of
-        :meth:`unscale_and_clip_`) and run with no host sync. Others are stepped after the one
-        host read of the inf flag that torch also needs.
+        ampfuse optimizers get ``optimizer.step(*args, scaling=StepScaling(...), **kwargs)``: the
+        scale (unless :meth:`unscale_` already divided the gradients), the device inf flag and the
+        clip coefficient of :meth:`unscale_and_clip_`; they run with no host sync and leave
+        ``.grad`` as they found it. Other optimizers with ``_step_supports_amp_scaling`` get
+        torch's ``grad_scale``/``found_inf`` attributes; the rest are stepped after the one host
+        read of the inf flag that torch also needs.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
-        optimizer_state = self._per_optimizer_states[id(optimizer)]
-        still_scaled = optimizer_state.get("grads_still_scaled", False)
-        coef = optimizer_state.get("clip_coef")
-        if not still_scaled:
-            return super().step(optimizer, *args, **kwargs)
-        # unscale_and_clip_ left the gradients scaled for an ampfuse fused optimizer: hand it the
-        # scale (it divides, as torch's fused optimizers do) and the clip coefficient.
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale_growth_tracker("step")
+        if not isinstance(optimizer, _FusedOptimizer):
+            return super().step(optimizer, *args, **kwargs)
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        if optimizer_state["stage"] is OptState.READY:
+            # The check of the gradients the step will read (read-only: inv_scale 1).
+            found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
+            optimizer_state["found_inf_per_device"] = self._unscale_grads_(
+                optimizer, torch.full((), 1.0, dtype=torch.float32, device=self._scale.device), found_inf, True,
+                kwargs.get("grads"))
+            optimizer_state["grads_still_scaled"] = True
+        if len(optimizer_state["found_inf_per_device"]) == 0:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
         scale = self._get_scale_async()
         assert scale is not None
-        found_inf = sum(t.to(scale.device, non_blocking=True) for t in optimizer_state["found_inf_per_device"].values())
-        optimizer.grad_scale = scale * getattr(optimizer, "grad_scale", 1)  # type: ignore[attr-defined]
-        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-        optimizer.clip_coef = coef  # type: ignore[attr-defined]
-        try:
-            retval = optimizer.step(*args, **kwargs)
-        finally:
-            del optimizer.grad_scale  # type: ignore[attr-defined]
-            del optimizer.found_inf  # type: ignore[attr-defined]
-            del optimizer.clip_coef  # type: ignore[attr-defined]
+        found_infs = [t.to(scale.device, non_blocking=True) for t in optimizer_state["found_inf_per_device"].values()]
+        found_inf = found_infs[0] if len(found_infs) == 1 else sum(found_infs)
+        scaling = StepScaling(
+            grad_scale=scale if optimizer_state.get("grads_still_scaled", False) else None,
+            found_inf=found_inf,
+            clip_coef=optimizer_state.get("clip_coef"),
+        )
+        retval = optimizer.step(*args, scaling=scaling, **kwargs)
         optimizer_state["stage"] = OptState.STEPPED
         return retval
 
@@ -331,12 +420,14 @@ class GradScaler(torch.amp.GradScaler):
     # update
     # ------------------------------------------------------------------------------------------
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """As ``torch.amp.GradScaler.update``, with ampfuse's scale rule (see the class doc)."""
+        """As ``torch.amp.GradScaler.update``, with ampfuse's scale rule (see the class doc).
+        A ``new_scale`` outside [min_scale, max_scale] is clamped into them."""
         if not self._enabled:
             return
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
             super().update(new_scale)
+            self._clamp_tensor_(_scale)
             return
         found_infs = [
             found_inf.to(device=_scale.device, non_blocking=True)
@@ -368,7 +459,7 @@ class GradScaler(torch.amp.GradScaler):
         )
         self._last_found_inf = found_inf_combined
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-        if self._on_min_scale != "ignore":
+        if self._on_min_scale != "ignore" and self._may_poll():
             self._poll_min_scale(blocking=False)
             if not self._pending_stats:  # at most one copy in flight
                 self._post_stats_copy()
@@ -376,14 +467,20 @@ class GradScaler(torch.amp.GradScaler):
     # ------------------------------------------------------------------------------------------
     # floor detection and counters
     # ------------------------------------------------------------------------------------------
+    def _may_poll(self) -> bool:
+        """Whether update() may look at the device counters now: not while torch.compile traces
+        (a host read would break the graph) and not during CUDA-graph capture (no event queries
+        or device-to-host copies there). check_min_scale() polls later."""
+        if torch.compiler.is_compiling():
+            return False
+        return self._stats is not None and not _capturing(self._stats.device)
+
     def _post_stats_copy(self) -> None:
         assert self._stats is not None
         if self._stats.device.type == "cpu":  # nothing to copy or wait for: read the counters
             self._pending_stats.append((self._stats, None))
             self._poll_min_scale(blocking=False)
             return
-        if self._stats.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return  # inside CUDA-graph capture: poll outside of it (check_min_scale)
         host = torch.empty(ops.NUM_SCALE_STATS, dtype=torch.int64, pin_memory=True)
         host.copy_(self._stats, non_blocking=True)
         event = torch.cuda.Event() if self._stats.device.type == "cuda" else None
@@ -403,7 +500,7 @@ class GradScaler(torch.amp.GradScaler):
             if hits > self._floor_hits_seen:
                 new = hits - self._floor_hits_seen
                 self._floor_hits_seen = hits
-                floor = self._min_scale if self._min_scale else float(torch.finfo(torch.float32).tiny)
+                floor = self._min_scale if self._min_scale else _FLT_MIN
                 msg = (
                     f"GradScaler: the loss scale hit its floor ({floor:g}) {new} time(s): gradients keep "
                     "overflowing even at the smallest scale. Training has probably diverged (check the "
@@ -414,7 +511,11 @@ class GradScaler(torch.amp.GradScaler):
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
     def check_min_scale(self) -> None:
-        """Report floor hits now (waits for the last counters copy; a host sync)."""
+        """Report floor hits now (reads the device counters: a host sync)."""
+        if not self._enabled or self._stats is None or self._on_min_scale == "ignore":
+            return
+        if not self._pending_stats:
+            self._post_stats_copy()
         self._poll_min_scale(blocking=True)
 
     @property
@@ -451,12 +552,13 @@ class GradScaler(torch.amp.GradScaler):
         scheduler.step(*args, **kwargs)
         return True
 
-    def overflow_report(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> OverflowReport:
+    def overflow_report(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None,
+                        *, grads: Grads | None = None) -> OverflowReport:
         """Which parameters of ``optimizer`` hold non-finite gradients now (a host sync).
 
         Call it after a skipped step and before ``zero_grad``. Names come from ``model``
         (``named_parameters``) if given, else from the optimizer's ``param_names``, else
-        ``"param_groups[g][i]"``.
+        ``"param_groups[g][i]"``. ``grads`` as for :meth:`unscale_`.
         """
         names: dict[int, str] = {}
         if model is not None:
@@ -465,10 +567,11 @@ class GradScaler(torch.amp.GradScaler):
         for g, group in enumerate(optimizer.param_groups):
             group_names = group.get("param_names")
             for i, p in enumerate(group["params"]):
-                if p.grad is None:
+                grad = grads[p] if grads is not None and p in grads else p.grad
+                if grad is None:
                     continue
                 name = names.get(id(p)) or (group_names[i] if group_names else f"param_groups[{g}][{i}]")
-                grad = p.grad._values() if p.grad.is_sparse else p.grad
+                grad = grad._values() if grad.is_sparse else grad
                 entries.append((g, i, grad, name))
         report = OverflowReport()
         by_device: dict[torch.device, list[int]] = defaultdict(list)
@@ -512,23 +615,72 @@ class GradScaler(torch.amp.GradScaler):
             )
         return sd
 
+    def _validate_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """Every entry of a state dict checked; returns the values to apply (raises before
+        anything changes)."""
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
+            )
+        for key in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"):
+            if key not in state_dict:
+                raise KeyError(f"GradScaler state dict has no '{key}' entry.")
+        scale = state_dict["scale"]
+        if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0):
+            raise ValueError(f"the state dict's scale must be a positive finite number, got {scale!r}.")
+        if not (isinstance(state_dict["growth_factor"], (int, float)) and state_dict["growth_factor"] > 1.0):
+            raise ValueError(f"the state dict's growth_factor must be > 1.0, got {state_dict['growth_factor']!r}.")
+        if not (isinstance(state_dict["backoff_factor"], (int, float)) and 0.0 < state_dict["backoff_factor"] < 1.0):
+            raise ValueError(f"the state dict's backoff_factor must be in (0, 1), got {state_dict['backoff_factor']!r}.")
+        for key, low in (("growth_interval", 1), ("_growth_tracker", 0)):
+            v = state_dict[key]
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= low):
+                raise ValueError(f"the state dict's {key} must be an integer >= {low}, got {v!r}.")
+        hysteresis = state_dict.get("hysteresis", self._hysteresis)
+        if not (isinstance(hysteresis, int) and not isinstance(hysteresis, bool) and hysteresis >= 1):
+            raise ValueError(f"the state dict's hysteresis must be an integer >= 1, got {hysteresis!r}.")
+        # A torch state dict carries no hysteresis budget: start with a full one.
+        tracker = state_dict.get("_hysteresis_tracker", hysteresis)
+        if not (isinstance(tracker, int) and not isinstance(tracker, bool) and 0 <= tracker <= hysteresis):
+            raise ValueError(f"the state dict's _hysteresis_tracker must be an integer in [0, hysteresis], got {tracker!r}.")
+        consecutive = state_dict.get("consecutive_hysteresis", self._consecutive_hysteresis)
+        if not isinstance(consecutive, bool):
+            raise ValueError(f"the state dict's consecutive_hysteresis must be a bool, got {consecutive!r}.")
+        min_scale = state_dict.get("min_scale", self._min_scale)
+        max_scale = state_dict.get("max_scale", self._max_scale)
+        try:
+            _check_bounds(min_scale, max_scale)
+        except ValueError as e:
+            raise ValueError(f"the state dict's scale bounds are invalid: {e}") from None
+        stats = state_dict.get("stats", self._init_stats)
+        if not (isinstance(stats, (list, tuple)) and len(stats) == ops.NUM_SCALE_STATS
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in stats)):
+            raise ValueError(f"the state dict's stats must be {ops.NUM_SCALE_STATS} non-negative integers, got {stats!r}.")
+        return dict(scale=float(scale), hysteresis=hysteresis, tracker=tracker, consecutive=consecutive,
+                    min_scale=min_scale, max_scale=max_scale, stats=list(stats))
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+        """Load a state dict of this scaler or of ``torch.amp.GradScaler``. Every entry is checked
+        before anything changes; a scale outside [min_scale, max_scale] is clamped into them."""
         if not self._enabled:
             return
-        self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
-        self._consecutive_hysteresis = bool(state_dict.get("consecutive_hysteresis", self._consecutive_hysteresis))
-        self._min_scale = state_dict.get("min_scale", self._min_scale)
-        self._max_scale = state_dict.get("max_scale", self._max_scale)
-        # A torch state dict carries no hysteresis budget: start with a full one.
-        self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
-        self._init_stats = list(state_dict.get("stats", self._init_stats))
-        self._floor_hits_seen = int(self._init_stats[ops.ScaleStat.FLOOR_HITS])
+        v = self._validate_state_dict(state_dict)
+        super().load_state_dict(state_dict)
+        self._hysteresis = v["hysteresis"]
+        self._consecutive_hysteresis = v["consecutive"]
+        self._min_scale = v["min_scale"]
+        self._max_scale = v["max_scale"]
+        self._init_scale = self._clamped(v["scale"], "the loaded scale")
+        if self._scale is not None:
+            self._scale.fill_(self._init_scale)
+        self._init_hysteresis_tracker = v["tracker"]
+        self._init_stats = v["stats"]
+        self._floor_hits_seen = v["stats"][ops.ScaleStat.FLOOR_HITS]
         self._pending_stats = []
         if self._hysteresis_tracker is not None:
-            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
+            self._hysteresis_tracker.fill_(v["tracker"])
         if self._stats is not None:
-            self._stats.copy_(torch.tensor(self._init_stats, dtype=torch.int64))
+            self._stats.copy_(torch.tensor(v["stats"], dtype=torch.int64))
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -542,3 +694,41 @@ class GradScaler(torch.amp.GradScaler):
             state["_last_found_inf"] = None
         state["_pending_stats"] = []
         return state
+
+
+def _init_scale_first(device: str, torch_class: type, module: str) -> type:
+    """The drop-in for a deprecated ``torch.<device>.amp.GradScaler``, whose first positional
+    argument is ``init_scale``: ``ampfuse.GradScaler(device, ...)`` with that signature (and
+    ``isinstance`` of the torch class)."""
+
+    class GradScaler(_AmpfuseGradScaler, torch_class):  # type: ignore[misc, valid-type]
+        def __init__(
+            self,
+            init_scale: float = 2.0**16,
+            growth_factor: float = 2.0,
+            backoff_factor: float = 0.5,
+            growth_interval: int = 2000,
+            enabled: bool = True,
+            *,
+            hysteresis: int = 1,
+            consecutive_hysteresis: bool = False,
+            min_scale: float | None = None,
+            max_scale: float | None = None,
+            on_min_scale: OnMinScale = "warn",
+        ) -> None:
+            _AmpfuseGradScaler.__init__(
+                self, device, init_scale, growth_factor, backoff_factor, growth_interval, enabled,
+                hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale,
+                max_scale=max_scale, on_min_scale=on_min_scale)
+
+    GradScaler.__module__ = module
+    GradScaler.__qualname__ = "GradScaler"
+    GradScaler.__doc__ = (
+        f"``ampfuse.GradScaler({device!r}, ...)`` with the signature of the deprecated "
+        f"``torch.{device}.amp.GradScaler`` (``init_scale`` first) and ``isinstance`` of it; the "
+        "keyword-only extensions of :class:`ampfuse.GradScaler` as well."
+    )
+    return GradScaler
+
+
+_AmpfuseGradScaler = GradScaler

@@ -182,8 +182,9 @@ def accumulate_grads_(
         accumulators: fp32 tensors (any layout), updated in place.
         grads: fp16, bf16 or fp32 tensors of the same shapes on the same device; set to zero in
             the same pass when ``zero_grads`` (ready for the next micro-batch's backward).
-        found_inf: 1-element float32 tensor; set to 1.0 if any grad element is inf or NaN (never
-            reset: zero it once per accumulation window).
+        found_inf: 1-element float32 tensor; set to 1.0 if any sum is inf or NaN -- an inf/NaN
+            grad element, or finite grads whose fp32 sum overflowed (never reset: zero it once per
+            accumulation window).
     """
     torch.ops.ampfuse.accumulate_grads_(accumulators, grads, found_inf, zero_grads=zero_grads)
 

@@ -10,9 +10,13 @@ They are ``torch.optim.Optimizer`` subclasses with torch's argument names and de
 * otherwise updates the fp32 master weight and fp32 state and writes the fp16/bf16 param
   (rounded to nearest) in the same pass.
 
+A param edited between steps (an in-place clamp, ``model.load_state_dict``, a re-initialisation,
+``param.data.copy_(...)``) takes over its master at the next step: the kernel sees that the param
+no longer holds its master rounded and restarts the master from the param.
+
 What is *not* fused: the inf/NaN check and the norm (a separate read-only pass,
 ``GradScaler.unscale_and_clip_`` or the scaler's own check), sparse gradients (unsupported),
-complex parameters (unsupported), and ``differentiable``/closure-based line searches.
+complex parameters (unsupported), and ``differentiable=True``.
 
 Memory per parameter element (bytes), beyond the fp16/bf16 param and grad themselves:
 
@@ -29,58 +33,164 @@ Adam / AdamW (amsgrad)    12            16            + max_exp_avg_sq
 plus a 4-byte step counter per parameter tensor. The step allocates no other per-element memory
 (no temporaries); only O(number of tensors) metadata.
 
-They set ``_step_supports_amp_scaling = True``: ``ampfuse.GradScaler`` and ``torch.amp.GradScaler``
-both drive them without a host sync. ``state_dict()`` uses torch's per-parameter layout (``step``,
-``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``momentum_buffer``) plus ``master_param``, so
-checkpoints move between these and ``torch.optim`` optimizers in both directions.
+The hand-off with a loss scaler is explicit: ``step(scaling=StepScaling(grad_scale, found_inf,
+clip_coef))`` (``ampfuse.GradScaler`` calls it so). For ``torch.amp.GradScaler`` they set
+``_step_supports_amp_scaling = True`` and read the ``grad_scale``/``found_inf`` attributes that
+scaler sets, so it drives them sync-free too. ``step(grads={param: tensor})`` makes the step read
+another gradient than ``param.grad`` (``GradAccumulator``'s fp32 sums; ``None``: not stepped).
+
+``state_dict()`` uses torch's per-parameter layout (``step``, ``exp_avg``, ``exp_avg_sq``,
+``max_exp_avg_sq``, ``momentum_buffer``) plus ``master_param``, so checkpoints move between these
+and ``torch.optim`` optimizers in both directions.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections import defaultdict
+import collections
+import math
+from collections.abc import Mapping
+from copy import deepcopy
 from itertools import chain
-from typing import Any, Callable, Literal, Union
+from typing import Any, Callable, Literal, NamedTuple, Union
 
 import torch
 from torch.optim.optimizer import ParamsT
 
 from ampfuse import ops
 
-__all__ = ["SGD", "Adam", "AdamW"]
+__all__ = ["SGD", "Adam", "AdamW", "StepScaling"]
 
 MasterWeights = Union[bool, Literal["auto"]]
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
 
 
-class _ParamMap:
-    """A mapping keyed by tensor identity (tensors compare elementwise, so they cannot be dict or
-    WeakKeyDictionary keys by value); entries die with their tensor."""
+class StepScaling(NamedTuple):
+    """What a loss scaler hands to a fused step: optional 1-element fp32 tensors (any device;
+    moved to the params' device without a sync).
 
-    def __init__(self) -> None:
-        self._d: dict[int, tuple[weakref.ref, Any]] = {}
+    Attributes:
+        grad_scale: the gradients are divided by it (they are still scaled by the loss scale).
+        found_inf: non-zero means this step changes nothing at all.
+        clip_coef: the gradients are multiplied by it (``GradScaler.unscale_and_clip_``).
+    """
 
-    def __setitem__(self, key: torch.Tensor, value: Any) -> None:
-        k = id(key)
-        self._d[k] = (weakref.ref(key, lambda _, k=k: self._d.pop(k, None)), value)
+    grad_scale: torch.Tensor | None = None
+    found_inf: torch.Tensor | None = None
+    clip_coef: torch.Tensor | None = None
 
-    def get(self, key: torch.Tensor, default: Any = None) -> Any:
-        entry = self._d.get(id(key))
-        if entry is None or entry[0]() is not key:
-            return default
-        return entry[1]
 
-    def pop(self, key: torch.Tensor, default: Any = None) -> Any:
-        value = self.get(key, default)
-        self._d.pop(id(key), None)
-        return value
+# ------------------------------------------------------------------------------------------------
+# optimizer state that tells the optimizer when it changes
+# ------------------------------------------------------------------------------------------------
+
+
+class _ParamState(dict):
+    """A param's state dict; every change bumps its optimizer's state generation, so that the
+    cached step plan (which holds the state tensors) is rebuilt."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: _State, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._owner = owner
+
+    def _changed(self) -> None:
+        self._owner.generation += 1
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        self._changed()
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(key)
+        self._changed()
 
     def clear(self) -> None:
-        self._d.clear()
+        super().clear()
+        self._changed()
 
-    def __len__(self) -> int:
-        return len(self._d)
+    def pop(self, *args: Any) -> Any:
+        value = super().pop(*args)
+        self._changed()
+        return value
+
+    def popitem(self) -> Any:
+        item = super().popitem()
+        self._changed()
+        return item
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        super().update(*args, **kwargs)
+        self._changed()
+
+    def __reduce__(self) -> Any:  # pickles (and deep-copies) as a plain dict
+        return (dict, (dict(self),))
+
+
+class _State(collections.defaultdict):
+    """``optimizer.state``: torch's ``defaultdict(dict)`` keyed by param, whose changes (and those
+    of its per-param dicts, which it keeps as :class:`_ParamState`) are counted in ``generation``.
+    ``state[p] = d`` stores a tracked copy of ``d``."""
+
+    def __init__(self, data: Mapping | None = None) -> None:
+        super().__init__(None)
+        self.generation = 0
+        for key, value in (data or {}).items():
+            super().__setitem__(key, _ParamState(self, value))
+
+    def __missing__(self, key: Any) -> _ParamState:
+        value = _ParamState(self)
+        super().__setitem__(key, value)
+        self.generation += 1
+        return value
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if not (isinstance(value, _ParamState) and value._owner is self):
+            value = _ParamState(self, value)
+        super().__setitem__(key, value)
+        self.generation += 1
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(key)
+        self.generation += 1
+
+    def clear(self) -> None:
+        super().clear()
+        self.generation += 1
+
+    def pop(self, *args: Any) -> Any:
+        value = super().pop(*args)
+        self.generation += 1
+        return value
+
+    def popitem(self) -> Any:
+        item = super().popitem()
+        self.generation += 1
+        return item
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = {} if default is None else default
+        return self[key]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def __reduce__(self) -> Any:  # pickles as torch's defaultdict(dict) of plain dicts
+        return (_plain_state, ({k: dict(v) for k, v in self.items()},))
+
+
+def _plain_state(data: dict) -> collections.defaultdict:
+    out: collections.defaultdict = collections.defaultdict(dict)
+    out.update(data)
+    return out
 
 
 def _scalar_on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -92,10 +202,25 @@ def _scalar_on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | N
     return t
 
 
-class _FusedOptimizer(torch.optim.Optimizer):
-    """Shared machinery: parameter checks, lazy fp32 state, buckets, checkpoints."""
+class _Plan:
+    """The bucket lists of one param group, valid while the group's params, the optimizer state,
+    the group's structural options and which params have a gradient of which dtype stay the same
+    (checked at every step: O(1) for the state, one pass over the params for the rest)."""
 
-    _ampfuse_fused_step = True  # ampfuse.GradScaler hands this optimizer a clip coefficient
+    __slots__ = ("params", "ids", "generation", "signature", "grad_dtypes", "buckets")
+
+    def __init__(self, params, ids, generation, signature, grad_dtypes, buckets) -> None:
+        self.params = params
+        self.ids = ids
+        self.generation = generation
+        self.signature = signature
+        self.grad_dtypes = grad_dtypes  # per param: its gradient's dtype, None without one
+        self.buckets = buckets  # [(device, [index in group], {list name: [tensors]})]
+
+
+class _FusedOptimizer(torch.optim.Optimizer):
+    """Shared machinery: argument checks, lazy fp32 state, cached bucket plans, checkpoints."""
+
     _step_supports_amp_scaling = True
     _state_keys: tuple[str, ...] = ()
 
@@ -103,14 +228,34 @@ class _FusedOptimizer(torch.optim.Optimizer):
         mw = defaults.get("master_weights")
         if mw not in (True, False, "auto"):
             raise ValueError(f"master_weights must be True, False or 'auto', got {mw!r}.")
-        self._param_dtypes = _ParamMap()
-        # Per param group, the bucket lists of the last step (state tensors are stable once
-        # created): a step where every parameter has a gradient of the same dtypes as then only
-        # gathers the gradients.
-        self._plans: dict[int, dict[str, Any]] = {}
-        #: fp32 gradient buffers that replace ``param.grad`` for the step (GradAccumulator).
-        self._grad_buffers = _ParamMap()
+        self._param_dtypes: dict[int, torch.dtype] = {}
+        self._plans: dict[int, _Plan] = {}
         super().__init__(params, defaults)
+        self.state = _State(self.state)
+
+    @staticmethod
+    def _check_torch_kwargs(foreach: bool | None, fused: bool | None, capturable: bool, differentiable: bool) -> None:
+        """torch's implementation switches. The step is always one fused pass with no host sync
+        (so it is capturable whatever ``capturable`` says) and its numerics follow torch's
+        for-loop implementation, so ``foreach``/``fused``/``capturable`` are accepted and change
+        nothing; ``differentiable=True`` cannot be honoured."""
+        for name, value in (("foreach", foreach), ("fused", fused)):
+            if value not in (None, True, False):
+                raise ValueError(f"{name} must be None, True or False, got {value!r}.")
+        if capturable not in (True, False):
+            raise ValueError(f"capturable must be True or False, got {capturable!r}.")
+        if differentiable:
+            raise ValueError(
+                "differentiable=True is not supported: ampfuse's fused step runs outside autograd. "
+                "Use the torch.optim optimizer for differentiable steps."
+            )
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_param_dtypes", {})
+        self.__dict__.setdefault("_plans", {})
+        self._plans = {}
+        self.state = _State(self.state)
 
     # ---- parameters --------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -120,7 +265,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         gi = len(self.param_groups) - 1
         if group.get("master_weights") not in (True, False, "auto"):
-            raise ValueError(f"param_groups[{gi}]['master_weights'] must be True, False or 'auto', got {group.get('master_weights')!r}.")
+            self.param_groups.pop()
+            raise ValueError(
+                f"param_groups[{gi}]['master_weights'] must be True, False or 'auto', got {group.get('master_weights')!r}."
+            )
         devices = {p.device for p in group["params"]}
         for i, p in enumerate(group["params"]):
             if p.dtype not in _SUPPORTED:
@@ -129,32 +277,38 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     f"param_groups[{gi}]['params'][{i}] has dtype {p.dtype}; ampfuse optimizers support "
                     "torch.float16, torch.bfloat16 and torch.float32 parameters."
                 )
-            self._param_dtypes[p] = p.dtype
         if len(devices) > 1:
             self.param_groups.pop()
             raise ValueError(
                 f"param_groups[{gi}] has parameters on several devices ({', '.join(sorted(map(str, devices)))}); "
                 "ampfuse optimizers need the parameters of one group on one device."
             )
+        for p in group["params"]:
+            self._param_dtypes[id(p)] = p.dtype
 
     def _wants_master(self, p: torch.Tensor, group: dict[str, Any]) -> bool:
         return group["master_weights"] in (True, "auto") and p.dtype in _LOW_PRECISION
 
-    def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
-        buf = self._grad_buffers.get(p)
-        return buf if buf is not None else p.grad
+    @staticmethod
+    def _grad(p: torch.Tensor, grads: Mapping | None) -> torch.Tensor | None:
+        if grads is not None and p in grads:
+            return grads[p]
+        return p.grad
 
-    def _validate(self) -> None:
-        """All checks of a step, before anything is modified."""
+    def _validate(self, grads: Mapping | None) -> None:
+        """Every check of a step, before anything (state creation included) is modified."""
         for gi, group in enumerate(self.param_groups):
+            self._check_group_options(gi, group)
             for i, p in enumerate(group["params"]):
-                g = self._grad_of(p)
+                g = self._grad(p, grads)
                 if g is None:
                     continue
                 where = f"param_groups[{gi}]['params'][{i}]"
+                if not isinstance(g, torch.Tensor):
+                    raise TypeError(f"the gradient of {where} must be a tensor or None, got {type(g).__name__}.")
                 if g.is_sparse:
                     raise RuntimeError(f"{where} has a sparse gradient; ampfuse optimizers do not support sparse gradients (use torch.optim.SparseAdam).")
-                expected = self._param_dtypes.get(p)
+                expected = self._param_dtypes.get(id(p))
                 if expected is not None and p.dtype != expected:
                     raise RuntimeError(
                         f"{where} has dtype {p.dtype} but was {expected} when the optimizer was built; "
@@ -167,174 +321,236 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 if g.device != p.device:
                     raise RuntimeError(f"{where} is on {p.device} but its gradient is on {g.device}.")
 
+    def _check_group_options(self, gi: int, group: dict[str, Any]) -> None:
+        """Hyper-parameters of a group as the user may have edited them since construction."""
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            if lr.numel() != 1:
+                raise ValueError(f"param_groups[{gi}]['lr'] must be a number or a 1-element tensor, got shape {tuple(lr.shape)}.")
+        elif not (isinstance(lr, (int, float)) and lr >= 0):
+            raise ValueError(f"param_groups[{gi}]['lr'] must be >= 0, got {lr!r}.")
+
     # ---- state -------------------------------------------------------------------------------
     def _new_state(self, p: torch.Tensor, group: dict[str, Any], key: str) -> torch.Tensor:
-        raise NotImplementedError
+        return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
     def _ensure_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        elif not (isinstance(state["step"], torch.Tensor) and state["step"].device == p.device and state["step"].dtype == torch.float32):
-            state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(p.device).reshape(())
+        elif not (isinstance(state["step"], torch.Tensor) and state["step"].device == p.device
+                  and state["step"].dtype == torch.float32 and state["step"].dim() == 0):
+            state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(p.device).reshape(()).clone()
         for key in self._state_keys_for(group):
             if state.get(key) is None:
                 state[key] = self._new_state(p, group, key)
-        if self._wants_master(p, group):
-            if state.get("master_param") is None:
-                state["master_param"] = p.detach().to(torch.float32, memory_format=torch.preserve_format, copy=True)
+                self._state_created(p, state, key)
+        if self._wants_master(p, group) and state.get("master_param") is None:
+            state["master_param"] = p.detach().to(torch.float32, memory_format=torch.preserve_format, copy=True)
         return state
+
+    def _state_created(self, p: torch.Tensor, state: dict[str, Any], key: str) -> None:
+        """Hook: a state tensor was created for a param that may already have stepped."""
 
     def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         return self._state_keys
 
-    @staticmethod
-    def _zeros_like(p: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+    def sync_masters_from_params(self) -> None:
+        """Restart every fp32 master from its param now.
+
+        The step does this by itself for a param edited since the last step (it sees that the
+        param no longer holds its master rounded); call this to have the masters (and a
+        ``state_dict()`` taken now) follow such edits before the next step.
+        """
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    master = self.state.get(p, {}).get("master_param")
+                    if master is not None:
+                        master.copy_(p)
 
     # ---- step --------------------------------------------------------------------------------
-    def _buckets(self, group: dict[str, Any]) -> dict[tuple, dict[str, list]]:
-        buckets: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-        for p in group["params"]:
-            g = self._grad_of(p)
-            if g is None:
+    def _signature(self, group: dict[str, Any]) -> tuple:
+        return (self._state_keys_for(group), group["master_weights"])
+
+    def _build_plan(self, group: dict[str, Any], ids: tuple, grad_dtypes: tuple) -> _Plan:
+        buckets: dict[tuple, tuple[list[int], dict[str, list]]] = {}
+        keys = self._state_keys_for(group)
+        for i, p in enumerate(group["params"]):
+            if grad_dtypes[i] is None:
                 continue
             state = self._ensure_state(p, group)
-            has_master = "master_param" in state and self._wants_master(p, group)
-            b = buckets[(p.device, p.dtype, g.dtype, has_master)]
-            b["params"].append(p)
-            b["grads"].append(g)
-            b["steps"].append(state["step"])
+            has_master = self._wants_master(p, group)
+            idx, lists = buckets.setdefault((p.device, p.dtype, grad_dtypes[i], has_master), ([], collections.defaultdict(list)))
+            idx.append(i)
+            lists["params"].append(p)
+            lists["steps"].append(state["step"])
             if has_master:
-                b["masters"].append(state["master_param"])
-            for key in self._state_keys_for(group):
-                b[key].append(state[key])
-        return buckets
+                lists["masters"].append(state["master_param"])
+            for key in keys:
+                lists[key].append(state[key])
+        plan_buckets = [(key[0], idx, dict(lists)) for key, (idx, lists) in buckets.items()]
+        return _Plan(group["params"], ids, self.state.generation, self._signature(group), grad_dtypes, plan_buckets)
 
-    def _run(self, group: dict[str, Any], b: dict[str, list], scaling: dict[str, torch.Tensor | None]) -> None:
+    def _run(self, group: dict[str, Any], lists: dict[str, list], grads: list, s: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def _fast_buckets(self, gi: int, group: dict[str, Any]) -> list[tuple[tuple, dict[str, list]]] | None:
-        """The cached buckets of group gi with this step's gradients, or None if they don't apply."""
-        plan = self._plans.get(gi)
-        params = group["params"]
-        if plan is None or plan["params"] is not params or plan["n"] != len(params):
-            return None
-        grads = [p.grad for p in params] if len(self._grad_buffers) == 0 else [self._grad_of(p) for p in params]
-        if any(g is None or g.is_sparse for g in grads):
-            return None
-        if [p.dtype for p in params] != plan["dtypes"] or [g.dtype for g in grads] != plan["grad_dtypes"]:
-            return None
-        out = []
-        for key, idx, lists in plan["buckets"]:
-            b = dict(lists)
-            b["grads"] = [grads[i] for i in idx]
-            out.append((key, b))
-        return out
-
-    def _remember(self, gi: int, group: dict[str, Any], buckets: dict[tuple, dict[str, list]]) -> None:
-        params = group["params"]
-        grads = [self._grad_of(p) for p in params]
-        if any(g is None for g in grads):
-            self._plans.pop(gi, None)
-            return
-        position = {id(p): i for i, p in enumerate(params)}
-        self._plans[gi] = {
-            "params": params,
-            "n": len(params),
-            "dtypes": [p.dtype for p in params],
-            "grad_dtypes": [g.dtype for g in grads],
-            "buckets": [
-                (key, [position[id(p)] for p in b["params"]], {k: v for k, v in b.items() if k != "grads"})
-                for key, b in buckets.items()
-            ],
-        }
-
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform one optimization step (see the module docstring for what is fused).
+    def step(  # type: ignore[override]
+        self,
+        closure: Callable[[], float] | None = None,
+        *,
+        scaling: StepScaling | None = None,
+        grads: Mapping[torch.Tensor, torch.Tensor | None] | None = None,
+    ) -> float | None:
+        """One optimization step (see the module docstring for what is fused).
 
         Args:
             closure: re-evaluates the model and returns the loss (run with grad enabled).
+            scaling: the loss scaler's hand-off (:class:`StepScaling`). Without it, the
+                ``grad_scale``/``found_inf`` attributes ``torch.amp.GradScaler`` sets are used.
+            grads: gradients to read instead of ``param.grad`` for the params it holds (``None``
+                values: those params are not stepped), e.g. ``GradAccumulator``'s fp32 sums.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if scaling is None:
+            scaling = StepScaling(getattr(self, "grad_scale", None), getattr(self, "found_inf", None), None)
+        if not isinstance(self.state, _State):  # replaced from outside (e.g. opt.state = ...)
+            self.state = _State(self.state)
+            self._plans.clear()
         work = []
+        stale = False
         for gi, group in enumerate(self.param_groups):
-            fast = self._fast_buckets(gi, group)
-            work.append((gi, group, fast))
-        if any(fast is None for _, _, fast in work):
-            self._validate()  # before anything (state creation included) is modified
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
-        clip_coef = getattr(self, "clip_coef", None)
-        for gi, group, fast in work:
-            if fast is None:
-                buckets = self._buckets(group)
-                self._remember(gi, group, buckets)
-                fast = list(buckets.items())
-            for (device, _, _, _), b in fast:
-                scaling = {
-                    "grad_scale": _scalar_on(grad_scale, device),
-                    "found_inf": _scalar_on(found_inf, device),
-                    "clip_coef": _scalar_on(clip_coef, device),
+            params = group["params"]
+            grad_list = [self._grad(p, grads) for p in params] if grads is not None else [p.grad for p in params]
+            grad_dtypes = tuple(None if g is None else g.dtype for g in grad_list)
+            ids = tuple(map(id, params))
+            plan = self._plans.get(gi)
+            if (plan is None or plan.params is not params or plan.ids != ids or plan.generation != self.state.generation
+                    or plan.grad_dtypes != grad_dtypes or plan.signature != self._signature(group)
+                    or any(g.is_sparse for g in grad_list if g is not None)):
+                plan = None
+                stale = True
+            work.append((gi, group, grad_list, grad_dtypes, ids, plan))
+        if stale:
+            self._validate(grads)  # before anything (state creation included) is modified
+            for k, (gi, group, grad_list, grad_dtypes, ids, plan) in enumerate(work):
+                if plan is None:
+                    self._plans[gi] = plan = self._build_plan(group, ids, grad_dtypes)
+                    work[k] = (gi, group, grad_list, grad_dtypes, ids, plan)
+            generation = self.state.generation  # state creation is part of the plans
+            for *_, plan in work:
+                plan.generation = generation
+        else:
+            for gi, group, *_ in work:
+                self._check_group_options(gi, group)
+        for gi, group, grad_list, _, _, plan in work:
+            for device, idx, lists in plan.buckets:
+                s = {
+                    "grad_scale": _scalar_on(scaling.grad_scale, device),
+                    "found_inf": _scalar_on(scaling.found_inf, device),
+                    "clip_coef": _scalar_on(scaling.clip_coef, device),
                 }
                 lr = group["lr"]
-                if isinstance(lr, torch.Tensor):
-                    lr = _scalar_on(lr, device)
-                self._run(group, b, dict(scaling, lr=lr))
+                s["lr"] = _scalar_on(lr, device) if isinstance(lr, torch.Tensor) else lr
+                self._run(group, lists, [grad_list[i] for i in idx], s)
         return loss
 
     # ---- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout (``state`` keyed by param index, ``param_groups``), state values as
+        plain dicts: loadable by the matching ``torch.optim`` optimizer."""
+        sd = super().state_dict()
+        sd["state"] = {k: dict(v) for k, v in sd["state"].items()}
+        return sd
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved by this optimizer or by the matching ``torch.optim`` one.
 
-        Checked before anything changes: the number of groups and parameters, and every state
-        tensor's shape. fp32 state and masters keep fp32 (torch would cast them to the param's
-        dtype); a torch checkpoint has no masters, so they are taken from the current params at
-        the next step.
+        Everything is checked before anything changes: the groups and their sizes, every state
+        tensor's shape and dtype kind, every ``step``. fp32 state and masters stay fp32 (torch
+        would cast them to the param's dtype); a torch checkpoint has no masters, so they are
+        taken from the current params at the next step.
         """
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("state_dict must be a mapping with 'state' and 'param_groups' entries.")
+        groups = self.param_groups
+        saved_groups = deepcopy(state_dict["param_groups"])
+        if len(groups) != len(saved_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
-        for k, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
+        for k, (g, sg) in enumerate(zip(groups, saved_groups)):
             if len(g["params"]) != len(sg["params"]):
                 raise ValueError(
                     f"loaded state dict contains a parameter group that doesn't match the size of optimizer's group (group {k})"
                 )
-        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups), chain.from_iterable(g["params"] for g in self.param_groups)))
+        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups), chain.from_iterable(g["params"] for g in groups)))
+        new_state: dict[Any, dict[str, Any]] = {}
         for pid, st in state_dict["state"].items():
             p = id_map.get(pid)
             if p is None:
+                new_state[pid] = deepcopy(st)
                 continue
-            for key, v in st.items():
-                if isinstance(v, torch.Tensor) and key != "step" and v.shape != p.shape:
-                    raise ValueError(
-                        f"state '{key}' of parameter {pid} has shape {tuple(v.shape)} but the parameter has shape {tuple(p.shape)}."
-                    )
-                if key == "step" and isinstance(v, torch.Tensor) and v.numel() != 1:
-                    raise ValueError(f"state 'step' of parameter {pid} must have one element, got shape {tuple(v.shape)}.")
-        originals = {id_map[pid]: dict(st) for pid, st in state_dict["state"].items() if pid in id_map}
-        previous_groups = [dict(g) for g in self.param_groups]
-        super().load_state_dict(state_dict)
-        self._plans.clear()
-        # A torch checkpoint lacks ampfuse's group options (master_weights): keep the current ones.
-        for group, prev in zip(self.param_groups, previous_groups):
-            for key, value in prev.items():
-                group.setdefault(key, value)
-        for p, st in originals.items():
-            state = self.state[p]
+            if not isinstance(st, Mapping):
+                raise ValueError(f"the state of parameter {pid} must be a dict, got {type(st).__name__}.")
+            converted: dict[str, Any] = {}
             for key, v in st.items():
                 if key == "step":
-                    state[key] = torch.as_tensor(v, dtype=torch.float32).to(p.device).reshape(()).clone()
+                    try:
+                        step = torch.as_tensor(v, dtype=torch.float32)
+                    except (TypeError, ValueError, RuntimeError) as e:
+                        raise ValueError(f"state 'step' of parameter {pid} must be a number or a 1-element tensor, got {v!r}.") from e
+                    if step.numel() != 1:
+                        raise ValueError(f"state 'step' of parameter {pid} must have one element, got shape {tuple(step.shape)}.")
+                    converted[key] = step.to(p.device).reshape(()).clone()
                 elif isinstance(v, torch.Tensor):
-                    state[key] = v.detach().to(device=p.device, dtype=torch.float32, copy=True)
-            self._adopt_foreign_state(p, state)
+                    if v.shape != p.shape:
+                        raise ValueError(
+                            f"state '{key}' of parameter {pid} has shape {tuple(v.shape)} but the parameter has shape {tuple(p.shape)}."
+                        )
+                    if not v.is_floating_point():
+                        raise ValueError(f"state '{key}' of parameter {pid} must be a floating-point tensor, got {v.dtype}.")
+                    converted[key] = v.detach().to(device=p.device, dtype=torch.float32, copy=True)
+                else:
+                    converted[key] = deepcopy(v)
+            self._adopt_foreign_state(p, converted)
+            new_state[p] = converted
+        # apply
+        new_groups = []
+        for group, saved in zip(groups, saved_groups):
+            new_group = dict(saved)
+            new_group["params"] = group["params"]
+            if "param_names" in group and "param_names" not in new_group:
+                new_group["param_names"] = group["param_names"]
+            for key, value in group.items():  # a torch checkpoint lacks ampfuse's options
+                new_group.setdefault(key, value)
+            new_groups.append(new_group)
+        self.param_groups[:] = new_groups
+        self.state = _State(new_state)
+        self._plans.clear()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _adopt_foreign_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
         """Hook for optimizer-specific fix-ups of a loaded (possibly torch) state."""
+
+
+def _float_hyper(name: str, value: Any) -> float:
+    """betas / weight_decay given as CPU tensors (torch accepts them) become numbers; the fused
+    kernels take them as arguments, not device tensors."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.device.type != "cpu":
+            raise ValueError(f"{name} must be a number (or a 1-element CPU tensor), got a tensor of shape "
+                             f"{tuple(value.shape)} on {value.device}.")
+        return float(value)
+    return value
 
 
 class SGD(_FusedOptimizer):
@@ -348,12 +564,16 @@ class SGD(_FusedOptimizer):
         weight_decay (float, default 0): L2 penalty.
         nesterov (bool, default False): Nesterov momentum.
         maximize (bool, default False): maximize the objective.
+        foreach, fused, capturable: torch's implementation switches; accepted, nothing changes
+            (the step is always one fused, capturable pass with the for-loop numerics).
+        differentiable (bool, default False): ``True`` is refused.
         master_weights (bool or "auto", default "auto"): keep fp32 masters for fp16/bf16 params
             (``True`` and ``"auto"`` alike; fp32 params never need one). ``False`` updates
             low-precision params directly (fp32 math, fp32 momentum).
 
-    Unlike torch's fused SGD, a skipped first step leaves the momentum buffer uninitialised
-    *and* marked so (the next step taken initialises it to that step's gradient).
+    ``state["step"]`` counts the steps taken with the current momentum buffer: the next step taken
+    with ``step == 0`` initialises the buffer to that step's gradient, as torch does when its
+    buffer is ``None``. Unlike torch's fused SGD, a skipped first step leaves the buffer so marked.
     """
 
     _state_keys = ("momentum_buffer",)
@@ -364,12 +584,17 @@ class SGD(_FusedOptimizer):
         lr: float | torch.Tensor = 1e-3,
         momentum: float = 0,
         dampening: float = 0,
-        weight_decay: float = 0,
+        weight_decay: float | torch.Tensor = 0,
         nesterov: bool = False,
         *,
         maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
         master_weights: MasterWeights = "auto",
     ) -> None:
+        self._check_torch_kwargs(foreach, fused, False, differentiable)
+        weight_decay = _float_hyper("weight_decay", weight_decay)
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
         if not 0.0 <= lr:
@@ -381,18 +606,22 @@ class SGD(_FusedOptimizer):
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=nesterov, maximize=maximize, master_weights=master_weights)
+                        nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
+                        fused=fused, master_weights=master_weights)
         super().__init__(params, defaults)
 
     def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
-    def _new_state(self, p: torch.Tensor, group: dict[str, Any], key: str) -> torch.Tensor:
-        return self._zeros_like(p)
+    def _state_created(self, p: torch.Tensor, state: dict[str, Any], key: str) -> None:
+        # momentum switched on mid-run (torch: the buffer is None): the next step taken starts it
+        # from the gradient, which the kernel does when the step counter is 0.
+        if key == "momentum_buffer":
+            state["step"].zero_()
 
-    def _run(self, group, b, s) -> None:
+    def _run(self, group, lists, grads, s) -> None:
         ops.sgd_step_(
-            b["params"], b["grads"], b.get("masters", []), b.get("momentum_buffer", []), b["steps"],
+            lists["params"], grads, lists.get("masters", []), lists.get("momentum_buffer", []), lists["steps"],
             lr=s["lr"], momentum=group["momentum"], dampening=group["dampening"],
             weight_decay=group["weight_decay"], nesterov=group["nesterov"], maximize=group["maximize"],
             grad_scale=s["grad_scale"], found_inf=s["found_inf"], clip_coef=s["clip_coef"],
@@ -421,29 +650,38 @@ class Adam(_FusedOptimizer):
         lr (float or Tensor, default 1e-3): learning rate; a tensor lr is read on device.
         betas (tuple, default (0.9, 0.999)): running-average coefficients.
         eps (float, default 1e-8): added to the denominator.
-        weight_decay (float, default 0): L2 penalty (added to the gradient).
+        weight_decay (float, default 0): L2 penalty (added to the gradient), or decoupled.
         amsgrad (bool, default False): keep the maximum of the second moment.
+        foreach, fused, capturable: torch's implementation switches; accepted, nothing changes.
         maximize (bool, default False): maximize the objective.
+        differentiable (bool, default False): ``True`` is refused.
+        decoupled_weight_decay (bool, default False): AdamW's decoupled weight decay.
         master_weights (bool or "auto", default "auto"): fp32 masters for fp16/bf16 params.
 
     Optimizer state is fp32 for every param dtype; bias corrections are computed in fp64 from
     each parameter's own step count, as in torch's for-loop implementation.
     """
 
-    _decoupled = False
-
     def __init__(
         self,
         params: ParamsT,
         lr: float | torch.Tensor = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0,
         amsgrad: bool = False,
         *,
+        foreach: bool | None = None,
         maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        decoupled_weight_decay: bool = False,
         master_weights: MasterWeights = "auto",
     ) -> None:
+        self._check_torch_kwargs(foreach, fused, capturable, differentiable)
+        betas = (_float_hyper("betas[0]", betas[0]), _float_hyper("betas[1]", betas[1]))
+        weight_decay = _float_hyper("weight_decay", weight_decay)
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
         if not 0.0 <= lr:
@@ -457,22 +695,21 @@ class Adam(_FusedOptimizer):
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize, master_weights=master_weights)
+                        maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,
+                        fused=fused, decoupled_weight_decay=decoupled_weight_decay, master_weights=master_weights)
         super().__init__(params, defaults)
 
     def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
 
-    def _new_state(self, p: torch.Tensor, group: dict[str, Any], key: str) -> torch.Tensor:
-        return self._zeros_like(p)
-
-    def _run(self, group, b, s) -> None:
+    def _run(self, group, lists, grads, s) -> None:
         beta1, beta2 = group["betas"]
         ops.adam_step_(
-            b["params"], b["grads"], b.get("masters", []), b["exp_avg"], b["exp_avg_sq"],
-            b.get("max_exp_avg_sq", []), b["steps"],
+            lists["params"], grads, lists.get("masters", []), lists["exp_avg"], lists["exp_avg_sq"],
+            lists.get("max_exp_avg_sq", []), lists["steps"],
             lr=s["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-            amsgrad=group["amsgrad"], maximize=group["maximize"], decoupled_weight_decay=self._decoupled,
+            amsgrad=group["amsgrad"], maximize=group["maximize"],
+            decoupled_weight_decay=group.get("decoupled_weight_decay", False),
             grad_scale=s["grad_scale"], found_inf=s["found_inf"], clip_coef=s["clip_coef"],
         )
 
@@ -481,18 +718,22 @@ class AdamW(Adam):
     """Fused AdamW (decoupled weight decay) with optional fp32 master weights
     (``torch.optim.AdamW`` semantics; ``weight_decay`` defaults to 1e-2). Arguments as :class:`Adam`."""
 
-    _decoupled = True
-
     def __init__(
         self,
         params: ParamsT,
         lr: float | torch.Tensor = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         master_weights: MasterWeights = "auto",
     ) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, master_weights=master_weights)
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
+                         capturable=capturable, differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True, master_weights=master_weights)

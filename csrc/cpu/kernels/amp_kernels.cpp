@@ -246,7 +246,8 @@ int unscale_check(const UnscaleCheckArgs& a, void* /*workspace*/, const LaunchCo
   return 0;
 }
 
-// accumulators[t][i] += float(grads[t][i]); grads[t][i] = 0; one pass, fp32 math.
+// accumulators[t][i] += float(grads[t][i]); grads[t][i] = 0; one pass, fp32 math. Flags a sum that
+// is not finite (an inf/NaN grad, or finite grads whose fp32 sum overflowed).
 template <typename G>
 bool accumulate_span(float* acc, G* grad, int64_t n, bool zero) {
   using L = FloatLanes<G>;
@@ -256,8 +257,9 @@ bool accumulate_span(float* acc, G* grad, int64_t n, bool zero) {
     FVec g[L::kVecs];
     L::load(grad + i, g);
     for (int k = 0; k < L::kVecs; ++k) {
-      bad = bad | nonfinite_bits(g[k]);
-      (FVec::loadu(acc + i + k * FVec::size()) + g[k]).store(acc + i + k * FVec::size());
+      const FVec sum = FVec::loadu(acc + i + k * FVec::size()) + g[k];
+      bad = bad | nonfinite_bits(sum);
+      sum.store(acc + i + k * FVec::size());
     }
     if (zero) {
       FVec z[L::kVecs];
@@ -267,9 +269,9 @@ bool accumulate_span(float* acc, G* grad, int64_t n, bool zero) {
   }
   bool nonfinite = any_lane_nonzero(bad);
   for (; i < n; ++i) {
-    const float g = static_cast<float>(grad[i]);
-    if (!std::isfinite(g)) nonfinite = true;
-    acc[i] = acc[i] + g;
+    const float sum = acc[i] + static_cast<float>(grad[i]);
+    if (!std::isfinite(sum)) nonfinite = true;
+    acc[i] = sum;
     if (zero) grad[i] = G(0.0f);
   }
   return nonfinite;

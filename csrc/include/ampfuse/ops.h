@@ -42,7 +42,8 @@ std::tuple<at::Tensor, at::Tensor> check_norm_(
     const std::optional<at::Tensor>& per_tensor_found_inf = std::nullopt);
 
 // accumulators[i] (fp32) += grads[i] (fp16/bf16/fp32) in one pass; grads are zeroed in the same
-// pass when zero_grads, and found_inf is set to 1 if any grad element is inf/NaN.
+// pass when zero_grads, and found_inf is set to 1 if any sum is inf/NaN (an inf/NaN grad, or an
+// fp32 overflow).
 void accumulate_grads_(at::TensorList accumulators, at::TensorList grads,
                        const at::Tensor& found_inf, bool zero_grads = true);
 
