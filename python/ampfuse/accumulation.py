@@ -50,10 +50,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from ampfuse import ops
-from ampfuse.grad_scaler import GradScaler as _AmpfuseScaler
+from ampfuse.grad_scaler import GradScaler as _AmpfuseScaler, _fresh_optimizer_state
 from ampfuse.optim import StepScaling, _FusedOptimizer
 
 __all__ = ["GradAccumulator"]
@@ -261,7 +260,7 @@ class GradAccumulator:
             self.last_window_skipped = self._step()
         except BaseException:
             if self.scaler is not None:  # a failed step must not leave this iteration half-recorded
-                self.scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+                self.scaler._per_optimizer_states = defaultdict(_fresh_optimizer_state)
             raise
         finally:
             with torch.no_grad():

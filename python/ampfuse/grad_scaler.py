@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
-from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 
 from ampfuse import ops
 from ampfuse.optim import StepScaling, _FusedOptimizer
@@ -43,6 +43,12 @@ Grads = Mapping[torch.Tensor, "torch.Tensor | None"]
 
 class OverflowReport(list):
     """A list of ``(group_index, param_index, name)`` for parameters whose gradient is non-finite."""
+
+
+def _fresh_optimizer_state() -> dict[str, Any]:
+    # torch's _refresh_per_optimizer_state, defined here: torch.compile does not trace into
+    # torch.amp, so update() must not call into it.
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
 def _capturing(device: torch.device) -> bool:
@@ -141,7 +147,7 @@ class GradScaler(torch.amp.GradScaler):
             self._growth_interval = growth_interval
             self._init_growth_tracker = 0
             self._growth_tracker: torch.Tensor | None = None
-            self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
+            self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
 
         self._hysteresis = hysteresis
         self._consecutive_hysteresis = consecutive_hysteresis
@@ -176,6 +182,15 @@ class GradScaler(torch.amp.GradScaler):
     def _clamp_tensor_(self, t: torch.Tensor) -> None:
         if self._min_scale is not None or self._max_scale is not None:
             t.clamp_(min=self._min_scale, max=self._max_scale)
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        # torch's check, defined here so that torch.compile traces update() without a break.
+        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
+        if self._scale is None:
+            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
+        if self._growth_tracker is None:
+            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
+        return (self._scale, self._growth_tracker)
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
@@ -458,7 +473,7 @@ class GradScaler(torch.amp.GradScaler):
             stats=self._stats,
         )
         self._last_found_inf = found_inf_combined
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
         if self._on_min_scale != "ignore" and self._may_poll():
             self._poll_min_scale(blocking=False)
             if not self._pending_stats:  # at most one copy in flight

@@ -426,7 +426,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             params = group["params"]
             grad_list = [self._grad(p, grads) for p in params] if grads is not None else [p.grad for p in params]
-            grad_dtypes = tuple(None if g is None else g.dtype for g in grad_list)
+            try:
+                grad_dtypes = tuple(None if g is None else g.dtype for g in grad_list)
+            except AttributeError:  # not a tensor: _validate names it
+                self._validate(grads)
+                raise
             ids = tuple(map(id, params))
             plan = self._plans.get(gi)
             if (plan is None or plan.params is not params or plan.ids != ids or plan.generation != self.state.generation
