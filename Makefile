@@ -25,6 +25,9 @@ AMPFUSE_CUDA ?= auto
 CUDA_ARCHS ?= 80;90
 BUILD_TYPE := $(if $(DEBUG),Debug,Release)
 MAX_JOBS ?= $(shell nproc)
+# ccache keys compiles on paths relative to the checkout, so a second clone (the pip-install test
+# builds one) reuses the objects of the first.
+export CCACHE_BASEDIR := $(CURDIR)
 
 .PHONY: all venv sysdeps build test test-cpp test-py test-emulated demo bench clean cuda-coverage cuda-mutants
 

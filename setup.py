@@ -5,7 +5,8 @@ and installs it, its headers and its CMake package inside the Python package (am
 ampfuse/include, ampfuse/share/cmake).
 
 Environment: AMPFUSE_CUDA=auto|ON|OFF, CMAKE_CUDA_ARCHITECTURES (default "80;90"), DEBUG=1,
-MAX_JOBS=N, CMAKE_ARGS="extra -D options". ninja and ccache are used when available.
+MAX_JOBS=N, CMAKE_ARGS="extra -D options", AMPFUSE_BUILD_DIR (the CMake build directory; default
+inside setuptools' build_temp). ninja and ccache are used when available.
 """
 
 import os
@@ -28,7 +29,7 @@ class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
         # The package directory the library goes into (the in-place tree for `--inplace`).
         pkg_dir = os.path.dirname(os.path.abspath(self.get_ext_fullpath(ext.name)))
-        build_dir = os.path.abspath(os.path.join(self.build_temp, "cmake"))
+        build_dir = os.path.abspath(os.environ.get("AMPFUSE_BUILD_DIR") or os.path.join(self.build_temp, "cmake"))
         os.makedirs(build_dir, exist_ok=True)
         cfg = "Debug" if os.environ.get("DEBUG", "0") == "1" else "Release"
         args = [

@@ -7,18 +7,15 @@ from __future__ import annotations
 
 import io
 import math
-import os
-import socket
-import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 import ampfuse
 from ampfuse import ops
 from conftest import DEVICES
+from dist_utils import run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -312,20 +309,10 @@ def test_misuse():
 # ----------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ddp_worker(rank, world, port, dtype_name, out_path):
+def _ddp_worker(rank, world, dtype_name):
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     dtype = getattr(torch, dtype_name)
     model = make_model(dtype)
     ddp = nn.parallel.DistributedDataParallel(model)
@@ -344,27 +331,24 @@ def _ddp_worker(rank, world, port, dtype_name, out_path):
         return real_all_reduce(t, *a, **k)
 
     dist.all_reduce = counting_all_reduce
-    opt = ampfuse.optim.AdamW(ddp.parameters(), lr=1e-2)
-    acc = ampfuse.GradAccumulator(ddp, opt, ampfuse.GradScaler("cpu", init_scale=2.0**8), steps=4)
-    windows = 3
-    for w in range(windows):
-        for k in range(4):
-            x, y = data(16, 10 * w + k)
-            xs, ys = x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]
-            with acc.accumulate():
-                acc.backward(nn.functional.mse_loss(ddp(xs.to(dtype)).float(), ys))
-    dist.all_reduce = real_all_reduce
-    if rank == 0:
-        torch.save({"params": [p.detach().clone() for p in model.parameters()], "counts": counts, "windows": windows}, out_path)
-    dist.destroy_process_group()
+    try:
+        opt = ampfuse.optim.AdamW(ddp.parameters(), lr=1e-2)
+        acc = ampfuse.GradAccumulator(ddp, opt, ampfuse.GradScaler("cpu", init_scale=2.0**8), steps=4)
+        windows = 3
+        for w in range(windows):
+            for k in range(4):
+                x, y = data(16, 10 * w + k)
+                xs, ys = x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]
+                with acc.accumulate():
+                    acc.backward(nn.functional.mse_loss(ddp(xs.to(dtype)).float(), ys))
+    finally:
+        dist.all_reduce = real_all_reduce
+    return {"params": [p.detach().clone() for p in model.parameters()], "counts": counts, "windows": windows}
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 def test_ddp_two_processes(dtype_name):
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "out.pt")
-        mp.spawn(_ddp_worker, args=(2, _free_port(), dtype_name, out), nprocs=2, join=True)
-        res = torch.load(out)
+    res = run_ranks(_ddp_worker, 2, dtype_name)[0]
     dtype = getattr(torch, dtype_name)
     counts = res["counts"]
     # One gradient all-reduce per window (the model fits in one DDP bucket / one flat buffer).
@@ -389,3 +373,18 @@ def test_ddp_two_processes(dtype_name):
             torch.testing.assert_close(p, q, **TOL)
         else:  # bf16 forward/backward per half batch: compare the rounded weights loosely
             torch.testing.assert_close(p.float(), q.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_failing_rank_is_reported_not_hung():
+    """The multi-process harness: a rank that raises makes the test fail with its traceback
+    (the other rank, blocked in a collective, is not waited for forever)."""
+    with pytest.raises(AssertionError, match=r"^rank 1 of 2 failed:(.|\n)*boom on rank 1"):
+        run_ranks(_failing_worker, 2, timeout=60)
+
+
+def _failing_worker(rank, world):
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    dist.barrier()

@@ -231,6 +231,7 @@ FLT_MIN = float(np.finfo(np.float32).tiny)
 FLT_MAX = float(np.finfo(np.float32).max)
 
 
+@np.errstate(over="ignore")
 def reference_scaler(init, growth, backoff, interval, hysteresis, consecutive, min_scale, max_scale, found_seq):
     """The scale after each update: torch's rule (double arithmetic, fp32 rounding, no growth to
     inf) plus hysteresis and [max(min_scale, FLT_MIN), max_scale] bounds."""
