@@ -16,6 +16,19 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _cuda_toolkit_root(tmp_path) -> str:
+    """The CUDA toolkit a CUDA build of torch's CMake config needs (nvcc on PATH may be a wrapper
+    script, whose own location is not the toolkit's: ask nvcc where it runs from)."""
+    if shutil.which("nvcc") is None:
+        return ""
+    (tmp_path / "probe.cu").write_text("")
+    r = subprocess.run(["nvcc", "--dryrun", "-c", str(tmp_path / "probe.cu")], capture_output=True, text=True)
+    for line in (r.stdout + r.stderr).splitlines():
+        if line.startswith("#$ TOP="):
+            return os.path.normpath(line.split("=", 1)[1].strip())
+    return ""
+
+
 @pytest.mark.skipif(not os.path.isdir(os.path.join(ROOT, ".git")) or shutil.which("git") is None,
                     reason="needs a git checkout to clone")
 def test_pip_install_into_a_fresh_target(tmp_path):
@@ -67,7 +80,7 @@ def test_pip_install_into_a_fresh_target(tmp_path):
     """))
     import torch
 
-    cuda_root = os.path.dirname(os.path.dirname(shutil.which("nvcc"))) if shutil.which("nvcc") else ""
+    cuda_root = _cuda_toolkit_root(tmp_path)
     r = subprocess.run(["cmake", "-S", str(app), "-B", str(app / "build"),
                         f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path};{prefix}",
                         *([f"-DCUDA_TOOLKIT_ROOT_DIR={cuda_root}"] if cuda_root else [])],

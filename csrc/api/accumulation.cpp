@@ -81,18 +81,9 @@ GradAccumulator::GradAccumulator(torch::optim::Optimizer& optimizer, GradScaler*
     offset += p.numel();
   }
   has_grad_.assign(low_.size(), false);
-  if (fused_) {
-    auto& fused = static_cast<optim::FusedOptimizer&>(optimizer_);
-    for (size_t k = 0; k < low_.size(); ++k) fused.set_grad_buffer(low_[k], buffers_[k]);
-  }
 }
 
-GradAccumulator::~GradAccumulator() {
-  if (fused_) {
-    auto& fused = static_cast<optim::FusedOptimizer&>(optimizer_);
-    for (const auto& p : low_) fused.remove_grad_buffer(p);
-  }
-}
+GradAccumulator::~GradAccumulator() = default;
 
 std::vector<at::Tensor> GradAccumulator::all_params() const {
   std::vector<at::Tensor> params;
@@ -129,16 +120,18 @@ bool GradAccumulator::flush() {
 }
 
 // After a micro-batch's backward: fp16/bf16 grads into the fp32 buffers (one fused pass per
-// device, zeroing .grad() and checking for inf/NaN on the way).
+// device, checking the sums for inf/NaN on the way), then .grad() undefined: a param that gets no
+// gradient in the window is not stepped.
 void GradAccumulator::collect() {
   if (low_.empty()) return;
+  std::vector<size_t> taken;
   std::vector<std::pair<c10::Device, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>>>
       per_device;
   for (size_t k = 0; k < low_.size(); ++k) {
     const at::Tensor g = low_[k].grad();
     if (!g.defined()) continue;
     TORCH_CHECK(!g.is_sparse(), "GradAccumulator does not support sparse gradients.");
-    has_grad_[k] = true;
+    taken.push_back(k);
     bool found = false;
     for (auto& [d, lists] : per_device) {
       if (d == g.device()) {
@@ -149,66 +142,76 @@ void GradAccumulator::collect() {
     }
     if (!found) per_device.push_back({g.device(), {{buffers_[k]}, {g}}});
   }
-  at::NoGradGuard no_grad;
-  for (auto& [device, lists] : per_device) {
-    accumulate_grads_(lists.first, lists.second, on_device(found_inf_, device),
-                      /*zero_grads=*/true);
+  {
+    at::NoGradGuard no_grad;
+    for (auto& [device, lists] : per_device) {
+      accumulate_grads_(lists.first, lists.second, on_device(found_inf_, device),
+                        /*zero_grads=*/false);
+    }
+  }
+  for (size_t k : taken) {
+    has_grad_[k] = true;
+    low_[k].mutable_grad() = at::Tensor();
   }
 }
 
+// Steps (or skips) the window; whatever happens, the next window starts clean.
 void GradAccumulator::end_window(int64_t micro_batches) {
   std::unordered_set<const c10::TensorImpl*> buffered;
   for (const auto& p : low_) buffered.insert(p.unsafeGetTensorImpl());
   const auto params = all_params();
-  {
-    at::NoGradGuard no_grad;
-    if (micro_batches != options_.steps()) {  // incomplete window: the sums hold sum / steps
-      std::vector<at::Tensor> tensors;
-      for (const auto& [d, f] : flat_) tensors.push_back(f);
-      for (const auto& p : params) {
-        if (buffered.count(p.unsafeGetTensorImpl()) == 0 && p.grad().defined()) {
-          tensors.push_back(p.grad());
-        }
-      }
-      if (!tensors.empty()) {
-        at::_foreach_mul_(tensors, static_cast<double>(options_.steps()) / micro_batches);
-      }
+  auto* fused = fused_ ? static_cast<optim::FusedOptimizer*>(&optimizer_) : nullptr;
+  auto reset = [&] {
+    if (fused != nullptr) {
+      for (const auto& p : low_) fused->remove_grad_buffer(p);
     }
-    if (!low_.empty() && !fused_) {
-      // An ordinary optimizer reads .grad(): hand it the fp32 sums, rounded once.
-      for (size_t k = 0; k < low_.size(); ++k) {
-        low_[k].mutable_grad() =
-            has_grad_[k] ? buffers_[k].to(low_[k].scalar_type()) : at::Tensor();
-      }
-    }
-  }
-  if (!low_.empty() && fused_) {
-    // Parameters that got no gradient in this window are not stepped.
-    auto& fused = static_cast<optim::FusedOptimizer&>(optimizer_);
-    for (size_t k = 0; k < low_.size(); ++k) {
-      if (has_grad_[k]) {
-        fused.set_grad_buffer(low_[k], buffers_[k]);
-      } else {
-        fused.remove_grad_buffer(low_[k]);
-      }
-    }
-  }
-  last_window_skipped_ = step_window();
-  {
     at::NoGradGuard no_grad;
     for (auto& [d, f] : flat_) f.zero_();
     for (auto& [d, f] : found_inf_) f.zero_();
-  }
-  for (const auto& p : params) {
-    // Buffered grads of a fused optimizer were zeroed by the accumulation kernel.
-    if (!(fused_ && buffered.count(p.unsafeGetTensorImpl()) != 0)) {
-      p.mutable_grad() = at::Tensor();
+    for (const auto& p : params) p.mutable_grad() = at::Tensor();
+    has_grad_.assign(low_.size(), false);
+    micro_step_ = 0;
+    ++windows_;
+    window_ended_ = true;
+  };
+  try {
+    {
+      at::NoGradGuard no_grad;
+      if (micro_batches != options_.steps()) {  // incomplete window: the sums hold sum / steps
+        std::vector<at::Tensor> tensors;
+        for (const auto& [d, f] : flat_) tensors.push_back(f);
+        for (const auto& p : params) {
+          if (buffered.count(p.unsafeGetTensorImpl()) == 0 && p.grad().defined()) {
+            tensors.push_back(p.grad());
+          }
+        }
+        if (!tensors.empty()) {
+          at::_foreach_mul_(tensors, static_cast<double>(options_.steps()) / micro_batches);
+        }
+      }
+      if (!low_.empty() && fused == nullptr) {
+        // An ordinary optimizer reads .grad(): hand it the fp32 sums, rounded once.
+        for (size_t k = 0; k < low_.size(); ++k) {
+          low_[k].mutable_grad() =
+              has_grad_[k] ? buffers_[k].to(low_[k].scalar_type()) : at::Tensor();
+        }
+      }
     }
+    if (fused != nullptr) {
+      // The fused step reads the fp32 sums, for this step only; a param that got no gradient in
+      // the window has neither a buffer nor a .grad(), so it is not stepped.
+      for (size_t k = 0; k < low_.size(); ++k) {
+        if (has_grad_[k]) fused->set_grad_buffer(low_[k], buffers_[k]);
+      }
+    }
+    last_window_skipped_ = step_window();
+  } catch (...) {
+    // A failed step must not leave the scaler's iteration half-recorded, nor this window open.
+    if (scaler_ != nullptr) scaler_->per_optimizer_states_.clear();
+    reset();
+    throw;
   }
-  has_grad_.assign(low_.size(), false);
-  micro_step_ = 0;
-  ++windows_;
-  window_ended_ = true;
+  reset();
 }
 
 // unscale (+ clip), step, update; returns the device skip flag (nullopt without a scaler).
@@ -220,9 +223,11 @@ std::optional<at::Tensor> GradAccumulator::step_window() {
     if (lr_scheduler_ != nullptr) lr_scheduler_->step();
     return std::nullopt;
   }
+  bool other_grads = false;  // a .grad() the accumulation kernel did not check (fp32 params)
+  for (const auto& p : all_params()) other_grads |= p.grad().defined();
   if (options_.max_grad_norm().has_value()) {
     scaler_->unscale_and_clip_(optimizer_, *options_.max_grad_norm(), options_.norm_type());
-  } else if (fused_ && !low_.empty() && low_.size() == all_params().size()) {
+  } else if (fused_ && !low_.empty() && !other_grads) {
     // The accumulation kernel already checked every gradient: no check pass at the end.
     GradScaler::PerDevice found;
     for (const auto& [d, f] : found_inf_) found.emplace_back(d, f);
@@ -306,6 +311,15 @@ void GradAccumulator::save(OutputArchive& archive) const {
     }
     std::vector<int64_t> has_grad(has_grad_.begin(), has_grad_.end());
     archive.write("has_grad", c10::IValue(at::tensor(has_grad, at::kLong)));
+    // The partial sums of the parameters that accumulate in .grad() (fp32 ones).
+    std::unordered_set<const c10::TensorImpl*> buffered;
+    for (const auto& p : low_) buffered.insert(p.unsafeGetTensorImpl());
+    const auto params = all_params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (buffered.count(params[i].unsafeGetTensorImpl()) == 0 && params[i].grad().defined()) {
+        archive.write("grads/" + std::to_string(i), c10::IValue(params[i].grad().cpu()));
+      }
+    }
   }
 }
 
@@ -338,6 +352,19 @@ void GradAccumulator::load(InputArchive& archive) {
                 h.numel(), " entries but this accumulator buffers ", low_.size(), " parameters.");
     for (size_t k = 0; k < low_.size(); ++k) has_grad[k] = h.data_ptr<int64_t>()[k] != 0;
   }
+  std::unordered_set<const c10::TensorImpl*> buffered;
+  for (const auto& p : low_) buffered.insert(p.unsafeGetTensorImpl());
+  const auto params = all_params();
+  std::vector<at::Tensor> grads(params.size());
+  if (micro_step != 0) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (buffered.count(params[i].unsafeGetTensorImpl()) != 0) continue;
+      if (!archive.try_read("grads/" + std::to_string(i), v)) continue;
+      TORCH_CHECK(v.isTensor() && v.toTensor().sizes() == params[i].sizes(), "grads/", i,
+                  " in the checkpoint must be a tensor of shape ", params[i].sizes(), ".");
+      grads[i] = v.toTensor();
+    }
+  }
   torch::serialize::InputArchive optimizer_archive;
   archive.read("optimizer", optimizer_archive);
   optimizer_.load(optimizer_archive);
@@ -358,6 +385,11 @@ void GradAccumulator::load(InputArchive& archive) {
       flat_[i].second.zero_();
       found_inf_[i].second.zero_();
     }
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (buffered.count(params[i].unsafeGetTensorImpl()) != 0) continue;
+    params[i].mutable_grad() =
+        grads[i].defined() ? grads[i].to(params[i].device(), params[i].scalar_type()) : at::Tensor();
   }
   has_grad_ = has_grad;
   window_ended_ = false;

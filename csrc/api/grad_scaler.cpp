@@ -8,6 +8,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -98,6 +99,41 @@ struct ScalingGuard {
 
 }  // namespace
 
+namespace {
+
+// The bounds of a scale, as the Python GradScaler checks them.
+void check_bounds(const std::optional<double>& min_scale, const std::optional<double>& max_scale) {
+  constexpr double kFltMax = std::numeric_limits<float>::max();
+  constexpr double kFltMin = std::numeric_limits<float>::min();
+  if (min_scale.has_value()) {
+    const double m = *min_scale;
+    TORCH_CHECK(std::isfinite(m) && m >= 0 && m <= kFltMax, "min_scale must be a finite number in [0, ",
+                kFltMax, "] (the float32 range), got ", m, ".");
+  }
+  if (max_scale.has_value()) {
+    TORCH_CHECK(*max_scale > 0, "max_scale must be a number > 0 (inf: unbounded), got ",
+                *max_scale, ".");
+    TORCH_CHECK(*max_scale >= kFltMin, "max_scale (", *max_scale,
+                ") is below the smallest normal float32 scale (", kFltMin, ").");
+  }
+  if (min_scale.has_value() && max_scale.has_value()) {
+    TORCH_CHECK(*min_scale <= *max_scale, "min_scale (", *min_scale,
+                ") must not be greater than max_scale (", *max_scale, ").");
+  }
+}
+
+}  // namespace
+
+double GradScaler::clamped(double scale, const char* what) const {
+  const double lo = options_.min_scale().value_or(-std::numeric_limits<double>::infinity());
+  const double hi = options_.max_scale().value_or(std::numeric_limits<double>::infinity());
+  if (scale >= lo && scale <= hi) return scale;
+  const double c = std::min(std::max(scale, lo), hi);
+  TORCH_WARN("GradScaler: ", what, " ", scale, " is outside [min_scale, max_scale] = [", lo, ", ",
+             hi, "]; using ", c, ".");
+  return c;
+}
+
 GradScaler::GradScaler(GradScalerOptions options)
     : options_(std::move(options)),
       init_scale_(options_.init_scale()),
@@ -105,23 +141,11 @@ GradScaler::GradScaler(GradScalerOptions options)
       init_stats_(kNumScaleStats, 0) {
   TORCH_CHECK(options_.hysteresis() >= 1, "hysteresis must be an integer >= 1, got ",
               options_.hysteresis(), ".");
-  if (options_.min_scale().has_value()) {
-    const double m = *options_.min_scale();
-    TORCH_CHECK(std::isfinite(m) && m >= 0, "min_scale must be a finite number >= 0, got ", m,
-                ".");
-  }
-  if (options_.max_scale().has_value()) {
-    TORCH_CHECK(*options_.max_scale() > 0, "max_scale must be > 0, got ", *options_.max_scale(),
-                ".");
-  }
-  if (options_.min_scale().has_value() && options_.max_scale().has_value()) {
-    TORCH_CHECK(*options_.min_scale() <= *options_.max_scale(), "min_scale (",
-                *options_.min_scale(), ") must not be greater than max_scale (",
-                *options_.max_scale(), ").");
-  }
+  check_bounds(options_.min_scale(), options_.max_scale());
   if (options_.enabled()) {
     TORCH_CHECK(options_.growth_factor() > 1.0, "The growth factor must be > 1.0.");
     TORCH_CHECK(options_.backoff_factor() < 1.0, "The backoff factor must be < 1.0.");
+    init_scale_ = clamped(init_scale_, "init_scale");
   }
 }
 
@@ -298,12 +322,13 @@ at::Tensor GradScaler::step(torch::optim::Optimizer& optimizer, LossClosure clos
       const at::Tensor found_inf = at::zeros({}, scale_.options());
       state.found_inf_per_device = unscale_grads(optimizer, one, found_inf, true);
     }
+    TORCH_CHECK(!state.found_inf_per_device.empty(),
+                "No inf checks were recorded for this optimizer.");
     at::Tensor found_inf;
     for (const auto& [device, t] : state.found_inf_per_device) {
       at::Tensor moved = t.to(scale_.device(), /*non_blocking=*/true);
       found_inf = found_inf.defined() ? found_inf + moved : moved;
     }
-    if (!found_inf.defined()) found_inf = at::zeros({}, scale_.options());
     StepScaling scaling;
     scaling.found_inf = found_inf;
     if (state.stage == Stage::kReady || state.grads_still_scaled) scaling.grad_scale = scale_;
@@ -363,7 +388,7 @@ void GradScaler::update() {
 void GradScaler::update(double new_scale) {
   if (!options_.enabled()) return;
   check_scale_initialised("update");
-  scale_.fill_(new_scale);
+  scale_.fill_(clamped(new_scale, "new_scale"));
   per_optimizer_states_.clear();
 }
 
@@ -377,6 +402,9 @@ void GradScaler::update(const at::Tensor& new_scale) {
   TORCH_CHECK(new_scale.numel() == 1, reason);
   TORCH_CHECK(!new_scale.requires_grad(), reason);
   scale_.copy_(new_scale.reshape({}));
+  if (options_.min_scale().has_value() || options_.max_scale().has_value()) {
+    scale_.clamp_(options_.min_scale(), options_.max_scale());
+  }
   per_optimizer_states_.clear();
 }
 
@@ -466,18 +494,31 @@ void GradScaler::load(InputArchive& archive) {
                 kNumScaleStats, " elements, got ", t.numel(), ".");
     stats.assign(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + kNumScaleStats);
   }
+  TORCH_CHECK(std::isfinite(scale) && scale > 0,
+              "the checkpoint's scale must be a positive finite number, got ", scale, ".");
   TORCH_CHECK(growth_factor > 1.0, "The growth factor must be > 1.0.");
-  TORCH_CHECK(backoff_factor < 1.0, "The backoff factor must be < 1.0.");
+  TORCH_CHECK(backoff_factor > 0.0 && backoff_factor < 1.0, "The backoff factor must be < 1.0.");
+  TORCH_CHECK(growth_interval >= 1, "the checkpoint's growth_interval must be an integer >= 1, got ",
+              growth_interval, ".");
+  TORCH_CHECK(growth_tracker >= 0, "the checkpoint's _growth_tracker must be >= 0, got ",
+              growth_tracker, ".");
   TORCH_CHECK(o.hysteresis() >= 1, "hysteresis must be an integer >= 1, got ", o.hysteresis(),
               ".");
+  TORCH_CHECK(hysteresis_tracker >= 0 && hysteresis_tracker <= o.hysteresis(),
+              "the checkpoint's _hysteresis_tracker must be in [0, hysteresis], got ",
+              hysteresis_tracker, ".");
+  for (int64_t s : stats) {
+    TORCH_CHECK(s >= 0, "the checkpoint's stats must be non-negative counters, got ", s, ".");
+  }
+  check_bounds(o.min_scale(), o.max_scale());
 
   o.growth_factor(growth_factor).backoff_factor(backoff_factor).growth_interval(growth_interval);
   options_ = o;
-  init_scale_ = scale;
+  init_scale_ = clamped(scale, "the loaded scale");
   init_growth_tracker_ = growth_tracker;
   init_hysteresis_tracker_ = hysteresis_tracker;
   init_stats_ = stats;
-  if (scale_.defined()) scale_.fill_(scale);
+  if (scale_.defined()) scale_.fill_(init_scale_);
   if (growth_tracker_.defined()) growth_tracker_.fill_(growth_tracker);
   if (hysteresis_tracker_.defined()) hysteresis_tracker_.fill_(hysteresis_tracker);
   if (stats_.defined()) stats_.copy_(at::tensor(stats, at::TensorOptions().dtype(at::kLong)));

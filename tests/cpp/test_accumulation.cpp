@@ -295,14 +295,93 @@ TEST(GradAccumulator, BadInput) {
                           "GradAccumulator::backward: loss must be a defined tensor."));
 }
 
-TEST(GradAccumulator, RemovesItsBuffersFromTheOptimizer) {
+TEST(GradAccumulator, DirectStepsReadGradAsUsual) {
+  // The accumulator hands its fp32 buffers to the optimizer for its own steps only.
   auto params = make_params(at::kBFloat16);
-  ampfuse::optim::SGD opt(params);
-  {
-    ampfuse::GradAccumulator acc(opt, nullptr, 2);
-    EXPECT_EQ(opt.grad_of(params[0]).scalar_type(), at::kFloat);
-  }
+  ampfuse::optim::SGD opt(params, ampfuse::optim::SGDOptions(0.5));
+  ampfuse::GradAccumulator acc(opt, nullptr, 2);
   EXPECT_FALSE(opt.grad_of(params[0]).defined());
+  const at::Tensor before = params[0].detach().clone();
+  for (auto& p : params) p.mutable_grad() = at::ones_like(p);
+  opt.step();
+  EXPECT_TRUE(bitwise_equal(params[0], (before.to(at::kFloat) - 0.5).to(at::kBFloat16)));
+}
+
+TEST(GradAccumulator, ParamWithoutGradientInAWindowIsNotStepped) {
+  auto params = make_params(at::kBFloat16);
+  ampfuse::optim::AdamW opt(params, ampfuse::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(256.0));
+  ampfuse::GradAccumulator acc(opt, &scaler, 2);
+  for (int window = 0; window < 3; ++window) {
+    const at::Tensor before = params[1].detach().clone();
+    for (int k = 0; k < 2; ++k) {
+      auto xs = inputs(10 * window + k);
+      // params[1] takes part in the first window only
+      at::Tensor loss = (params[0].to(at::kFloat) * xs[0]).sum();
+      if (window == 0) loss = loss + (params[1].to(at::kFloat) * xs[1]).sum();
+      acc.backward(loss);
+    }
+    EXPECT_EQ(bitwise_equal(before, params[1]), window != 0) << window;
+    for (const auto& p : params) EXPECT_FALSE(p.grad().defined());
+  }
+}
+
+TEST(GradAccumulator, KeepsWorkingAfterAnErrorAtAWindowEnd) {
+  auto params = make_params(at::kFloat);
+  ampfuse::optim::SGD opt(params, ampfuse::optim::SGDOptions(0.1));
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(256.0));
+  ampfuse::GradAccumulator acc(opt, &scaler, 2);
+  acc.backward(loss_of(params, inputs(0)));
+  // A param whose dtype changed since the optimizer was built: the window's step fails.
+  params[0].set_data(params[0].detach().to(at::kDouble));
+  EXPECT_TRUE(throws_with([&] { acc.backward(loss_of(params, inputs(1))); },
+                          "ampfuse optimizers support torch.float16"));
+  params[0].set_data(params[0].detach().to(at::kFloat));
+  EXPECT_EQ(acc.micro_step(), 0);
+  EXPECT_TRUE(acc.window_ended());
+  const at::Tensor before = params[0].detach().clone();
+  for (int k = 2; k < 4; ++k) acc.backward(loss_of(params, inputs(k)));
+  EXPECT_FALSE(bitwise_equal(before, params[0]));
+  EXPECT_EQ(acc.windows(), 2);
+}
+
+TEST(GradAccumulator, MidWindowCheckpointKeepsFp32ParamSums) {
+  // A bf16 and an fp32 param: the fp32 one accumulates in .grad(), saved inside a window too.
+  auto run = [](int split) {
+    at::manual_seed(3);
+    std::vector<at::Tensor> params = {at::randn({129}).to(at::kBFloat16).set_requires_grad(true),
+                                      at::randn({6, 5}).set_requires_grad(true)};
+    auto opt = std::make_unique<ampfuse::optim::AdamW>(params, ampfuse::optim::AdamWOptions(1e-2));
+    auto scaler = std::make_unique<ampfuse::GradScaler>(ampfuse::GradScalerOptions().init_scale(64.0));
+    auto acc = std::make_unique<ampfuse::GradAccumulator>(*opt, scaler.get(), 3);
+    for (int k = 0; k < 9; ++k) {
+      if (k == split) {
+        std::stringstream buf;
+        {
+          torch::serialize::OutputArchive out;
+          acc->save(out);
+          out.save_to(buf);
+        }
+        auto saved = ampfuse_test::clone_all(params);
+        for (size_t i = 0; i < params.size(); ++i) {
+          params[i] = saved[i].set_requires_grad(true);
+        }
+        opt = std::make_unique<ampfuse::optim::AdamW>(params, ampfuse::optim::AdamWOptions(1e-2));
+        scaler = std::make_unique<ampfuse::GradScaler>();
+        acc = std::make_unique<ampfuse::GradAccumulator>(*opt, scaler.get(), 3);
+        torch::serialize::InputArchive in;
+        in.load_from(buf);
+        acc->load(in);
+      }
+      acc->backward(loss_of(params, inputs(k)));
+    }
+    return ampfuse_test::clone_all(params);
+  };
+  const auto ref = run(-1);
+  for (int split : {1, 4, 8}) {
+    const auto got = run(split);
+    for (size_t i = 0; i < ref.size(); ++i) EXPECT_TRUE(bitwise_equal(ref[i], got[i])) << split;
+  }
 }
 
 }  // namespace

@@ -59,7 +59,12 @@ TEST(GradScaler, OptionsAreValidated) {
   EXPECT_TRUE(throws_with([] { ampfuse::GradScaler s(O().min_scale(4.0).max_scale(2.0)); },
                           "min_scale (4) must not be greater than max_scale (2)."));
   EXPECT_TRUE(throws_with([] { ampfuse::GradScaler s(O().min_scale(-1.0)); },
-                          "min_scale must be a finite number >= 0, got -1."));
+                          "min_scale must be a finite number in [0, 3.40282e+38] (the float32 "
+                          "range), got -1."));
+  EXPECT_TRUE(throws_with([] { ampfuse::GradScaler s(O().min_scale(1e39)); },
+                          "(the float32 range), got 1e+39."));
+  EXPECT_TRUE(throws_with([] { ampfuse::GradScaler s(O().max_scale(0.0)); },
+                          "max_scale must be a number > 0"));
   // A disabled scaler does not check the growth/backoff factors (as torch).
   ampfuse::GradScaler disabled(O().enabled(false).growth_factor(0.5));
   EXPECT_FALSE(disabled.is_enabled());

@@ -67,7 +67,8 @@ struct GradScalerOptions {
   // consecutive_hysteresis.
   TORCH_ARG(int64_t, hysteresis) = 1;
   TORCH_ARG(bool, consecutive_hysteresis) = false;
-  // Bounds for the scale. It never falls below the smallest normal float32 in any case.
+  // Bounds for the scale (an init_scale or a loaded scale outside them is clamped, with a warning).
+  // It never falls below the smallest normal float32 in any case.
   TORCH_ARG(std::optional<double>, min_scale) = std::nullopt;
   TORCH_ARG(std::optional<double>, max_scale) = std::nullopt;
 };
@@ -159,6 +160,8 @@ class GradScaler {
   };
 
   void lazy_init(const c10::Device& device);
+  // `scale` within [min_scale, max_scale] (a warning when it was not).
+  double clamped(double scale, const char* what) const;
   void check_scale_initialised(const char* funcname) const;
   OptimizerState& check_unscale_stage(torch::optim::Optimizer& optimizer, const char* funcname);
   PerDevice unscale_grads(torch::optim::Optimizer& optimizer, const at::Tensor& inv_scale,
