@@ -143,7 +143,9 @@ def test_isinstance_and_defaults():
     for name in ["get_growth_factor", "get_backoff_factor", "get_growth_interval", "is_enabled", "get_scale"]:
         assert getattr(s, name)() == getattr(t, name)()
     assert s._init_growth_tracker == t._init_growth_tracker == 0
-    assert s._per_optimizer_states.default_factory is t._per_optimizer_states.default_factory
+    # the same fresh per-optimizer state (ampfuse's factory is its own: torch.compile does not
+    # trace into torch.amp)
+    assert s._per_optimizer_states.default_factory() == t._per_optimizer_states.default_factory()
     s.set_growth_factor(3.0)
     s.set_backoff_factor(0.25)
     s.set_growth_interval(7)
