@@ -172,8 +172,38 @@ _optim_op_case("grad-shape", r"grads\[1\] has shape \[5\] but params\[1\] has sh
                lambda p, g, s, m, v: (lambda: ops.sgd_step_(p, [g[0], t(5)], [], [], s, lr=0.1), []))
 _optim_op_case("momentum-without-buffers", "momentum_buffers must have one tensor per param when momentum != 0",
                lambda p, g, s, m, v: (lambda: ops.sgd_step_(p, g, [], [], s, lr=0.1, momentum=0.9), []))
-_optim_op_case("master-fp16", r"master_params\[0\] has dtype torch.float16; expected torch.float32",
-               lambda p, g, s, m, v: (lambda: ops.adam_step_(p, g, [x.half() for x in m], m, v, [], s, lr=0.1), []))
+_optim_op_case("master-for-fp32-params", r"master_params were given for torch.float32 params, which are their own masters",
+               lambda p, g, s, m, v: (lambda: ops.adam_step_(p, g, [x.clone() for x in m], m, v, [], s, lr=0.1), []))
+
+
+def _low_precision_case(name, pattern, call_factory, pdtype=torch.bfloat16):
+    """Cases with fp16/bf16 params (masters, remainders, state dtypes)."""
+    @case(f"optim-op/{name}", RuntimeError, pattern)
+    def make():
+        p = [t(4).to(pdtype), t(4).to(pdtype)]
+        g = [t(4).to(pdtype), t(4).to(pdtype)]
+        s = [torch.zeros(()), torch.zeros(())]
+        m = [torch.zeros(4), torch.zeros(4)]
+        v = [torch.zeros(4), torch.zeros(4)]
+        call, extra = call_factory(p, g, s, m, v)
+        return call, [*p, *g, *s, *m, *v, *extra]
+
+
+_low_precision_case("master-fp16", r"master_params\[0\] has dtype torch.float16; expected torch.float32 masters or torch.int16 remainders",
+                    lambda p, g, s, m, v: (lambda: ops.adam_step_(p, g, [x.half() for x in m], m, v, [], s, lr=0.1), []))
+_low_precision_case("remainder-for-fp16-params", r"master_params\[0\] has dtype torch.int16; expected torch.float32 masters\.",
+                    lambda p, g, s, m, v: (lambda: ops.adam_step_(p, g, [torch.zeros(4, dtype=torch.int16)] * 2, m, v, [], s, lr=0.1), []),
+                    pdtype=torch.float16)
+_low_precision_case("mixed-master-kinds", r"master_params\[1\] has dtype torch.float32; expected torch.int16",
+                    lambda p, g, s, m, v: (lambda: ops.adam_step_(p, g, [torch.zeros(4, dtype=torch.int16), torch.zeros(4)], m, v, [], s, lr=0.1), []))
+_low_precision_case("state-fp16", r"exp_avgs\[0\] has dtype torch.float16; optimizer state must be torch.float32 or torch.bfloat16",
+                    lambda p, g, s, m, v: (lambda: ops.adam_step_(p, g, [], [x.half() for x in m], [x.half() for x in v], [], s, lr=0.1), []))
+_low_precision_case("mixed-state-dtypes", r"exp_avg_sqs\[0\] has dtype torch.float32; expected torch.bfloat16",
+                    lambda p, g, s, m, v: (lambda: ops.adam_step_(p, g, [], [x.bfloat16() for x in m], v, [], s, lr=0.1), []))
+_low_precision_case("state-is-master", r"master_params\[0\] and exp_avgs\[0\] share memory",
+                    lambda p, g, s, m, v: (lambda: ops.adam_step_(p, g, [m[0], t(4)], m, v, [], s, lr=0.1), []))
+_low_precision_case("grad-dtype-other-half", r"grads\[0\] has dtype torch.float16 but params\[0\] has dtype torch.bfloat16",
+                    lambda p, g, s, m, v: (lambda: ops.sgd_step_(p, [x.half() for x in g], [], [], s, lr=0.1), []))
 _optim_op_case("amsgrad-without-max", "max_exp_avg_sqs must have one tensor per param when amsgrad is set",
                lambda p, g, s, m, v: (lambda: ops.adam_step_(p, g, [], m, v, [], s, lr=0.1, amsgrad=True), []))
 _optim_op_case("beta2-1", r"beta2 must be in \[0, 1\), got 1",
@@ -194,8 +224,6 @@ _optim_op_case("param-is-grad", r"params\[0\] and grads\[0\] share memory",
                lambda p, g, s, m, v: (lambda: ops.sgd_step_(p, [p[0], g[1]], [], [], s, lr=0.1), []))
 _optim_op_case("expanded-param", r"params\[1\] has internally overlapping memory",
                lambda p, g, s, m, v: (lambda: ops.adam_step_([p[0], t(1).expand(4)], g, [], m, v, [], s, lr=0.1), []))
-_optim_op_case("state-is-master", r"master_params\[0\] and exp_avgs\[0\] share memory",
-               lambda p, g, s, m, v: (lambda: ops.adam_step_(p, g, [m[0], t(4)], m, v, [], s, lr=0.1), []))
 
 
 # ---- GradScaler ---------------------------------------------------------------------------------------

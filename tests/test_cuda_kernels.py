@@ -26,6 +26,7 @@ import torch
 
 import ampfuse
 from ampfuse import _library, ops
+from ampfuse._precision import split_master
 
 if _library.emulator() is None:
     if os.environ.get("AMPFUSE_REQUIRE_EMULATION") == "1":
@@ -62,6 +63,15 @@ def kernel_table(name: str, num_sms: int = 1):
         yield
     finally:
         _library.select_cpu_kernels(previous, int(os.environ.get("AMPFUSE_CUEMU_SMS", "1")))
+
+
+@contextlib.contextmanager
+def simulated_capture(on: bool):
+    previous = _library.simulate_capture(on)
+    try:
+        yield
+    finally:
+        _library.simulate_capture(previous)
 
 
 def both(make, call, num_sms=1):
@@ -120,16 +130,21 @@ def _unscale_inputs(dtypes, sizes, offsets, seed, scale=300.0, nonfinite=()):
     return tensors
 
 
-def _unscale_call(kind, inv, norm_type=2.0, max_norm=0.5):
+def _unscale_call(kind, inv, norm_type=2.0, max_norm=0.5, by_scale=False, overwrite=False, found_init=0.0):
+    """by_scale: pass scale=1/inv instead of inv_scale; overwrite: overwrite_found_inf, with
+    found_inf starting at found_init (e.g. a stale 1 or NaN garbage)."""
     def call(tensors):
-        found_inf = torch.zeros(1)
+        found_inf = torch.full((1,), found_init)
         flags = torch.zeros(len(tensors))
-        inv_t = torch.full((1,), inv)
+        scale_kw = dict(scale=torch.full((1,), 1.0 / inv)) if by_scale else {}
+        inv_t = None if by_scale else torch.full((1,), inv)
+        extra = dict(overwrite_found_inf=True) if overwrite else {}
         if kind == "unscale_check_":
-            ops.unscale_check_(tensors, found_inf, inv_t)
+            ops.unscale_check_(tensors, found_inf, inv_t, **scale_kw, **extra)
             return found_inf, None, None, None
         fn = ops.unscale_check_norm_ if kind == "unscale_check_norm_" else ops.check_norm_
-        norm, coef = fn(tensors, found_inf, inv_t, norm_type=norm_type, max_norm=max_norm, per_tensor_found_inf=flags)
+        norm, coef = fn(tensors, found_inf, inv_t, norm_type=norm_type, max_norm=max_norm, per_tensor_found_inf=flags,
+                        **scale_kw, **extra)
         return found_inf, flags, norm, coef
 
     return call
@@ -162,6 +177,36 @@ def test_unscale_every_dtype_size_and_offset(kind, dtype, inv):
         assert a[1][0].item() == 0.0
 
 
+@pytest.mark.parametrize("kind", ["unscale_check_", "unscale_check_norm_", "check_norm_"])
+@pytest.mark.parametrize("found_init", [1.0, math.nan], ids=["stale-1", "garbage"])
+@pytest.mark.parametrize("num_sms", [1, 3])
+def test_unscale_from_scale_overwriting_found_inf(kind, found_init, num_sms):
+    """scale= (the kernel takes float(1 / double(scale)) itself) and overwrite_found_inf (found_inf
+    := 0 or 1 whatever it held): the GradScaler's check without reciprocal or fill launches. The
+    result equals inv_scale= on a zeroed flag; a non-finite value in any block sets it."""
+    for nonfinite in ([], [(4, CHUNK + 2, math.inf)]):
+        make = lambda: _unscale_inputs(DTYPES, [5, 2 * CHUNK + 9], [0, 1], seed=13, nonfinite=nonfinite)  # noqa: E731
+        for norm_type in ([2.0, math.inf] if kind != "unscale_check_" else [2.0]):
+            ref, _ = both(make, _unscale_call(kind, 1.0 / 512, norm_type))
+            a, b = both(make, _unscale_call(kind, 1.0 / 512, norm_type, by_scale=True, overwrite=True, found_init=found_init),
+                        num_sms=num_sms)
+            _compare_unscale(ref, a, norm_type)
+            _compare_unscale(a, b, norm_type)
+            assert b[1][0].item() == (1.0 if nonfinite else 0.0)
+
+
+def test_scale_reciprocal_is_torchs():
+    """scale= multiplies by float(1 / double(scale)), torch's GradScaler inv_scale, also where
+    that differs from the fp32 reciprocal."""
+    scale = torch.tensor([3.0e-5 * 1.37], dtype=torch.float32)
+    inv = scale.double().reciprocal().float()
+    x = [torch.linspace(-5, 5, 1001)]
+    with kernel_table("cuda-emulated"):
+        y = [x[0].clone()]
+        ops.unscale_check_(y, torch.zeros(1), scale=scale)
+    assert_same(y[0], x[0] * inv, "unscaled")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
 def test_unscale_nonfinite_at_chunk_edges(dtype, value):
@@ -179,9 +224,11 @@ def test_unscale_nonfinite_at_chunk_edges(dtype, value):
 
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 @pytest.mark.parametrize("num_sms", [1, 3])
-def test_unscale_more_tensors_than_one_launch(norm_type, num_sms):
-    """Three launches' worth of tensors: the norm combines the partials of every block of every
-    launch, and per-tensor flags map back to positions in the caller's list."""
+@pytest.mark.parametrize("capture", [False, True], ids=["resident-table", "capture-split"])
+def test_unscale_more_tensors_than_one_launch(norm_type, num_sms, capture):
+    """Three launches' worth of tensors in one launch over a resident table, or (as under capture)
+    in three launches: the norm combines the partials of every block of every launch, and
+    per-tensor flags map back to positions in the caller's list."""
     count = 2 * PER_LAUNCH["unscale"] + 7
     sizes = [0 if i % 101 == 0 else (i * 37) % 50 + 1 + (CHUNK + 3 if i % 400 == 5 else 0) for i in range(count)]
 
@@ -192,7 +239,8 @@ def test_unscale_more_tensors_than_one_launch(norm_type, num_sms):
         return tensors
 
     for kind in ["unscale_check_norm_", "check_norm_"]:
-        a, b = both(make, _unscale_call(kind, 0.25, norm_type), num_sms=num_sms)
+        with simulated_capture(capture):
+            a, b = both(make, _unscale_call(kind, 0.25, norm_type, overwrite=capture), num_sms=num_sms)
         _compare_unscale(a, b, norm_type)
         flags = b[1][1]
         assert flags.nonzero().flatten().tolist() == [PER_LAUNCH["unscale"] + 3, count - 1]
@@ -274,7 +322,8 @@ def test_accumulate_nonfinite_at_chunk_edges(gdtype, value):
 
 
 @pytest.mark.parametrize("num_sms", [1, 3])
-def test_accumulate_more_tensors_than_one_launch(num_sms):
+@pytest.mark.parametrize("capture", [False, True], ids=["resident-table", "capture-split"])
+def test_accumulate_more_tensors_than_one_launch(num_sms, capture):
     count = PER_LAUNCH["accumulate"] + 11
     sizes = [(i * 13) % 40 + 1 for i in range(count)]
 
@@ -284,7 +333,8 @@ def test_accumulate_more_tensors_than_one_launch(num_sms):
         grads[count - 2][0] = math.inf  # in the second launch
         return accs, grads
 
-    a, b = both(make, _accumulate_call(True), num_sms=num_sms)
+    with simulated_capture(capture):
+        a, b = both(make, _accumulate_call(True), num_sms=num_sms)
     _compare_accumulate(a, b)
     assert b[1].item() == 1.0
 
@@ -345,20 +395,28 @@ def _offset_patterns(nlists):
     return pats
 
 
-def _optim_inputs(kind, pdtype, gdtype, master, sizes, nstates, seed, misalign=True):
+def _optim_inputs(kind, pdtype, gdtype, master, sizes, nstates, seed, misalign=True, state_dtype=torch.float32):
+    """master: False/None (no masters), True/"float" (fp32 masters) or "remainder" (bf16 params:
+    int16 remainders, the param holding the master's upper half)."""
+    master = {False: None, True: "float"}.get(master, master)
     nlists = 3 + nstates
     pats = _offset_patterns(nlists) if misalign else [[0] * nlists]
     params, grads, masters, states, steps = [], [], [], [[] for _ in range(nstates)], []
     for i, n in enumerate(sizes):
         pat = pats[i % len(pats)]
         p = randn(n, seed + i)
-        params.append(offset_tensor(p, pdtype, pat[0]))
+        if master == "remainder":
+            hi, rem = split_master(p.float())
+            params.append(offset_tensor(hi, pdtype, pat[0]))
+            masters.append(offset_tensor(rem, torch.int16, pat[2]))
+        else:
+            params.append(offset_tensor(p, pdtype, pat[0]))
+            if master == "float":
+                masters.append(offset_tensor(p, torch.float32, pat[2]))
         grads.append(offset_tensor(randn(n, seed + 10_000 + i, 3.0), gdtype, pat[1]))
-        if master:
-            masters.append(offset_tensor(p, torch.float32, pat[2]))
         for k in range(nstates):
             init = randn(n, seed + 20_000 + 1000 * k + i, 0.1)
-            states[k].append(offset_tensor(init.abs() if k > 0 else init, torch.float32, pat[3 + k]))
+            states[k].append(offset_tensor(init.abs() if k > 0 else init, state_dtype, pat[3 + k]))
         steps.append(torch.full((), float(i % 3)))
     return params, grads, masters, states, steps
 
@@ -431,43 +489,62 @@ def _sizes():
     return [0, 1, 5, 17, CHUNK - 1, CHUNK + 1, 2 * CHUNK + 3] + [33 + i for i in range(12)]
 
 
-@pytest.mark.parametrize("pdtype", OPT_DTYPES)
-@pytest.mark.parametrize("gdtype", OPT_DTYPES)
+# (param dtype, grad dtype, master, state dtype): every combination the kernels admit -- grads of
+# the param's dtype or fp32 (an accumulator's sums), fp32 masters for fp16/bf16 params, int16
+# remainders for bf16 params, fp32 or bf16 state.
+F16, B16, F32 = torch.float16, torch.bfloat16, torch.float32
+OPTIM_VARIANTS = [
+    (F32, F32, None, F32), (F32, F32, None, B16),
+    (F16, F16, None, F32), (F16, F16, "float", F32), (F16, F32, "float", F32), (F16, F16, "float", B16),
+    (B16, B16, None, F32), (B16, B16, "float", F32), (B16, F32, "float", F32), (B16, B16, "float", B16),
+    (B16, B16, "remainder", F32), (B16, F32, "remainder", F32), (B16, B16, "remainder", B16),
+]
+
+
+def _variant_id(v):
+    names = {F16: "fp16", B16: "bf16", F32: "fp32"}
+    return f"{names[v[0]]}-grad_{names[v[1]]}-{v[2] or 'nomaster'}-state_{names[v[3]]}"
+
+
+@pytest.mark.parametrize("variant", OPTIM_VARIANTS, ids=_variant_id)
 @pytest.mark.parametrize("config", list(SGD_CONFIGS))
-def test_sgd_step_every_dtype_offset_and_option(pdtype, gdtype, config):
+def test_sgd_step_every_dtype_offset_and_option(variant, config):
+    pdtype, gdtype, master, sdtype = variant
     hyper = SGD_CONFIGS[config]
     nstates = 1 if hyper.get("momentum") else 0
-    for master in ([False, True] if pdtype != torch.float32 else [False]):
-        a, b = both(lambda: _optim_inputs("sgd", pdtype, gdtype, master, _sizes(), nstates, seed=21),
-                    _optim_call("sgd", hyper, SCHEDULE))
-        _compare_optim(a, b, _bitwise())
+    a, b = both(lambda: _optim_inputs("sgd", pdtype, gdtype, master, _sizes(), nstates, seed=21, state_dtype=sdtype),
+                _optim_call("sgd", hyper, SCHEDULE))
+    _compare_optim(a, b, _bitwise())
 
 
-@pytest.mark.parametrize("pdtype", OPT_DTYPES)
-@pytest.mark.parametrize("gdtype", OPT_DTYPES)
+@pytest.mark.parametrize("variant", OPTIM_VARIANTS, ids=_variant_id)
 @pytest.mark.parametrize("config", list(ADAM_CONFIGS))
-def test_adam_step_every_dtype_offset_and_option(pdtype, gdtype, config):
+def test_adam_step_every_dtype_offset_and_option(variant, config):
+    pdtype, gdtype, master, sdtype = variant
     hyper = ADAM_CONFIGS[config]
     nstates = 3 if hyper.get("amsgrad") else 2
-    for master in ([False, True] if pdtype != torch.float32 else [False]):
-        a, b = both(lambda: _optim_inputs("adam", pdtype, gdtype, master, _sizes(), nstates, seed=31),
-                    _optim_call("adam", hyper, SCHEDULE))
-        _compare_optim(a, b, _bitwise())
+    a, b = both(lambda: _optim_inputs("adam", pdtype, gdtype, master, _sizes(), nstates, seed=31, state_dtype=sdtype),
+                _optim_call("adam", hyper, SCHEDULE))
+    _compare_optim(a, b, _bitwise())
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam", "amsgrad"])
 @pytest.mark.parametrize("num_sms", [1, 3])
-def test_optim_more_tensors_than_one_launch(kind, num_sms):
-    """Two or three launches: every tensor's step counter advances exactly once per step taken,
-    also for empty tensors and tensors split over several chunks."""
+@pytest.mark.parametrize("capture", [False, True], ids=["resident-table", "capture-split"])
+def test_optim_more_tensors_than_one_launch(kind, num_sms, capture):
+    """More tensors than one launch's parameters hold: one launch over a resident metadata table,
+    or (as under CUDA-graph capture, before the table is resident) two or three launches with
+    workspace the kernels zero themselves. Every tensor's step counter advances exactly once per
+    step taken, also for empty tensors and tensors split over several chunks."""
     count = 2 * PER_LAUNCH[kind] + 5
     sizes = [(i * 29) % 60 + (2 * CHUNK if i % 300 == 7 else 0) for i in range(count)]
     hyper = SGD_CONFIGS["momentum_wd"] if kind == "sgd" else ADAM_CONFIGS["amsgrad" if kind == "amsgrad" else "adamw"]
     nstates = {"sgd": 1, "adam": 2, "amsgrad": 3}[kind]
     schedule = [(0.0, 8.0, 0.75, None), (1.0, 8.0, 0.75, None), (0.0, 8.0, None, None)]
-    a, b = both(lambda: _optim_inputs("sgd" if kind == "sgd" else "adam", torch.bfloat16, torch.bfloat16, True, sizes, nstates,
-                                      seed=41, misalign=False),
-                _optim_call("sgd" if kind == "sgd" else "adam", hyper, schedule), num_sms=num_sms)
+    with simulated_capture(capture):
+        a, b = both(lambda: _optim_inputs("sgd" if kind == "sgd" else "adam", torch.bfloat16, torch.bfloat16,
+                                          "remainder" if kind == "adam" else True, sizes, nstates, seed=41, misalign=False),
+                    _optim_call("sgd" if kind == "sgd" else "adam", hyper, schedule), num_sms=num_sms)
     _compare_optim(a, b, _bitwise())
     steps_b = b[0][4]
     assert [s.item() for s in steps_b] == [float(i % 3) + 2 for i in range(count)]
@@ -516,7 +593,11 @@ def test_emulator_counts_launches():
         grads = [torch.randn(10) for _ in range(PER_LAUNCH["unscale"] + 1)]
         before = launches()
         ops.check_norm_(grads, torch.zeros(1), torch.ones(1))
-        assert launches() - before == 2  # two launches of metadata
+        assert launches() - before == 1  # one launch over a resident metadata table
+        with simulated_capture(True):  # no table uploads during a capture: two launches' worth
+            before = launches()
+            ops.check_norm_([g.clone() for g in grads], torch.zeros(1), torch.ones(1))
+            assert launches() - before == 2
         before = launches()
         ops.update_scale_(torch.ones(1), torch.zeros(1, dtype=torch.int32), torch.zeros(1), 2.0, 0.5, 10)
         assert launches() - before == 1

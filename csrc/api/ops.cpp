@@ -15,31 +15,37 @@ c10::TypedOperatorHandle<Signature> op(const char* name) {
 }  // namespace
 
 void unscale_check_(at::TensorList tensors, const at::Tensor& found_inf,
-                    const at::Tensor& inv_scale) {
+                    const std::optional<at::Tensor>& inv_scale,
+                    const std::optional<at::Tensor>& scale, bool overwrite_found_inf) {
   static auto handle =
-      op<void(at::TensorList, const at::Tensor&, const at::Tensor&)>("ampfuse::unscale_check_");
-  handle.call(tensors, found_inf, inv_scale);
+      op<void(at::TensorList, const at::Tensor&, const std::optional<at::Tensor>&,
+              const std::optional<at::Tensor>&, bool)>("ampfuse::unscale_check_");
+  handle.call(tensors, found_inf, inv_scale, scale, overwrite_found_inf);
 }
 
-using NormSig = std::tuple<at::Tensor, at::Tensor>(at::TensorList, const at::Tensor&,
-                                                   const at::Tensor&, double,
-                                                   std::optional<double>,
-                                                   const std::optional<at::Tensor>&);
+using NormSig = std::tuple<at::Tensor, at::Tensor>(
+    at::TensorList, const at::Tensor&, const std::optional<at::Tensor>&, double,
+    std::optional<double>, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+    bool);
 
 std::tuple<at::Tensor, at::Tensor> unscale_check_norm_(
-    at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+    at::TensorList tensors, const at::Tensor& found_inf, const std::optional<at::Tensor>& inv_scale,
     double norm_type, std::optional<double> max_norm,
-    const std::optional<at::Tensor>& per_tensor_found_inf) {
+    const std::optional<at::Tensor>& per_tensor_found_inf, const std::optional<at::Tensor>& scale,
+    bool overwrite_found_inf) {
   static auto handle = op<NormSig>("ampfuse::unscale_check_norm_");
-  return handle.call(tensors, found_inf, inv_scale, norm_type, max_norm, per_tensor_found_inf);
+  return handle.call(tensors, found_inf, inv_scale, norm_type, max_norm, per_tensor_found_inf,
+                     scale, overwrite_found_inf);
 }
 
 std::tuple<at::Tensor, at::Tensor> check_norm_(
-    at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+    at::TensorList tensors, const at::Tensor& found_inf, const std::optional<at::Tensor>& inv_scale,
     double norm_type, std::optional<double> max_norm,
-    const std::optional<at::Tensor>& per_tensor_found_inf) {
+    const std::optional<at::Tensor>& per_tensor_found_inf, const std::optional<at::Tensor>& scale,
+    bool overwrite_found_inf) {
   static auto handle = op<NormSig>("ampfuse::check_norm_");
-  return handle.call(tensors, found_inf, inv_scale, norm_type, max_norm, per_tensor_found_inf);
+  return handle.call(tensors, found_inf, inv_scale, norm_type, max_norm, per_tensor_found_inf,
+                     scale, overwrite_found_inf);
 }
 
 void accumulate_grads_(at::TensorList accumulators, at::TensorList grads,

@@ -126,10 +126,12 @@ const KernelTable& table() {
 }
 
 kernels::LaunchContext context(const c10::Device&) {
-  return {nullptr, selection().num_sms.load(std::memory_order_relaxed)};
+  kernels::LaunchContext ctx{};
+  ctx.num_sms = selection().num_sms.load(std::memory_order_relaxed);
+  return ctx;
 }
 
-constexpr ops::Backend kBackend{&table, &context};
+constexpr ops::Backend kBackend{&table, &context, nullptr};
 
 }  // namespace
 }  // namespace ampfuse::cpu

@@ -100,14 +100,31 @@ __device__ void unscale_chunk(T* p, int64_t begin, int64_t end, float inv_f, boo
   }
 }
 
+// What one unscale/check pass reads and writes besides the tensors (by value).
+template <typename Acc>
+struct CheckParams {
+  const float* inv_scale;  // or null, and then:
+  const float* scale;      // inv = float(1 / double(scale)), torch's GradScaler rule
+  float* found_inf;
+  bool overwrite_found_inf;  // found_inf := 0 or 1 (the last block writes it); else only set
+  float* per_tensor_found_inf;
+  bool store;
+  Acc* partials;             // one per block of the pass
+  unsigned int* counter;     // blocks arrived; the last resets it
+  unsigned int* bad;         // a block saw a non-finite value (overwrite_found_inf); reset likewise
+  Acc* total_norm;
+  float* clip_coef;
+  bool has_max_norm;
+  double max_norm;
+};
+
+// The pass over every chunk of a launch (`meta` a TableMeta view) and, with a norm, the last
+// block's reduction. Not inlined: shared by the two kernels below.
 template <NormKind kNorm, typename Acc>
-__global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
-    unscale_check_kernel(const __grid_constant__ TensorListMeta<1> meta, const float* inv_scale,
-                         float* found_inf, float* per_tensor_found_inf, bool store,
-                         Acc* partials, unsigned int* counter, Acc* total_norm, float* clip_coef,
-                         bool has_max_norm, double max_norm) {
-  const float inv = *inv_scale;
+__device__ AMPFUSE_NOINLINE void unscale_check_pass(const TableMeta<1>& meta, const CheckParams<Acc>& a) {
+  const float inv = a.inv_scale ? *a.inv_scale : static_cast<float>(1.0 / static_cast<double>(*a.scale));
   Acc acc = 0;
+  bool any_bad = false;
   const int32_t nchunks = meta.chunk_start[meta.count];
   for (int32_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const int t = find_tensor(meta, c);
@@ -117,34 +134,40 @@ __global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
     void* p = meta.ptr[0][t];
     switch (static_cast<DType>(meta.dtype[t])) {
       case DType::Half:
-        unscale_chunk<__half, kNorm>(static_cast<__half*>(p), begin, end, inv, store, bad, acc);
+        unscale_chunk<__half, kNorm>(static_cast<__half*>(p), begin, end, inv, a.store, bad, acc);
         break;
       case DType::BFloat16:
         unscale_chunk<__nv_bfloat16, kNorm>(static_cast<__nv_bfloat16*>(p), begin, end, inv,
-                                            store, bad, acc);
+                                            a.store, bad, acc);
         break;
       case DType::Float:
-        unscale_chunk<float, kNorm>(static_cast<float*>(p), begin, end, inv, store, bad, acc);
+        unscale_chunk<float, kNorm>(static_cast<float*>(p), begin, end, inv, a.store, bad, acc);
         break;
       default:
-        unscale_chunk<double, kNorm>(static_cast<double*>(p), begin, end, inv, store, bad, acc);
+        unscale_chunk<double, kNorm>(static_cast<double*>(p), begin, end, inv, a.store, bad, acc);
         break;
     }
     if (bad) {  // benign race: every writer stores 1
-      *found_inf = 1.0f;
-      if (per_tensor_found_inf) per_tensor_found_inf[meta.index[t]] = 1.0f;
+      if (!a.overwrite_found_inf) *a.found_inf = 1.0f;
+      if (a.per_tensor_found_inf) a.per_tensor_found_inf[meta.index[t]] = 1.0f;
+      any_bad = true;
     }
   }
 
-  if constexpr (kNorm != NormKind::None) {
+  // With a norm, or to overwrite found_inf, the blocks of the pass meet: the last to arrive
+  // reduces the partial norms and writes the results. (Both conditions are uniform over the grid.)
+  if (kNorm != NormKind::None || a.overwrite_found_inf) {
     constexpr bool kMax = kNorm == NormKind::Inf;
     __shared__ Acc shared[kBlockSize / 32];
     __shared__ bool is_last;
-    const Acc block_total = block_reduce<kMax>(acc, shared);
+    const bool block_bad = a.overwrite_found_inf && __syncthreads_or(any_bad);
+    Acc block_total = 0;
+    if constexpr (kNorm != NormKind::None) block_total = block_reduce<kMax>(acc, shared);
     if (threadIdx.x == 0) {
-      partials[meta.block_offset + blockIdx.x] = block_total;
+      if constexpr (kNorm != NormKind::None) a.partials[meta.block_offset + blockIdx.x] = block_total;
+      if (block_bad) *a.bad = 1u;
       __threadfence();
-      const unsigned int ticket = atomicAdd(counter, 1u);
+      const unsigned int ticket = atomicAdd(a.counter, 1u);
       is_last = ticket == static_cast<unsigned int>(meta.total_blocks - 1);
     }
     __syncthreads();
@@ -152,22 +175,52 @@ __global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
       // Every block of every launch of this pass has published its partial: reduce them in a
       // fixed order (deterministic for a given grid), bypassing L1.
       __threadfence();
-      Acc v = 0;
-      for (int i = threadIdx.x; i < meta.total_blocks; i += blockDim.x) {
-        const Acc o = __ldcg(partials + i);
-        v = kMax ? ((o > v || o != o) ? o : v) : v + o;
+      Acc total = 0;
+      if constexpr (kNorm != NormKind::None) {
+        Acc v = 0;
+        for (int i = threadIdx.x; i < meta.total_blocks; i += blockDim.x) {
+          const Acc o = __ldcg(a.partials + i);
+          v = kMax ? ((o > v || o != o) ? o : v) : v + o;
+        }
+        total = block_reduce<kMax>(v, shared);
       }
-      const Acc total = block_reduce<kMax>(v, shared);
       if (threadIdx.x == 0) {
-        const Acc norm = kMax ? total : sqrt(total);
-        *total_norm = norm;
-        *clip_coef = has_max_norm
-                         ? static_cast<float>(clip_coefficient<Acc>(norm, static_cast<Acc>(max_norm)))
-                         : 1.0f;
-        *counter = 0u;
+        if constexpr (kNorm != NormKind::None) {
+          const Acc norm = kMax ? total : sqrt(total);
+          *a.total_norm = norm;
+          *a.clip_coef = a.has_max_norm ? static_cast<float>(clip_coefficient<Acc>(
+                                              norm, static_cast<Acc>(a.max_norm)))
+                                        : 1.0f;
+        }
+        if (a.overwrite_found_inf) {
+          *a.found_inf = __ldcg(a.bad) != 0u ? 1.0f : 0.0f;
+          *a.bad = 0u;
+        }
+        *a.counter = 0u;
       }
     }
   }
+}
+
+template <NormKind kNorm, typename Acc>
+__global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
+    unscale_check_kernel(const __grid_constant__ TensorListMeta<1> meta, CheckParams<Acc> a) {
+  TableMeta<1> view;
+  view.ptr = {&meta.ptr[0][0], TensorListMeta<1>::kMax};
+  view.numel = meta.numel;
+  view.chunk_start = meta.chunk_start;
+  view.index = meta.index;
+  view.dtype = meta.dtype;
+  view.count = meta.count;
+  view.block_offset = meta.block_offset;
+  view.total_blocks = meta.total_blocks;
+  unscale_check_pass<kNorm, Acc>(view, a);
+}
+
+template <NormKind kNorm, typename Acc>
+__global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
+    unscale_check_table_kernel(const __grid_constant__ TableMeta<1> meta, CheckParams<Acc> a) {
+  unscale_check_pass<kNorm, Acc>(meta, a);
 }
 
 // accumulator += float(grad); grad = 0 (when zero); flags sums that are not finite (an inf/NaN
@@ -214,9 +267,9 @@ __device__ void accumulate_chunk(float* acc, G* grad, int64_t begin, int64_t end
   }
 }
 
+template <typename Meta>
 __global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
-    accumulate_kernel(const __grid_constant__ TensorListMeta<2> meta, bool zero,
-                      float* found_inf) {
+    accumulate_kernel(const __grid_constant__ Meta meta, bool zero, float* found_inf) {
   const int32_t nchunks = meta.chunk_start[meta.count];
   bool bad = false;
   for (int32_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
@@ -242,45 +295,51 @@ __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker, const
   update_scale_rule(scale, growth_tracker, *found_inf, hysteresis_left, stats, params);
 }
 
-constexpr size_t kCounterBytes = 16;
+constexpr size_t kCounterBytes = 16;  // the arrival counter and the bad-block flag
 
-int64_t num_launches(int64_t num_tensors) {
-  const int64_t cap = TensorListMeta<1>::kMax;
-  return num_tensors == 0 ? 1 : (num_tensors + cap - 1) / cap;
-}
-
-// Workspace: a launch counter (zeroed on the stream here; the last block leaves it zero) and one
-// partial norm per block of every launch of the pass.
+// Workspace: the counters (zeroed on the stream here when fresh; the last block leaves them zero)
+// and one partial norm per block of every launch of the pass.
 size_t unscale_check_workspace(const UnscaleCheckArgs& a, const LaunchContext& ctx) {
-  if (a.norm == NormKind::None) return 0;
+  if (a.norm == NormKind::None) return a.overwrite_found_inf ? kCounterBytes : 0;
   const int64_t max_grid = static_cast<int64_t>(ctx.num_sms) * kBlocksPerSM;
   const size_t acc = a.norm_fp64 ? sizeof(double) : sizeof(float);
-  return kCounterBytes + acc * static_cast<size_t>(num_launches(a.num_tensors) * max_grid);
+  return kCounterBytes + acc * static_cast<size_t>(pass_launches<1>(a.num_tensors) * max_grid);
 }
 
 template <typename Acc>
 int launch_unscale_check(const UnscaleCheckArgs& a, const std::vector<HostTensor<1>>& tensors,
-                         unsigned int* counter, void* partials, const LaunchContext& ctx) {
+                         void* workspace, const LaunchContext& ctx) {
   const cudaStream_t stream = stream_of(ctx);
-  Acc* part = static_cast<Acc*>(partials);
-  Acc* norm = static_cast<Acc*>(a.total_norm);
-  return multi_tensor_apply<1>(tensors, ctx.num_sms * kBlocksPerSM, [&](const TensorListMeta<1>& meta, int grid) {
+  CheckParams<Acc> p{};
+  p.inv_scale = a.inv_scale;
+  p.scale = a.scale;
+  p.found_inf = a.found_inf;
+  p.overwrite_found_inf = a.overwrite_found_inf;
+  p.per_tensor_found_inf = a.per_tensor_found_inf;
+  p.store = a.write_back;
+  if (workspace != nullptr) {
+    p.counter = static_cast<unsigned int*>(workspace);
+    p.bad = p.counter + 1;
+    p.partials = reinterpret_cast<Acc*>(static_cast<char*>(workspace) + kCounterBytes);
+  }
+  p.total_norm = static_cast<Acc*>(a.total_norm);
+  p.clip_coef = a.clip_coef;
+  p.has_max_norm = a.has_max_norm;
+  p.max_norm = a.max_norm;
+  return multi_tensor_apply<1>(tensors, ctx.num_sms * kBlocksPerSM, ctx, [&](const auto& meta, int grid) {
+    constexpr bool kInline = std::is_same_v<std::decay_t<decltype(meta)>, TensorListMeta<1>>;
+    auto go = [&](auto norm_tag) {
+      constexpr NormKind kNorm = decltype(norm_tag)::value;
+      if constexpr (kInline) {
+        AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, unscale_check_kernel<kNorm, Acc>)(meta, p);
+      } else {
+        AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, unscale_check_table_kernel<kNorm, Acc>)(meta, p);
+      }
+    };
     switch (a.norm) {
-      case NormKind::None:
-        AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, unscale_check_kernel<NormKind::None, Acc>)(
-            meta, a.inv_scale, a.found_inf, a.per_tensor_found_inf, a.write_back, part, counter,
-            norm, a.clip_coef, a.has_max_norm, a.max_norm);
-        break;
-      case NormKind::L2:
-        AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, unscale_check_kernel<NormKind::L2, Acc>)(
-            meta, a.inv_scale, a.found_inf, a.per_tensor_found_inf, a.write_back, part, counter,
-            norm, a.clip_coef, a.has_max_norm, a.max_norm);
-        break;
-      case NormKind::Inf:
-        AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, unscale_check_kernel<NormKind::Inf, Acc>)(
-            meta, a.inv_scale, a.found_inf, a.per_tensor_found_inf, a.write_back, part, counter,
-            norm, a.clip_coef, a.has_max_norm, a.max_norm);
-        break;
+      case NormKind::None: go(std::integral_constant<NormKind, NormKind::None>{}); break;
+      case NormKind::L2: go(std::integral_constant<NormKind, NormKind::L2>{}); break;
+      case NormKind::Inf: go(std::integral_constant<NormKind, NormKind::Inf>{}); break;
     }
   });
 }
@@ -291,14 +350,14 @@ int unscale_check(const UnscaleCheckArgs& a, void* workspace, const LaunchContex
     tensors[i] = {{a.tensors[i].data}, a.tensors[i].numel, static_cast<int32_t>(i),
                   static_cast<uint8_t>(a.tensors[i].dtype)};
   }
-  unsigned int* counter = static_cast<unsigned int*>(workspace);
-  void* partials = workspace ? static_cast<char*>(workspace) + kCounterBytes : nullptr;
-  if (a.norm != NormKind::None) {
-    const cudaError_t err = cudaMemsetAsync(counter, 0, sizeof(unsigned int), stream_of(ctx));
+  if ((a.norm != NormKind::None || a.overwrite_found_inf) && !ctx.workspace_zeroed) {
+    const cudaError_t err = cudaMemsetAsync(workspace, 0, kCounterBytes, stream_of(ctx));
     if (err != cudaSuccess) return err;
   }
-  return a.norm_fp64 ? launch_unscale_check<double>(a, tensors, counter, partials, ctx)
-                     : launch_unscale_check<float>(a, tensors, counter, partials, ctx);
+  // Without a norm only the double instantiation would differ in nothing: use float.
+  return a.norm_fp64 && a.norm != NormKind::None
+             ? launch_unscale_check<double>(a, tensors, workspace, ctx)
+             : launch_unscale_check<float>(a, tensors, workspace, ctx);
 }
 
 int accumulate(const AccumulateArgs& a, const LaunchContext& ctx) {
@@ -309,9 +368,10 @@ int accumulate(const AccumulateArgs& a, const LaunchContext& ctx) {
     tensors[i] = {{a.accumulators[i], a.grads[i].data}, a.grads[i].numel, static_cast<int32_t>(i),
                   static_cast<uint8_t>(a.grads[i].dtype)};
   }
-  return multi_tensor_apply<2>(tensors, ctx.num_sms * kBlocksPerSM,
-                               [&](const TensorListMeta<2>& meta, int grid) {
-                                 AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, accumulate_kernel)(
+  return multi_tensor_apply<2>(tensors, ctx.num_sms * kBlocksPerSM, ctx,
+                               [&](const auto& meta, int grid) {
+                                 using Meta = std::decay_t<decltype(meta)>;
+                                 AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, accumulate_kernel<Meta>)(
                                      meta, a.zero_grads, a.found_inf);
                                });
 }

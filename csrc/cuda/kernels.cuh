@@ -16,6 +16,15 @@
 #define AMPFUSE_LAUNCH(grid, block, smem, stream, ...) __VA_ARGS__<<<grid, block, smem, stream>>>
 #endif
 
+// A device function compiled once and called (not inlined): kernels that differ only in how they
+// receive their metadata share one body. (The host compiler of the emulator spells it as GCC does:
+// a __noinline__ macro would break libstdc++'s __attribute__((__noinline__)).)
+#if defined(CUEMU)
+#define AMPFUSE_NOINLINE __attribute__((noinline))
+#else
+#define AMPFUSE_NOINLINE __noinline__
+#endif
+
 namespace ampfuse::cuda {
 
 using kernels::DType;

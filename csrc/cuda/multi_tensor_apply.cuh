@@ -1,9 +1,13 @@
-// ampfuse's multi-tensor apply: process a list of tensors with a number of kernel launches that
-// does not depend on how many tensors there are (up to the metadata capacity of one launch, which
-// uses the 32 KB kernel-parameter space of CUDA >= 12.1) nor on their sizes.
+// ampfuse's multi-tensor apply: process a list of tensors in one kernel launch whatever their number
+// and sizes.
 //
 // - Tensor metadata (pointers for N lists, int64 element counts, chunk offsets) is passed by value
-//   as a __grid_constant__ kernel parameter: no host-to-device copy, safe under CUDA-graph capture.
+//   as a __grid_constant__ kernel parameter (TensorListMeta, up to kMax tensors in the 32 KB
+//   kernel-parameter space of CUDA >= 12.1): no host-to-device copy, safe under CUDA-graph capture.
+//   More tensors than that go into a table in device memory (TableMeta) that the op layer keeps
+//   resident, cached by content (LaunchContext::resident): one launch for any number of tensors,
+//   re-uploaded only when a pointer changes. Without a resident table the list is split into
+//   launches of kMax tensors.
 // - Each tensor is cut into chunks of kChunkSize elements; a fixed-size grid walks all chunks of the
 //   launch with a grid-stride loop, finding a chunk's tensor by binary search over the offsets.
 // - Kernels use 16-byte vector accesses when every list's pointer is 16-byte aligned, and a
@@ -16,7 +20,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
+
+#include "cuda/kernels.cuh"
 
 namespace ampfuse::cuda {
 
@@ -46,6 +53,25 @@ struct TensorListMeta {
   int32_t total_blocks;  // blocks of all launches of the pass
 };
 
+// The same metadata in device memory (a table laid out by build_table below), for any count.
+// meta.ptr[l][t], meta.numel[t], ... read as for TensorListMeta.
+template <int N>
+struct TableMeta {
+  struct Rows {
+    void* const* base;  // [N][stride]
+    int32_t stride;
+    __host__ __device__ void* const* operator[](int l) const { return base + l * stride; }
+  };
+  Rows ptr;
+  const int64_t* numel;        // [count]
+  const int32_t* chunk_start;  // [count + 1]
+  const int32_t* index;        // [count]
+  const uint8_t* dtype;        // [count]
+  int32_t count;
+  int32_t block_offset;  // always 0: one launch holds the whole pass
+  int32_t total_blocks;
+};
+
 // Host-side description of one tensor (N lists).
 template <int N>
 struct HostTensor {
@@ -56,8 +82,8 @@ struct HostTensor {
 };
 
 // The tensor holding chunk `c` (binary search over the chunk offsets).
-template <int N>
-__device__ __forceinline__ int find_tensor(const TensorListMeta<N>& meta, int32_t c) {
+template <typename Meta>
+__device__ __forceinline__ int find_tensor(const Meta& meta, int32_t c) {
   int lo = 0, hi = meta.count - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
@@ -111,13 +137,67 @@ inline int64_t chunks_of(int64_t numel) {
   return numel == 0 ? 1 : (numel + kChunkSize - 1) / kChunkSize;
 }
 
-// Splits the tensors into launches of at most TensorListMeta<N>::kMax tensors, sizes each grid
-// (at most max_grid blocks, at least one so every launch takes part in cross-block reductions),
-// and calls launch(meta, grid) for each.
+// Launches of one pass over `tensors`: `launch(meta, grid)` is called with a TensorListMeta<N> (by
+// value) when the tensors fit one, else with a TableMeta<N> (one launch, the table made resident
+// through ctx.resident), else (no resident tables) with one TensorListMeta<N> per kMax tensors.
+// Each grid has at most max_grid blocks and at least one, so every launch takes part in
+// cross-block reductions. Returns the first launch error.
 template <int N, typename LaunchFn>
 cudaError_t multi_tensor_apply(const std::vector<HostTensor<N>>& tensors, int max_grid,
-                               LaunchFn&& launch) {
+                               const LaunchContext& ctx, LaunchFn&& launch) {
   using Meta = TensorListMeta<N>;
+  const int64_t count = static_cast<int64_t>(tensors.size());
+  auto grid_for = [&](int64_t chunks) {
+    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(chunks, max_grid)));
+  };
+  // The resident table, when more tensors than fit in one launch's parameters.
+  const unsigned char* dev = nullptr;
+  size_t off_numel = 0, off_start = 0, off_index = 0, off_dtype = 0;
+  if (count > Meta::kMax && ctx.resident != nullptr) {
+    // One launch, the metadata in a resident device table: [ptr N x count][numel][chunk_start
+    // count+1][index][dtype], each array 8-byte aligned.
+    auto align8 = [](size_t n) { return (n + 7) / 8 * 8; };
+    off_numel = align8(sizeof(void*) * N * count);
+    off_start = off_numel + align8(sizeof(int64_t) * count);
+    off_index = off_start + align8(sizeof(int32_t) * (count + 1));
+    off_dtype = off_index + align8(sizeof(int32_t) * count);
+    const size_t bytes = off_dtype + align8(count);
+    std::vector<unsigned char> host(bytes, 0);
+    auto* ptrs = reinterpret_cast<void**>(host.data());
+    auto* numel = reinterpret_cast<int64_t*>(host.data() + off_numel);
+    auto* start = reinterpret_cast<int32_t*>(host.data() + off_start);
+    auto* index = reinterpret_cast<int32_t*>(host.data() + off_index);
+    auto* dtype = reinterpret_cast<uint8_t*>(host.data() + off_dtype);
+    int32_t chunk = 0;
+    for (int64_t j = 0; j < count; ++j) {
+      const HostTensor<N>& t = tensors[j];
+      for (int l = 0; l < N; ++l) ptrs[l * count + j] = t.ptr[l];
+      numel[j] = t.numel;
+      start[j] = chunk;
+      index[j] = t.index;
+      dtype[j] = t.dtype;
+      chunk += static_cast<int32_t>(chunks_of(t.numel));
+    }
+    start[count] = chunk;
+    // null: not resident and not uploadable now (during a CUDA-graph capture): split below.
+    dev = static_cast<const unsigned char*>(ctx.resident(ctx.resident_self, host.data(), bytes));
+  }
+  if (dev != nullptr) {
+    TableMeta<N> meta;
+    meta.ptr = {reinterpret_cast<void* const*>(dev), static_cast<int32_t>(count)};
+    meta.numel = reinterpret_cast<const int64_t*>(dev + off_numel);
+    meta.chunk_start = reinterpret_cast<const int32_t*>(dev + off_start);
+    meta.index = reinterpret_cast<const int32_t*>(dev + off_index);
+    meta.dtype = dev + off_dtype;
+    meta.count = static_cast<int32_t>(count);
+    meta.block_offset = 0;
+    int64_t chunks = 0;
+    for (const HostTensor<N>& t : tensors) chunks += chunks_of(t.numel);
+    meta.total_blocks = grid_for(chunks);
+    launch(meta, meta.total_blocks);
+    return cudaGetLastError();
+  }
+
   struct Batch {
     size_t begin, end;
     int64_t chunks;
@@ -136,9 +216,8 @@ cudaError_t multi_tensor_apply(const std::vector<HostTensor<N>>& tensors, int ma
   int32_t total_blocks = 0;
   std::vector<int> grids;
   for (const Batch& batch : batches) {
-    const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(batch.chunks, max_grid)));
-    grids.push_back(grid);
-    total_blocks += grid;
+    grids.push_back(grid_for(batch.chunks));
+    total_blocks += grids.back();
   }
 
   int32_t block_offset = 0;
@@ -164,6 +243,15 @@ cudaError_t multi_tensor_apply(const std::vector<HostTensor<N>>& tensors, int ma
     block_offset += grids[k];
   }
   return cudaSuccess;
+}
+
+// The most launches a pass over `count` tensors takes (sizes per-block scratch such as norm
+// partials): one with a resident table, but without one (e.g. not uploadable during a CUDA-graph
+// capture) one per kMax tensors.
+template <int N>
+int64_t pass_launches(int64_t count) {
+  const int64_t cap = TensorListMeta<N>::kMax;
+  return count == 0 ? 1 : (count + cap - 1) / cap;
 }
 
 // Deterministic block-wide reduction (sum or max, NaN-propagating) of one value per thread (float

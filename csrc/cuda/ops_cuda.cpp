@@ -25,10 +25,19 @@ int num_sms(c10::DeviceIndex device) {
 }
 
 LaunchContext context(const c10::Device& device) {
-  return {c10::cuda::getCurrentCUDAStream(device.index()).stream(), num_sms(device.index())};
+  LaunchContext ctx{};
+  ctx.stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  ctx.num_sms = num_sms(device.index());
+  return ctx;
 }
 
-constexpr ops::Backend kBackend{&kernel_table, &context};
+bool capturing(const LaunchContext& ctx) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(ctx.stream), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+constexpr ops::Backend kBackend{&kernel_table, &context, &capturing};
 
 }  // namespace
 }  // namespace ampfuse::cuda

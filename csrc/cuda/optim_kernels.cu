@@ -1,8 +1,12 @@
-// CUDA kernels of the fused optimizers: one multi-tensor pass reads each element's grad, param or
-// fp32 master and state once and writes param, master and state once. A set found_inf makes every
-// block return before touching memory. The per-tensor step counter is advanced by the last block
-// to finish a chunk of that tensor (all blocks have read it by then), so no second launch is
-// needed. The update rules are shared with the CPU kernels (ops/rules.h).
+// CUDA kernels of the fused optimizers: one multi-tensor pass reads each element's grad, param,
+// master (fp32, or the int16 remainder of a bf16 param) and state (fp32 or bf16) once and writes
+// param, master and state once. A set found_inf makes every block return before touching memory.
+// The per-tensor step counter is advanced by the last block to finish a chunk of that tensor (all
+// blocks have read it by then), so no second launch is needed. The update rules are shared with
+// the CPU kernels (ops/rules.h).
+//
+// Supported (param, grad) dtypes: (fp32, fp32), and for fp16/bf16 params grads of the param's
+// dtype or fp32 (an accumulator's sums); masters for fp16/bf16 params, remainders for bf16 params.
 #include <type_traits>
 
 #include "cuda/kernels.cuh"
@@ -11,6 +15,7 @@
 namespace ampfuse::cuda {
 namespace {
 
+using kernels::MasterKind;
 using kernels::OptimArgs;
 using kernels::OptimTensor;
 
@@ -82,22 +87,51 @@ __device__ __forceinline__ bool aligned_quad(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T))) == 0;
 }
 
-// The value the update starts from for a param with an fp32 master (ops/rules.h).
-template <typename T>
-__device__ __forceinline__ float start_value(float master, T param) {
-  return synced_master(master, to_float(from_float<T>(master)), to_float(param));
-}
+// The master of one element, as MasterKind says where it lives (ops/rules.h).
+template <MasterKind MK, typename T>
+struct Master {
+  using Storage = std::conditional_t<MK == MasterKind::Remainder, int16_t, float>;
+  // The value the update starts from.
+  static __device__ __forceinline__ float load(T param, Storage master) {
+    if constexpr (MK == MasterKind::None) {
+      return to_float(param);
+    } else if constexpr (MK == MasterKind::Float) {
+      return synced_master(master, to_float(from_float<T>(master)), to_float(param));
+    } else {
+      static_assert(std::is_same_v<T, __nv_bfloat16>, "remainders are for bf16 params");
+      return join_master(__bfloat16_as_ushort(param), master);
+    }
+  }
+  // The param (and master) of updated value p.
+  static __device__ __forceinline__ T store(float p, Storage& master) {
+    if constexpr (MK == MasterKind::None) {
+      return from_float<T>(p);
+    } else if constexpr (MK == MasterKind::Float) {
+      master = p;
+      return from_float<T>(p);
+    } else {
+      uint16_t bits;
+      split_master(p, &bits, &master);
+      return __ushort_as_bfloat16(bits);
+    }
+  }
+};
 
-template <typename T, typename G, class Kind>
-__device__ __forceinline__ void process_chunk(T* param, const G* grad, float* master,
-                                              float* (&state)[Kind::kStates], int64_t begin,
-                                              int64_t end, const typename Kind::Scalars& s,
-                                              bool divide, float grad_scale, float clip) {
+// Elements [begin, end) of one tensor, processed by the whole block. Not inlined: the two kernels
+// (metadata by value, metadata in a table) share one copy of each instantiation.
+template <typename T, typename G, class Kind, MasterKind MK, typename S>
+__device__ AMPFUSE_NOINLINE void process_chunk(T* param, const G* grad,
+                                           typename Master<MK, T>::Storage* master,
+                                           S* const* state, int64_t begin, int64_t end,
+                                           const typename Kind::Scalars& s, bool divide,
+                                           float grad_scale, float clip) {
   constexpr int NS = Kind::kStates;
+  using M = Master<MK, T>;
+  using MS = typename M::Storage;
   bool vec = aligned_quad<T>(param) && aligned_quad<G>(grad) &&
-             (master == nullptr || aligned_quad<float>(master));
+             (master == nullptr || aligned_quad<MS>(master));
 #pragma unroll
-  for (int k = 0; k < NS; ++k) vec = vec && (state[k] == nullptr || aligned_quad<float>(state[k]));
+  for (int k = 0; k < NS; ++k) vec = vec && (state[k] == nullptr || aligned_quad<S>(state[k]));
   int64_t i0 = begin;
   if (vec) {
     const int64_t nq = (end - begin) / 4;
@@ -105,21 +139,17 @@ __device__ __forceinline__ void process_chunk(T* param, const G* grad, float* ma
       const int64_t i = begin + 4 * q;
       float p[4], st[NS][4] = {};  // absent states stay 0 (never stored)
       const Quad<T> pq = *reinterpret_cast<const Quad<T>*>(param + i);
-      if (master) {
-        const Quad<float> mq = *reinterpret_cast<const Quad<float>*>(master + i);
+      Quad<MS> mq{};
+      if (master) mq = *reinterpret_cast<const Quad<MS>*>(master + i);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) p[e] = start_value<T>(mq.v[e], pq.v[e]);
-      } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) p[e] = to_float(pq.v[e]);
-      }
+      for (int e = 0; e < 4; ++e) p[e] = M::load(pq.v[e], mq.v[e]);
       const Quad<G> gq = *reinterpret_cast<const Quad<G>*>(grad + i);
 #pragma unroll
       for (int k = 0; k < NS; ++k) {
         if (state[k] != nullptr && Kind::uses_state(s, k)) {
-          const Quad<float> sq = *reinterpret_cast<const Quad<float>*>(state[k] + i);
+          const Quad<S> sq = *reinterpret_cast<const Quad<S>*>(state[k] + i);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) st[k][e] = sq.v[e];
+          for (int e = 0; e < 4; ++e) st[k][e] = to_float(sq.v[e]);
         }
       }
 #pragma unroll
@@ -136,50 +166,50 @@ __device__ __forceinline__ void process_chunk(T* param, const G* grad, float* ma
       }
       Quad<T> out;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) out.v[e] = from_float<T>(p[e]);
+      for (int e = 0; e < 4; ++e) out.v[e] = M::store(p[e], mq.v[e]);
       *reinterpret_cast<Quad<T>*>(param + i) = out;
-      if (master) {
-        Quad<float> mq;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) mq.v[e] = p[e];
-        *reinterpret_cast<Quad<float>*>(master + i) = mq;
-      }
+      if (master) *reinterpret_cast<Quad<MS>*>(master + i) = mq;
 #pragma unroll
       for (int k = 0; k < NS; ++k) {
         if (state[k] != nullptr && Kind::uses_state(s, k)) {
-          Quad<float> sq;
+          Quad<S> sq;
 #pragma unroll
-          for (int e = 0; e < 4; ++e) sq.v[e] = st[k][e];
-          *reinterpret_cast<Quad<float>*>(state[k] + i) = sq;
+          for (int e = 0; e < 4; ++e) sq.v[e] = from_float<S>(st[k][e]);
+          *reinterpret_cast<Quad<S>*>(state[k] + i) = sq;
         }
       }
     }
     i0 = begin + 4 * nq;
   }
   for (int64_t i = i0 + threadIdx.x; i < end; i += blockDim.x) {
-    float p = master ? start_value<T>(master[i], param[i]) : to_float(param[i]);
+    MS m = master ? master[i] : MS{};
+    float p = M::load(param[i], m);
     float g = to_float(grad[i]);
     if (divide) g = g / grad_scale;
     if (clip != 1.0f) g = g * clip;
     float se[NS];
 #pragma unroll
-    for (int k = 0; k < NS; ++k) se[k] = (state[k] != nullptr && Kind::uses_state(s, k)) ? state[k][i] : 0.0f;
+    for (int k = 0; k < NS; ++k) {
+      se[k] = (state[k] != nullptr && Kind::uses_state(s, k)) ? to_float(state[k][i]) : 0.0f;
+    }
     p = Kind::update(p, g, se, s);
-    param[i] = from_float<T>(p);
-    if (master) master[i] = p;
+    param[i] = M::store(p, m);
+    if (master) master[i] = m;
 #pragma unroll
     for (int k = 0; k < NS; ++k) {
-      if (state[k] != nullptr && Kind::uses_state(s, k)) state[k][i] = se[k];
+      if (state[k] != nullptr && Kind::uses_state(s, k)) state[k][i] = from_float<S>(se[k]);
     }
   }
 }
 
-template <typename T, typename G, class Kind>
-__global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
-    optim_kernel(const __grid_constant__ TensorListMeta<kLists<Kind>> meta, ScaleArgs sa,
-                 typename Kind::Hyper hyper) {
+// The pass over every chunk of a launch; `meta` is a TableMeta view (of a table in device memory,
+// or of the by-value metadata).
+template <typename T, typename G, class Kind, MasterKind MK, typename S>
+__device__ AMPFUSE_NOINLINE void optim_pass(const TableMeta<kLists<Kind>>& meta, const ScaleArgs& sa,
+                                        const typename Kind::Hyper& hyper) {
   constexpr int NS = Kind::kStates;
   constexpr int kStep = kLists<Kind> - 1;
+  using MS = typename Master<MK, T>::Storage;
   if (sa.found_inf != nullptr && *sa.found_inf != 0.0f) return;  // skipped: touch nothing
   const double lr = sa.lr_tensor ? static_cast<double>(*sa.lr_tensor) : hyper.lr;
   const float grad_scale = sa.grad_scale ? *sa.grad_scale : 1.0f;
@@ -192,12 +222,13 @@ __global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
     const int64_t end = min(begin + kChunkSize, meta.numel[t]);
     float* step = static_cast<float*>(meta.ptr[kStep][t]);
     const typename Kind::Scalars s = Kind::scalars(hyper, lr, *step);
-    float* state[NS];
+    S* state[NS];
 #pragma unroll
-    for (int k = 0; k < NS; ++k) state[k] = static_cast<float*>(meta.ptr[3 + k][t]);
-    process_chunk<T, G, Kind>(static_cast<T*>(meta.ptr[0][t]), static_cast<const G*>(meta.ptr[1][t]),
-                              static_cast<float*>(meta.ptr[2][t]), state, begin, end, s, divide,
-                              grad_scale, clip);
+    for (int k = 0; k < NS; ++k) state[k] = static_cast<S*>(meta.ptr[3 + k][t]);
+    process_chunk<T, G, Kind, MK, S>(static_cast<T*>(meta.ptr[0][t]),
+                                     static_cast<const G*>(meta.ptr[1][t]),
+                                     static_cast<MS*>(meta.ptr[2][t]), state, begin, end, s,
+                                     divide, grad_scale, clip);
     // The last block to finish a chunk of tensor t advances its step (every block of t has read
     // the old value before arriving here).
     __syncthreads();
@@ -214,18 +245,42 @@ __global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
   }
 }
 
-// Workspace: one arrival counter per tensor of the call (zeroed on the stream here; the last block
-// of each tensor leaves its counter zero).
+template <typename T, typename G, class Kind, MasterKind MK, typename S>
+__global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
+    optim_kernel(const __grid_constant__ TensorListMeta<kLists<Kind>> meta, ScaleArgs sa,
+                 typename Kind::Hyper hyper) {
+  constexpr int N = kLists<Kind>;
+  using Meta = TensorListMeta<N>;
+  TableMeta<N> view;
+  view.ptr = {&meta.ptr[0][0], Meta::kMax};
+  view.numel = meta.numel;
+  view.chunk_start = meta.chunk_start;
+  view.index = meta.index;
+  view.dtype = meta.dtype;
+  view.count = meta.count;
+  view.block_offset = meta.block_offset;
+  view.total_blocks = meta.total_blocks;
+  optim_pass<T, G, Kind, MK, S>(view, sa, hyper);
+}
+
+template <typename T, typename G, class Kind, MasterKind MK, typename S>
+__global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
+    optim_table_kernel(const __grid_constant__ TableMeta<kLists<Kind>> meta, ScaleArgs sa,
+                       typename Kind::Hyper hyper) {
+  optim_pass<T, G, Kind, MK, S>(meta, sa, hyper);
+}
+
+// Workspace: one arrival counter per tensor of the call. Fresh workspace is zeroed on the stream
+// here; a persistent one (ctx.workspace_zeroed) is left zero by the last block of each tensor.
 size_t optim_workspace(const OptimArgs& a, const LaunchContext&) {
   return sizeof(unsigned int) * static_cast<size_t>(a.num_tensors > 0 ? a.num_tensors : 1);
 }
 
-template <class Kind>
+template <class Kind, typename T, typename G, MasterKind MK, typename S>
 int launch_optim(const OptimArgs& a, const typename Kind::Hyper& hyper, void* workspace,
                  const LaunchContext& ctx) {
   constexpr int N = kLists<Kind>;
   constexpr int NS = Kind::kStates;
-  if (a.num_tensors == 0) return cudaSuccess;
   const cudaStream_t stream = stream_of(ctx);
   std::vector<HostTensor<N>> tensors;
   tensors.reserve(a.num_tensors);
@@ -242,40 +297,71 @@ int launch_optim(const OptimArgs& a, const typename Kind::Hyper& hyper, void* wo
     h.dtype = 0;
     tensors.push_back(h);
   }
-  cudaError_t err = cudaMemsetAsync(workspace, 0, optim_workspace(a, ctx), stream);
-  if (err != cudaSuccess) return err;
-  ScaleArgs sa{a.lr_tensor, a.grad_scale, a.found_inf, a.clip_coef,
-               static_cast<unsigned int*>(workspace)};
-  const int max_grid = ctx.num_sms * kBlocksPerSM;
-  auto launch = [&](auto param_tag, auto grad_tag) {
-    using T = decltype(param_tag);
-    using G = decltype(grad_tag);
-    return multi_tensor_apply<N>(tensors, max_grid, [&](const TensorListMeta<N>& meta, int grid) {
-      AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, optim_kernel<T, G, Kind>)(meta, sa, hyper);
-    });
-  };
-  auto with_grad = [&](auto param_tag) {
-    switch (a.grad_dtype) {
-      case DType::Half: return launch(param_tag, __half{});
-      case DType::BFloat16: return launch(param_tag, __nv_bfloat16{});
-      default: return launch(param_tag, float{});
+  if (!ctx.workspace_zeroed) {
+    const cudaError_t err = cudaMemsetAsync(workspace, 0, optim_workspace(a, ctx), stream);
+    if (err != cudaSuccess) return err;
+  }
+  const ScaleArgs sa{a.lr_tensor, a.grad_scale, a.found_inf, a.clip_coef,
+                     static_cast<unsigned int*>(workspace)};
+  return multi_tensor_apply<N>(tensors, ctx.num_sms * kBlocksPerSM, ctx, [&](const auto& meta, int grid) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(meta)>, TensorListMeta<N>>) {
+      AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, optim_kernel<T, G, Kind, MK, S>)(meta, sa, hyper);
+    } else {
+      AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, optim_table_kernel<T, G, Kind, MK, S>)(meta, sa, hyper);
     }
-  };
+  });
+}
+
+// The supported combinations (see the file comment), state dtype last.
+template <class Kind, typename T, typename G, MasterKind MK>
+int with_state(const OptimArgs& a, const typename Kind::Hyper& h, void* ws, const LaunchContext& ctx) {
+  if (a.state_dtype == DType::BFloat16) return launch_optim<Kind, T, G, MK, __nv_bfloat16>(a, h, ws, ctx);
+  return launch_optim<Kind, T, G, MK, float>(a, h, ws, ctx);
+}
+
+template <class Kind, typename T, typename G>
+int with_master(const OptimArgs& a, const typename Kind::Hyper& h, void* ws, const LaunchContext& ctx) {
+  if constexpr (std::is_same_v<T, float>) {
+    return with_state<Kind, T, G, MasterKind::None>(a, h, ws, ctx);
+  } else {
+    if (a.master == MasterKind::Float) return with_state<Kind, T, G, MasterKind::Float>(a, h, ws, ctx);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      if (a.master == MasterKind::Remainder) {
+        return with_state<Kind, T, G, MasterKind::Remainder>(a, h, ws, ctx);
+      }
+    }
+    return with_state<Kind, T, G, MasterKind::None>(a, h, ws, ctx);
+  }
+}
+
+template <class Kind, typename T>
+int with_grad(const OptimArgs& a, const typename Kind::Hyper& h, void* ws, const LaunchContext& ctx) {
+  if constexpr (std::is_same_v<T, float>) {
+    return with_master<Kind, T, float>(a, h, ws, ctx);
+  } else {
+    if (a.grad_dtype == DType::Float) return with_master<Kind, T, float>(a, h, ws, ctx);
+    return with_master<Kind, T, T>(a, h, ws, ctx);
+  }
+}
+
+template <class Kind>
+int launch_kind(const OptimArgs& a, const typename Kind::Hyper& h, void* ws, const LaunchContext& ctx) {
+  if (a.num_tensors == 0) return cudaSuccess;
   switch (a.param_dtype) {
-    case DType::Half: return with_grad(__half{});
-    case DType::BFloat16: return with_grad(__nv_bfloat16{});
-    default: return with_grad(float{});
+    case DType::Half: return with_grad<Kind, __half>(a, h, ws, ctx);
+    case DType::BFloat16: return with_grad<Kind, __nv_bfloat16>(a, h, ws, ctx);
+    default: return with_grad<Kind, float>(a, h, ws, ctx);
   }
 }
 
 int sgd_step(const OptimArgs& a, const SgdHyper& hyper, void* workspace, const LaunchContext& ctx) {
-  return launch_optim<SgdKind>(a, hyper, workspace, ctx);
+  return launch_kind<SgdKind>(a, hyper, workspace, ctx);
 }
 
 int adam_step(const OptimArgs& a, const AdamHyper& hyper, void* workspace,
               const LaunchContext& ctx) {
-  if (hyper.amsgrad) return launch_optim<AdamKind<true>>(a, hyper, workspace, ctx);
-  return launch_optim<AdamKind<false>>(a, hyper, workspace, ctx);
+  if (hyper.amsgrad) return launch_kind<AdamKind<true>>(a, hyper, workspace, ctx);
+  return launch_kind<AdamKind<false>>(a, hyper, workspace, ctx);
 }
 
 }  // namespace

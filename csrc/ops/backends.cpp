@@ -22,8 +22,8 @@ const kernels::KernelTable& no_table() {
   TORCH_CHECK(false, "ampfuse has no kernels for this device; its ops run on CPU and CUDA tensors.");
 }
 
-constexpr Backend kMeta{nullptr, nullptr};
-constexpr Backend kNoKernels{&no_table, &no_kernels};
+constexpr Backend kMeta{nullptr, nullptr, nullptr};
+constexpr Backend kNoKernels{&no_table, &no_kernels, nullptr};
 
 }  // namespace
 }  // namespace ampfuse::ops

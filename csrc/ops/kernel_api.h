@@ -29,19 +29,30 @@ struct TensorRef {
   DType dtype;
 };
 
-// Where a call runs: an opaque stream (a cudaStream_t for CUDA tables, null for CPU tables) and
-// the device's multiprocessor count (sizes CUDA grids; unused by CPU tables).
+// Where a call runs, and what the op layer keeps for the kernels between calls.
 struct LaunchContext {
-  void* stream;
-  int num_sms;
+  void* stream;   // a cudaStream_t for CUDA tables, null for CPU tables
+  int num_sms;    // the device's multiprocessor count (sizes CUDA grids; unused by CPU tables)
+  // The workspace passed with this call is persistent memory of this entry of the table (e.g.
+  // every unscale_check before it used the same memory): whatever the entry's kernels leave zero
+  // (their counters) is zero on entry, the rest is scratch. false: fresh, uninitialised memory
+  // that the call initialises itself (a memset).
+  bool workspace_zeroed;
+  // Makes `bytes` of host data resident in device memory and returns where (a metadata table the
+  // kernels read); cached by content, so an unchanged table is not copied again. null: none.
+  const void* (*resident)(void* self, const void* host, size_t bytes);
+  void* resident_self;
 };
 
 // unscale_check_ / unscale_check_norm_ / check_norm_.
 struct UnscaleCheckArgs {
   const TensorRef* tensors;
   int64_t num_tensors;
-  const float* inv_scale;       // 1 element
-  float* found_inf;             // 1 element; set to 1 on a non-finite value, never reset
+  const float* inv_scale;       // 1 element; or null and:
+  const float* scale;           // 1 element; the kernels use float(1 / double(scale)), as torch's
+                                // GradScaler computes its inv_scale
+  float* found_inf;             // 1 element; set to 1 on a non-finite value, never reset, unless
+  bool overwrite_found_inf;     // found_inf := 1 or 0 (no separate zeroing launch)
   float* per_tensor_found_inf;  // num_tensors elements, or null; entry i set to 1 likewise
   bool write_back;              // store the unscaled values (false: read-only check)
   NormKind norm;                // None: total_norm and clip_coef are not written
@@ -72,13 +83,22 @@ struct UpdateScaleArgs {
   ScaleRuleParams params;
 };
 
-// One tensor of a fused optimizer call: param, grad, fp32 master (or null), up to three fp32
-// state tensors (null when absent) and an fp32 step counter, all walked in one element order.
+// How a fused optimizer call keeps the fp32 master of a low-precision param.
+enum class MasterKind : uint8_t {
+  None = 0,       // the param is updated directly (fp32 math)
+  Float = 1,      // an fp32 master tensor
+  Remainder = 2,  // bf16 params only: an int16 tensor holding the low 16 bits, so that (param,
+                  // remainder) is the fp32 master bit for bit (ops/rules.h, join_master)
+};
+
+// One tensor of a fused optimizer call: param, grad, master (per MasterKind, or null), up to
+// three state tensors (of the call's state dtype; null when absent) and an fp32 step counter, all
+// walked in one element order.
 struct OptimTensor {
   void* param;
   const void* grad;
-  float* master;
-  float* state[3];  // SGD: {momentum}; Adam: {exp_avg, exp_avg_sq, max_exp_avg_sq}
+  void* master;
+  void* state[3];  // SGD: {momentum}; Adam: {exp_avg, exp_avg_sq, max_exp_avg_sq}
   float* step;
   int64_t numel;
 };
@@ -89,6 +109,8 @@ struct OptimArgs {
   int64_t num_tensors;
   DType param_dtype;  // Half, BFloat16 or Float
   DType grad_dtype;   // Half, BFloat16 or Float
+  MasterKind master;
+  DType state_dtype;  // Float or BFloat16 (stored rounded to nearest even; math in fp32)
   const float* lr_tensor;   // 1 element, or null: the hyper-parameters' lr
   const float* grad_scale;  // grads are divided by it, or null
   const float* found_inf;   // or null
@@ -96,8 +118,9 @@ struct OptimArgs {
 };
 
 // A backend's kernels. Each entry returns 0 on success or a backend status that error_string
-// describes. Workspace: the op layer allocates `*_workspace(...)` bytes of uninitialised device
-// memory (none when 0) and passes it to the matching call.
+// describes. Workspace: the op layer passes `*_workspace(...)` bytes of device memory (none when
+// 0) to the matching call: persistent memory left zeroed by the previous call when
+// ctx.workspace_zeroed, else fresh memory the call initialises itself.
 struct KernelTable {
   const char* name;  // "DEFAULT", "AVX2", "AVX512", "cuda", "cuda-emulated"
   size_t (*unscale_check_workspace)(const UnscaleCheckArgs&, const LaunchContext&);

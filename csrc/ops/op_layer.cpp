@@ -8,6 +8,7 @@
 
 #include <vector>
 
+#include "ops/call_resources.h"
 #include "ops/flatten.h"
 #include "ops/validation.h"
 
@@ -17,19 +18,13 @@ namespace {
 using detail::FlatRow;
 using detail::FlatTensor;
 
-void check_status(const kernels::KernelTable& table, int status, const char* op) {
-  TORCH_CHECK(status == 0, "ampfuse.", op, ": the ", table.name,
-              " kernel failed: ", table.error_string(status));
+void check_status(const kernels::KernelTable& table, int status, detail::CallResources& res,
+                  const char* op) {
+  if (status == 0) return;
+  res.failed();
+  TORCH_CHECK(false, "ampfuse.", op, ": the ", table.name, " kernel failed: ",
+              table.error_string(status));
 }
-
-// Uninitialised device memory for a kernel (the kernels initialise what they need on the stream).
-at::Tensor workspace(size_t bytes, const c10::Device& device) {
-  if (bytes == 0) return {};
-  return at::empty({static_cast<int64_t>(bytes)},
-                   at::TensorOptions().dtype(at::kByte).device(device));
-}
-
-void* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 
 template <typename T>
 T* ptr_or_null(const std::optional<at::Tensor>& t) {
@@ -44,12 +39,13 @@ const T* const_ptr_or_null(const std::optional<at::Tensor>& t) {
 // Shared body of unscale_check_, unscale_check_norm_ and check_norm_ (arguments validated).
 std::tuple<at::Tensor, at::Tensor> unscale_check_impl(
     const Backend& b, at::TensorList tensors, const at::Tensor& found_inf,
-    const at::Tensor& inv_scale, bool write_back, NormKind norm, std::optional<double> max_norm,
-    const std::optional<at::Tensor>& per_tensor_found_inf, const char* op) {
+    const detail::ScaleArg& scale, bool write_back, NormKind norm, std::optional<double> max_norm,
+    const std::optional<at::Tensor>& per_tensor_found_inf, bool overwrite_found_inf,
+    const char* op) {
   detail::OverlapCheck overlap;
   overlap.add(tensors, "tensors", write_back);
   overlap.add(found_inf, "found_inf", true);
-  overlap.add(inv_scale, "inv_scale", false);
+  overlap.add(*scale.tensor, scale.name, false);
   overlap.add(per_tensor_found_inf, "per_tensor_found_inf", true);
   overlap.check();
   const c10::Device device = found_inf.device();
@@ -73,8 +69,9 @@ std::tuple<at::Tensor, at::Tensor> unscale_check_impl(
   kernels::UnscaleCheckArgs args{};
   args.tensors = refs.data();
   args.num_tensors = static_cast<int64_t>(refs.size());
-  args.inv_scale = inv_scale.const_data_ptr<float>();
+  (scale.is_inverse ? args.inv_scale : args.scale) = scale.tensor->const_data_ptr<float>();
   args.found_inf = found_inf.mutable_data_ptr<float>();
+  args.overwrite_found_inf = overwrite_found_inf;
   args.per_tensor_found_inf = ptr_or_null<float>(per_tensor_found_inf);
   args.write_back = write_back;
   args.norm = norm;
@@ -83,10 +80,11 @@ std::tuple<at::Tensor, at::Tensor> unscale_check_impl(
   args.clip_coef = clip_coef.defined() ? clip_coef.mutable_data_ptr<float>() : nullptr;
   args.has_max_norm = max_norm.has_value();
   args.max_norm = max_norm.value_or(0.0);
-  const kernels::LaunchContext ctx = b.context(device);
+  detail::CallResources res(b, device);
   const kernels::KernelTable& table = b.table();
-  const at::Tensor ws = workspace(table.unscale_check_workspace(args, ctx), device);
-  check_status(table, table.unscale_check(args, data_or_null(ws), ctx), op);
+  void* ws = res.workspace(detail::CallResources::Kind::UnscaleCheck,
+                           table.unscale_check_workspace(args, res.ctx()));
+  check_status(table, table.unscale_check(args, ws, res.ctx()), res, op);
   if (write_back) {
     for (const auto& f : copies) f.finish();
   }
@@ -125,57 +123,75 @@ void optim_step_impl(const Backend& b, const detail::OptimLists& l, const Hyper&
     kernels::OptimTensor& o = tensors[i];
     o.param = row[0];
     o.grad = row[1];
-    o.master = static_cast<float*>(row[2]);
-    for (size_t k = 0; k < 3; ++k) o.state[k] = static_cast<float*>(row[3 + k]);
+    o.master = row[2];
+    for (size_t k = 0; k < 3; ++k) o.state[k] = row[3 + k];
     o.step = l.steps[i].mutable_data_ptr<float>();
     o.numel = l.params[i].numel();
+  }
+  // Validated: masters fp32 or int16 (remainders), state lists of one dtype.
+  kernels::MasterKind master = kernels::MasterKind::None;
+  if (!l.masters.empty()) {
+    master = l.masters[0].scalar_type() == c10::kShort ? kernels::MasterKind::Remainder
+                                                       : kernels::MasterKind::Float;
+  }
+  kernels::DType state_dtype = kernels::DType::Float;
+  for (const auto& list : l.states) {
+    if (!list.empty()) {
+      state_dtype = detail::kernel_dtype(list[0].scalar_type());
+      break;
+    }
   }
   kernels::OptimArgs args{tensors.data(),
                           static_cast<int64_t>(n),
                           detail::kernel_dtype(l.params[0].scalar_type()),
                           detail::kernel_dtype(l.grads[0].scalar_type()),
+                          master,
+                          state_dtype,
                           const_ptr_or_null<float>(lr_tensor),
                           const_ptr_or_null<float>(grad_scale),
                           const_ptr_or_null<float>(found_inf),
                           const_ptr_or_null<float>(clip_coef)};
-  const kernels::LaunchContext ctx = b.context(device);
+  detail::CallResources res(b, device);
   const kernels::KernelTable& table = b.table();
-  const at::Tensor ws = workspace(table.optim_workspace(args, ctx), device);
-  check_status(table, (table.*entry)(args, h, data_or_null(ws), ctx), op);
+  void* ws = res.workspace(detail::CallResources::Kind::Optim, table.optim_workspace(args, res.ctx()));
+  check_status(table, (table.*entry)(args, h, ws, res.ctx()), res, op);
   for (const auto& r : copies) r.finish();
 }
 
 }  // namespace
 
 void unscale_check(const Backend& b, at::TensorList tensors, const at::Tensor& found_inf,
-                   const at::Tensor& inv_scale) {
-  detail::check_unscale_args(tensors, found_inf, inv_scale);
-  unscale_check_impl(b, tensors, found_inf, inv_scale, /*write_back=*/true, NormKind::None,
-                     std::nullopt, std::nullopt, "unscale_check_");
+                   const std::optional<at::Tensor>& inv_scale,
+                   const std::optional<at::Tensor>& scale, bool overwrite_found_inf) {
+  const detail::ScaleArg s = detail::check_unscale_args(tensors, found_inf, inv_scale, scale);
+  unscale_check_impl(b, tensors, found_inf, s, /*write_back=*/true, NormKind::None,
+                     std::nullopt, std::nullopt, overwrite_found_inf, "unscale_check_");
 }
 
 std::tuple<at::Tensor, at::Tensor> unscale_check_norm(
     const Backend& b, at::TensorList tensors, const at::Tensor& found_inf,
-    const at::Tensor& inv_scale, double norm_type, std::optional<double> max_norm,
-    const std::optional<at::Tensor>& per_tensor_found_inf) {
-  detail::check_unscale_args(tensors, found_inf, inv_scale);
+    const std::optional<at::Tensor>& inv_scale, double norm_type, std::optional<double> max_norm,
+    const std::optional<at::Tensor>& per_tensor_found_inf, const std::optional<at::Tensor>& scale,
+    bool overwrite_found_inf) {
+  const detail::ScaleArg s = detail::check_unscale_args(tensors, found_inf, inv_scale, scale);
   detail::check_norm_args(norm_type, max_norm, per_tensor_found_inf, tensors.size(),
                           found_inf.device());
-  return unscale_check_impl(b, tensors, found_inf, inv_scale, /*write_back=*/true,
+  return unscale_check_impl(b, tensors, found_inf, s, /*write_back=*/true,
                             detail::norm_kind(norm_type), max_norm, per_tensor_found_inf,
-                            "unscale_check_norm_");
+                            overwrite_found_inf, "unscale_check_norm_");
 }
 
 std::tuple<at::Tensor, at::Tensor> check_norm(
     const Backend& b, at::TensorList tensors, const at::Tensor& found_inf,
-    const at::Tensor& inv_scale, double norm_type, std::optional<double> max_norm,
-    const std::optional<at::Tensor>& per_tensor_found_inf) {
-  detail::check_unscale_args(tensors, found_inf, inv_scale);
+    const std::optional<at::Tensor>& inv_scale, double norm_type, std::optional<double> max_norm,
+    const std::optional<at::Tensor>& per_tensor_found_inf, const std::optional<at::Tensor>& scale,
+    bool overwrite_found_inf) {
+  const detail::ScaleArg s = detail::check_unscale_args(tensors, found_inf, inv_scale, scale);
   detail::check_norm_args(norm_type, max_norm, per_tensor_found_inf, tensors.size(),
                           found_inf.device());
-  return unscale_check_impl(b, tensors, found_inf, inv_scale, /*write_back=*/false,
+  return unscale_check_impl(b, tensors, found_inf, s, /*write_back=*/false,
                             detail::norm_kind(norm_type), max_norm, per_tensor_found_inf,
-                            "check_norm_");
+                            overwrite_found_inf, "check_norm_");
 }
 
 void update_scale(const Backend& b, const at::Tensor& scale, const at::Tensor& growth_tracker,
@@ -203,9 +219,9 @@ void update_scale(const Backend& b, const at::Tensor& scale, const at::Tensor& g
                                       ptr_or_null<int32_t>(hysteresis_tracker),
                                       ptr_or_null<int64_t>(stats),
                                       p};
-  const kernels::LaunchContext ctx = b.context(device);
+  detail::CallResources res(b, device);
   const kernels::KernelTable& table = b.table();
-  check_status(table, table.update_scale(args, ctx), "update_scale_");
+  check_status(table, table.update_scale(args, res.ctx()), res, "update_scale_");
 }
 
 void accumulate_grads(const Backend& b, at::TensorList accumulators, at::TensorList grads,
@@ -233,9 +249,9 @@ void accumulate_grads(const Backend& b, at::TensorList accumulators, at::TensorL
   const kernels::AccumulateArgs args{acc_ptrs.data(), grad_refs.data(),
                                      static_cast<int64_t>(grads.size()), zero_grads,
                                      found_inf.mutable_data_ptr<float>()};
-  const kernels::LaunchContext ctx = b.context(device);
+  detail::CallResources res(b, device);
   const kernels::KernelTable& table = b.table();
-  check_status(table, table.accumulate(args, ctx), "accumulate_grads_");
+  check_status(table, table.accumulate(args, res.ctx()), res, "accumulate_grads_");
   for (const auto& r : copies) r.finish();
 }
 

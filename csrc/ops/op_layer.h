@@ -23,22 +23,28 @@ struct Backend {
   // that only validates (Meta: shape and dtype propagation for torch.compile and FakeTensor,
   // with the same checks and messages as every other backend).
   const kernels::KernelTable& (*table)();
-  // Stream and size of the device the call runs on (called with that device current).
+  // Stream and size of the device the call runs on (called with that device current); the op
+  // layer fills the rest of the context (ops/call_resources.h).
   kernels::LaunchContext (*context)(const c10::Device& device);
+  // Whether the context's stream is being captured into a CUDA graph (null: never).
+  bool (*capturing)(const kernels::LaunchContext& ctx);
 };
 
 void unscale_check(const Backend& b, at::TensorList tensors, const at::Tensor& found_inf,
-                   const at::Tensor& inv_scale);
+                   const std::optional<at::Tensor>& inv_scale,
+                   const std::optional<at::Tensor>& scale, bool overwrite_found_inf);
 
 std::tuple<at::Tensor, at::Tensor> unscale_check_norm(
     const Backend& b, at::TensorList tensors, const at::Tensor& found_inf,
-    const at::Tensor& inv_scale, double norm_type, std::optional<double> max_norm,
-    const std::optional<at::Tensor>& per_tensor_found_inf);
+    const std::optional<at::Tensor>& inv_scale, double norm_type, std::optional<double> max_norm,
+    const std::optional<at::Tensor>& per_tensor_found_inf, const std::optional<at::Tensor>& scale,
+    bool overwrite_found_inf);
 
 std::tuple<at::Tensor, at::Tensor> check_norm(
     const Backend& b, at::TensorList tensors, const at::Tensor& found_inf,
-    const at::Tensor& inv_scale, double norm_type, std::optional<double> max_norm,
-    const std::optional<at::Tensor>& per_tensor_found_inf);
+    const std::optional<at::Tensor>& inv_scale, double norm_type, std::optional<double> max_norm,
+    const std::optional<at::Tensor>& per_tensor_found_inf, const std::optional<at::Tensor>& scale,
+    bool overwrite_found_inf);
 
 void update_scale(const Backend& b, const at::Tensor& scale, const at::Tensor& growth_tracker,
                   const at::Tensor& found_inf, double growth_factor, double backoff_factor,
@@ -72,22 +78,25 @@ void adam_step(const Backend& b, at::TensorList params, at::TensorList grads,
 template <const Backend& B>
 void register_kernels(torch::Library& m) {
   m.impl("unscale_check_", [](at::TensorList tensors, const at::Tensor& found_inf,
-                              const at::Tensor& inv_scale) {
-    unscale_check(B, tensors, found_inf, inv_scale);
+                              const std::optional<at::Tensor>& inv_scale,
+                              const std::optional<at::Tensor>& scale, bool overwrite_found_inf) {
+    unscale_check(B, tensors, found_inf, inv_scale, scale, overwrite_found_inf);
   });
   m.impl("unscale_check_norm_",
-         [](at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale,
-            double norm_type, std::optional<double> max_norm,
-            const std::optional<at::Tensor>& per_tensor_found_inf) {
+         [](at::TensorList tensors, const at::Tensor& found_inf,
+            const std::optional<at::Tensor>& inv_scale, double norm_type,
+            std::optional<double> max_norm, const std::optional<at::Tensor>& per_tensor_found_inf,
+            const std::optional<at::Tensor>& scale, bool overwrite_found_inf) {
            return unscale_check_norm(B, tensors, found_inf, inv_scale, norm_type, max_norm,
-                                     per_tensor_found_inf);
+                                     per_tensor_found_inf, scale, overwrite_found_inf);
          });
   m.impl("check_norm_",
-         [](at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale,
-            double norm_type, std::optional<double> max_norm,
-            const std::optional<at::Tensor>& per_tensor_found_inf) {
+         [](at::TensorList tensors, const at::Tensor& found_inf,
+            const std::optional<at::Tensor>& inv_scale, double norm_type,
+            std::optional<double> max_norm, const std::optional<at::Tensor>& per_tensor_found_inf,
+            const std::optional<at::Tensor>& scale, bool overwrite_found_inf) {
            return check_norm(B, tensors, found_inf, inv_scale, norm_type, max_norm,
-                             per_tensor_found_inf);
+                             per_tensor_found_inf, scale, overwrite_found_inf);
          });
   m.impl("update_scale_",
          [](const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,

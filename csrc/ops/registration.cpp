@@ -7,18 +7,25 @@
 TORCH_LIBRARY(ampfuse, m) {
   // Unscale every tensor in place by inv_scale; found_inf := 1 if any element is inf/NaN (never
   // reset). Same arguments and semantics as torch._amp_foreach_non_finite_check_and_unscale_.
-  m.def("unscale_check_(Tensor(a!)[] tensors, Tensor(b!) found_inf, Tensor inv_scale) -> ()");
-  // unscale_check_ plus global norm (2 or inf, fp32) and clip coefficient in the same pass;
-  // optional per-tensor non-finite flags. Returns (total_norm, clip_coef).
+  // Keyword-only extras, as for unscale_check_norm_: scale instead of inv_scale, and
+  // overwrite_found_inf.
   m.def(
-      "unscale_check_norm_(Tensor(a!)[] tensors, Tensor(b!) found_inf, Tensor inv_scale, *, "
-      "float norm_type=2., float? max_norm=None, Tensor(c!)? per_tensor_found_inf=None) "
-      "-> (Tensor, Tensor)");
+      "unscale_check_(Tensor(a!)[] tensors, Tensor(b!) found_inf, Tensor? inv_scale, *, "
+      "Tensor? scale=None, bool overwrite_found_inf=False) -> ()");
+  // unscale_check_ plus global norm (2 or inf; fp32, fp64 when the list holds an fp64 tensor)
+  // and clip coefficient in the same pass; optional per-tensor non-finite flags. Either inv_scale
+  // or scale (the kernel takes float(1 / double(scale)) itself, as torch's GradScaler computes
+  // inv_scale); overwrite_found_inf: found_inf := 0 or 1 instead of only being set, so it needs no
+  // zeroing beforehand. Returns (total_norm, clip_coef).
+  m.def(
+      "unscale_check_norm_(Tensor(a!)[] tensors, Tensor(b!) found_inf, Tensor? inv_scale, *, "
+      "float norm_type=2., float? max_norm=None, Tensor(c!)? per_tensor_found_inf=None, "
+      "Tensor? scale=None, bool overwrite_found_inf=False) -> (Tensor, Tensor)");
   // Read-only unscale_check_norm_: checks and measures the unscaled values, writes no tensor.
   m.def(
-      "check_norm_(Tensor[] tensors, Tensor(b!) found_inf, Tensor inv_scale, *, "
-      "float norm_type=2., float? max_norm=None, Tensor(c!)? per_tensor_found_inf=None) "
-      "-> (Tensor, Tensor)");
+      "check_norm_(Tensor[] tensors, Tensor(b!) found_inf, Tensor? inv_scale, *, "
+      "float norm_type=2., float? max_norm=None, Tensor(c!)? per_tensor_found_inf=None, "
+      "Tensor? scale=None, bool overwrite_found_inf=False) -> (Tensor, Tensor)");
   // Dynamic loss-scale update on device; torch._amp_update_scale_'s arguments plus hysteresis,
   // scale bounds and optional counters.
   m.def(
@@ -33,9 +40,11 @@ TORCH_LIBRARY(ampfuse, m) {
       "accumulate_grads_(Tensor(a!)[] accumulators, Tensor(b!)[] grads, Tensor(c!) found_inf, *, "
       "bool zero_grads=True) -> ()");
   // Fused SGD step (torch.optim.SGD semantics) over one list, in one pass: grads divided by
-  // grad_scale and multiplied by clip_coef; nothing at all changes when found_inf is set; fp32
-  // master weights (if given) updated and params written rounded; momentum initialised on the
-  // first step actually taken. steps are per-param fp32 counters.
+  // grad_scale and multiplied by clip_coef; nothing at all changes when found_inf is set; masters
+  // (if given: fp32 tensors for fp16/bf16 params, or int16 remainders for bf16 params, which
+  // with the param are the fp32 master bit for bit) updated and params written rounded; state
+  // fp32 or bf16 (fp32 math, stored rounded to nearest even); momentum initialised on the first
+  // step actually taken. steps are per-param fp32 counters.
   m.def(
       "sgd_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] master_params, "
       "Tensor(c!)[] momentum_buffers, Tensor(d!)[] steps, *, float lr, Tensor? lr_tensor=None, "

@@ -5,6 +5,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define AMPFUSE_HOST_DEVICE __host__ __device__ __forceinline__
@@ -99,6 +100,55 @@ AMPFUSE_HOST_DEVICE F clip_coefficient(F norm, F max_norm) {
 // master restarts from the param. The step itself always leaves param == round(master).
 AMPFUSE_HOST_DEVICE float synced_master(float master, float master_rounded, float param) {
   return master_rounded == param ? master : param;
+}
+
+// ---- 16-bit master remainders (master_weights="remainder", bf16 params) --------------------------
+// The fp32 master M of a bf16 param is kept as the param P (M's upper 16 bits, rounded to nearest
+// with ties away from zero) and an int16 remainder R = bits(M) - (bits(P) << 16): (P, R) is M bit
+// for bit. (Round-half-even params would need 65537 remainder values for an even P -- the two
+// ties -- so the exact split rounds ties away from zero: 1 value in 65536 differs from
+// M.to(torch.bfloat16) by one bf16 ulp, and is still a nearest value.)
+AMPFUSE_HOST_DEVICE uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+#endif
+}
+
+AMPFUSE_HOST_DEVICE float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+#endif
+}
+
+// The master of param bits `p` and remainder `r`. Where the pair cannot come from split_master --
+// a param edited since the last step to zero, inf or NaN -- the master is the param's value.
+AMPFUSE_HOST_DEVICE float join_master(uint16_t p, int16_t r) {
+  const uint32_t mag = p & 0x7FFFu;
+  if (mag > 0x7F80u || (mag == 0x7F80u && r >= 0) || (mag == 0 && r < 0)) {
+    return bits_float(static_cast<uint32_t>(p) << 16);
+  }
+  return bits_float((static_cast<uint32_t>(p) << 16) + static_cast<uint32_t>(static_cast<int32_t>(r)));
+}
+
+// Splits master m into param bits and remainder (join_master's inverse). NaN stays a quiet NaN.
+AMPFUSE_HOST_DEVICE void split_master(float m, uint16_t* p, int16_t* r) {
+  const uint32_t b = float_bits(m);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) {
+    *p = static_cast<uint16_t>((b >> 16) | 0x0040u);
+    *r = 0;
+    return;
+  }
+  const uint32_t hi = (b + 0x8000u) >> 16;  // nearest, ties away from zero
+  *p = static_cast<uint16_t>(hi);
+  *r = static_cast<int16_t>(static_cast<int32_t>(b - (hi << 16)));
 }
 
 // Hyper-parameters of the fused optimizers (the step-dependent factors are derived per tensor from

@@ -60,13 +60,21 @@ void check_float_list(at::TensorList tensors, const char* name, const c10::Devic
   }
 }
 
-void check_unscale_args(at::TensorList tensors, const at::Tensor& found_inf,
-                        const at::Tensor& inv_scale) {
+ScaleArg check_unscale_args(at::TensorList tensors, const at::Tensor& found_inf,
+                            const std::optional<at::Tensor>& inv_scale,
+                            const std::optional<at::Tensor>& scale) {
   TORCH_CHECK(found_inf.defined(), "found_inf must be a defined tensor.");
   const c10::Device device = found_inf.device();
   check_scalar_tensor(found_inf, "found_inf", c10::kFloat, device);
-  check_scalar_tensor(inv_scale, "inv_scale", c10::kFloat, device);
+  const bool has_inv = inv_scale.has_value() && inv_scale->defined();
+  const bool has_scale = scale.has_value() && scale->defined();
+  TORCH_CHECK(has_inv != has_scale, "pass exactly one of inv_scale and scale, got ",
+              has_inv ? "both" : "neither", ".");
+  const ScaleArg arg = has_inv ? ScaleArg{&*inv_scale, "inv_scale", true}
+                               : ScaleArg{&*scale, "scale", false};
+  check_scalar_tensor(*arg.tensor, arg.name, c10::kFloat, device);
   check_float_list(tensors, "tensors", device);
+  return arg;
 }
 
 void check_accumulate_args(at::TensorList accumulators, at::TensorList grads,
@@ -211,6 +219,10 @@ c10::Device check_optim_args(const OptimLists& l, const std::optional<at::Tensor
   TORCH_CHECK(gdtype == c10::kHalf || gdtype == c10::kBFloat16 || gdtype == c10::kFloat,
               "grads[0] has dtype ", dtype_name(gdtype),
               "; expected torch.float16, torch.bfloat16 or torch.float32.");
+  TORCH_CHECK(gdtype == pdtype || gdtype == c10::kFloat, "grads[0] has dtype ",
+              dtype_name(gdtype), " but params[0] has dtype ", dtype_name(pdtype),
+              "; grads must have the params' dtype or be torch.float32 (e.g. fp32 sums of an "
+              "accumulator).");
   // The common case is checked with cheap comparisons; the detailed checks (and their messages)
   // run only for a tensor that fails them.
   auto check_tensor = [&](const at::Tensor& t, const char* name, size_t i, c10::ScalarType dtype,
@@ -230,13 +242,34 @@ c10::Device check_optim_args(const OptimLists& l, const std::optional<at::Tensor
     TORCH_CHECK(false, name, "[", i, "] has shape ", t.sym_sizes(), " but params[", i,
                 "] has shape ", param.sym_sizes(), ".");
   };
+  // Masters: fp32 tensors (fp16/bf16 params), or int16 remainders (bf16 params; ops/rules.h).
+  const auto mdtype = (n && !l.masters.empty()) ? l.masters[0].scalar_type() : c10::kFloat;
+  if (n && !l.masters.empty()) {
+    TORCH_CHECK(pdtype != c10::kFloat, "master_params were given for torch.float32 params, which "
+                "are their own masters; pass master_params=[].");
+    TORCH_CHECK(mdtype == c10::kFloat || (mdtype == c10::kShort && pdtype == c10::kBFloat16),
+                "master_params[0] has dtype ", dtype_name(mdtype), "; expected torch.float32 "
+                "masters", pdtype == c10::kBFloat16 ? " or torch.int16 remainders (bf16 params)" : "",
+                ".");
+  }
+  // State: fp32 or bf16 (stored rounded; the math is fp32), one dtype for every state list.
+  std::optional<c10::ScalarType> sdtype;
+  for (size_t k = 0; k < l.states.size() && n; ++k) {
+    if (l.states[k].empty()) continue;
+    const auto d = l.states[k][0].scalar_type();
+    if (!sdtype) {
+      TORCH_CHECK(d == c10::kFloat || d == c10::kBFloat16, l.state_names[k], "[0] has dtype ",
+                  dtype_name(d), "; optimizer state must be torch.float32 or torch.bfloat16.");
+      sdtype = d;
+    }
+  }
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = l.params[i];
     check_tensor(p, "params", i, pdtype, p);
     check_tensor(l.grads[i], "grads", i, gdtype, p);
-    if (!l.masters.empty()) check_tensor(l.masters[i], "master_params", i, c10::kFloat, p);
+    if (!l.masters.empty()) check_tensor(l.masters[i], "master_params", i, mdtype, p);
     for (size_t k = 0; k < l.states.size(); ++k) {
-      if (!l.states[k].empty()) check_tensor(l.states[k][i], l.state_names[k], i, c10::kFloat, p);
+      if (!l.states[k].empty()) check_tensor(l.states[k][i], l.state_names[k], i, *sdtype, p);
     }
     const at::Tensor& st = l.steps[i];
     if (!(st.defined() && st.layout() == c10::kStrided && st.sym_numel() == 1 &&

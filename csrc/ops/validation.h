@@ -26,9 +26,19 @@ void check_scalar_tensor(const at::Tensor& t, const char* name, c10::ScalarType 
 // Every element of `tensors` is a strided floating-point tensor (fp16/bf16/fp32/fp64) on `device`.
 void check_float_list(at::TensorList tensors, const char* name, const c10::Device& device);
 
-// unscale_check_ / unscale_check_norm_ / check_norm_ preconditions.
-void check_unscale_args(at::TensorList tensors, const at::Tensor& found_inf,
-                        const at::Tensor& inv_scale);
+// The scale an unscale/check op divides by: inv_scale (multiplied by), or scale (the kernels
+// use float(1 / double(scale)), as torch's GradScaler computes inv_scale).
+struct ScaleArg {
+  const at::Tensor* tensor;
+  const char* name;  // "inv_scale" or "scale"
+  bool is_inverse;
+};
+
+// unscale_check_ / unscale_check_norm_ / check_norm_ preconditions: exactly one of inv_scale and
+// scale. Returns it.
+ScaleArg check_unscale_args(at::TensorList tensors, const at::Tensor& found_inf,
+                            const std::optional<at::Tensor>& inv_scale,
+                            const std::optional<at::Tensor>& scale);
 void check_norm_args(double norm_type, std::optional<double> max_norm,
                      const std::optional<at::Tensor>& per_tensor_found_inf, int64_t num_tensors,
                      const c10::Device& device);

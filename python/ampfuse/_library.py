@@ -85,6 +85,8 @@ def _native() -> Any:
     lib.ampfuse_cpu_parallel_threads_used.restype = ctypes.c_int
     lib.ampfuse_select_cpu_kernels.restype = ctypes.c_char_p
     lib.ampfuse_select_cpu_kernels.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    lib.ampfuse_simulate_capture.restype = ctypes.c_int
+    lib.ampfuse_simulate_capture.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -132,3 +134,10 @@ def select_cpu_kernels(name: str, num_sms: int = 1) -> None:
     err = _native().ampfuse_select_cpu_kernels(name.encode(), int(num_sms))
     if err is not None:
         raise RuntimeError(err.decode())
+
+
+def simulate_capture(on: bool) -> bool:
+    """For tests: make every op call behave as under CUDA-graph capture (fresh workspace that the
+    kernels zero themselves; metadata tables not uploaded, only found if already resident), so
+    that the emulated suite runs those paths. Returns the previous setting."""
+    return bool(_native().ampfuse_simulate_capture(1 if on else 0))

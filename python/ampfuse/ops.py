@@ -41,7 +41,12 @@ class ScaleStat:
 
 
 def unscale_check_(
-    tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+    tensors: Sequence[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor | None = None,
+    *,
+    scale: torch.Tensor | None = None,
+    overwrite_found_inf: bool = False,
 ) -> None:
     """Multiply every tensor in place by ``inv_scale`` and flag non-finite values.
 
@@ -53,34 +58,46 @@ def unscale_check_(
         tensors: tensors on one device, unscaled in place (even when non-finite values are
             present; an ``inv_scale`` of exactly 1 leaves them untouched).
         found_inf: 1-element float32 tensor on the same device; set to 1.0 if any element of
-            any tensor is inf or NaN, never reset (the caller zeroes it).
+            any tensor is inf or NaN, never reset (the caller zeroes it) unless
+            ``overwrite_found_inf``.
         inv_scale: 1-element float32 tensor on the same device.
+        scale: instead of ``inv_scale``, the loss scale (see :func:`unscale_check_norm_`).
+        overwrite_found_inf: set ``found_inf`` to 0 or 1 (it needs no zeroing beforehand).
     """
-    torch.ops.ampfuse.unscale_check_(tensors, found_inf, inv_scale)
+    torch.ops.ampfuse.unscale_check_(tensors, found_inf, inv_scale, scale=scale, overwrite_found_inf=overwrite_found_inf)
 
 
 def unscale_check_norm_(
     tensors: Sequence[torch.Tensor],
     found_inf: torch.Tensor,
-    inv_scale: torch.Tensor,
+    inv_scale: torch.Tensor | None = None,
     *,
     norm_type: float = 2.0,
     max_norm: float | None = None,
     per_tensor_found_inf: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    overwrite_found_inf: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`unscale_check_` plus the global norm and the clip coefficient, in the same pass.
 
     Args:
         tensors, found_inf, inv_scale: as for :func:`unscale_check_`.
-        norm_type: 2.0 or ``inf``; the norm of all unscaled values, accumulated in fp32.
+        norm_type: 2.0 or ``inf``; the norm of all unscaled values, accumulated in fp32 (in
+            fp64 when ``tensors`` holds an fp64 tensor, whose norm may exceed the fp32 range).
         max_norm: if given, ``clip_coef = min(1, max_norm / (total_norm + 1e-6))`` as
             ``torch.nn.utils.clip_grad_norm_`` computes it; otherwise ``clip_coef`` is 1.
         per_tensor_found_inf: optional float32 tensor of shape ``[len(tensors)]``; entry ``i``
             is set to 1.0 if ``tensors[i]`` holds a non-finite value (never reset).
+        scale: instead of ``inv_scale``, the loss scale itself (a 1-element float32 tensor):
+            the kernel multiplies by ``float(1 / double(scale))`` as ``torch.amp.GradScaler``
+            computes its ``inv_scale``, with no reciprocal launch of its own. Pass exactly one.
+        overwrite_found_inf: set ``found_inf`` to 0 or 1 instead of only setting it to 1 on a
+            non-finite value, so it needs no zeroing (``torch.empty`` will do).
 
     Returns:
-        ``(total_norm, clip_coef)``: 0-dim float32 tensors on the tensors' device (the tensors
-        are not multiplied by ``clip_coef``).
+        ``(total_norm, clip_coef)``: 0-dim tensors on the tensors' device (float32; total_norm
+        float64 with an fp64 tensor in the list). The tensors are not multiplied by
+        ``clip_coef``.
     """
     return torch.ops.ampfuse.unscale_check_norm_(
         tensors,
@@ -89,22 +106,27 @@ def unscale_check_norm_(
         norm_type=norm_type,
         max_norm=max_norm,
         per_tensor_found_inf=per_tensor_found_inf,
+        scale=scale,
+        overwrite_found_inf=overwrite_found_inf,
     )
 
 
 def check_norm_(
     tensors: Sequence[torch.Tensor],
     found_inf: torch.Tensor,
-    inv_scale: torch.Tensor,
+    inv_scale: torch.Tensor | None = None,
     *,
     norm_type: float = 2.0,
     max_norm: float | None = None,
     per_tensor_found_inf: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    overwrite_found_inf: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Read-only :func:`unscale_check_norm_`: the tensors are read once and never written.
 
     This is the check pass of the fused optimizer step: it sets ``found_inf`` and returns the
-    norm and clip coefficient of ``tensors * inv_scale`` without materialising them.
+    norm and clip coefficient of ``tensors * inv_scale`` (or ``tensors / scale``) without
+    materialising them.
     """
     return torch.ops.ampfuse.check_norm_(
         tensors,
@@ -113,6 +135,8 @@ def check_norm_(
         norm_type=norm_type,
         max_norm=max_norm,
         per_tensor_found_inf=per_tensor_found_inf,
+        scale=scale,
+        overwrite_found_inf=overwrite_found_inf,
     )
 
 

@@ -211,7 +211,7 @@ void unscale_all(const UnscaleCheckArgs& a, float inv, const std::vector<Chunk>&
 }
 
 int unscale_check(const UnscaleCheckArgs& a, void* /*workspace*/, const LaunchContext&) {
-  const float inv = *a.inv_scale;
+  const float inv = a.inv_scale ? *a.inv_scale : static_cast<float>(1.0 / static_cast<double>(*a.scale));
   const auto chunks = make_chunks(a.num_tensors, [&](int64_t t) { return a.tensors[t].numel; });
   std::vector<ChunkResult> results(chunks.size());
   switch (a.norm) {
@@ -222,14 +222,20 @@ int unscale_check(const UnscaleCheckArgs& a, void* /*workspace*/, const LaunchCo
   // Reduce in chunk order: the result does not depend on the number of threads.
   double sum = 0.0;
   double mx = 0.0;
+  bool any_bad = false;
   for (size_t c = 0; c < chunks.size(); ++c) {
     const ChunkResult& r = results[c];
     if (r.nonfinite) {
-      *a.found_inf = 1.0f;
+      any_bad = true;
       if (a.per_tensor_found_inf) a.per_tensor_found_inf[chunks[c].tensor] = 1.0f;
     }
     sum += r.partial;
     mx = (r.partial > mx || r.partial != r.partial) ? r.partial : mx;
+  }
+  if (a.overwrite_found_inf) {
+    *a.found_inf = any_bad ? 1.0f : 0.0f;
+  } else if (any_bad) {
+    *a.found_inf = 1.0f;
   }
   if (a.norm == NormKind::None) return 0;
   if (a.norm_fp64) {

@@ -7,6 +7,7 @@
 #include "cpu/kernels/vec_utils.h"
 
 #include <cmath>
+#include <type_traits>
 
 namespace ampfuse::cpu {
 namespace CPU_CAPABILITY {
@@ -15,6 +16,7 @@ namespace {
 using kernels::DType;
 using kernels::KernelTable;
 using kernels::LaunchContext;
+using kernels::MasterKind;
 using kernels::OptimArgs;
 
 // The scalars of one call, read once from their (host) tensors.
@@ -103,122 +105,202 @@ inline void synced_master_vec(const float* master, FVec& p0, FVec& p1) {
   p1 = FVec::blendv(m1, p1, r1 != p1);
 }
 
-// ---- the pass --------------------------------------------------------------------------------
+// ---- masters -----------------------------------------------------------------------------------
 
-// Runs update(p, g, k, i) over one chunk of one tensor: p is the fp32 param (master or widened
-// param), g the prepared grad; `state(k)` gives the tensor's state pointers. Stores the param
-// (rounded to its dtype) and master.
-template <typename T, typename G, typename Fn>
-void optim_chunk(const OptimArgs& a, const CallScalars& cs, int64_t t, int64_t begin, int64_t end,
-                 const Fn& fn) {
-  T* param = static_cast<T*>(a.tensors[t].param);
-  const G* grad = static_cast<const G*>(a.tensors[t].grad);
-  float* master = a.tensors[t].master;
+// Where the fp32 value an update starts from comes from, and where it goes (kernels::MasterKind):
+// the param itself, an fp32 master (synced_master), or the param and an int16 remainder
+// (join_master / split_master, ops/rules.h).
+template <MasterKind MK, typename T>
+struct Master {
+  using Storage = std::conditional_t<MK == MasterKind::Remainder, int16_t, float>;
+
+  static void load(const T* param, const Storage* master, int64_t i, FVec& p0, FVec& p1) {
+    if constexpr (MK == MasterKind::Remainder) {
+      float m[Pair<T>::kLanes];
+      const auto* bits = reinterpret_cast<const uint16_t*>(param + i);
+      for (int64_t e = 0; e < Pair<T>::kLanes; ++e) m[e] = join_master(bits[e], master[i + e]);
+      Pair<float>::load(m, p0, p1);
+    } else {
+      Pair<T>::load(param + i, p0, p1);
+      if constexpr (MK == MasterKind::Float) synced_master_vec<T>(master + i, p0, p1);
+    }
+  }
+  static void store(T* param, Storage* master, int64_t i, const FVec& p0, const FVec& p1) {
+    if constexpr (MK == MasterKind::Remainder) {
+      float m[Pair<T>::kLanes];
+      Pair<float>::store(m, p0, p1);
+      auto* bits = reinterpret_cast<uint16_t*>(param + i);
+      for (int64_t e = 0; e < Pair<T>::kLanes; ++e) split_master(m[e], bits + e, master + i + e);
+    } else {
+      if constexpr (MK == MasterKind::Float) Pair<float>::store(master + i, p0, p1);
+      Pair<T>::store(param + i, p0, p1);
+    }
+  }
+  static float load1(const T* param, const Storage* master, int64_t i) {
+    if constexpr (MK == MasterKind::Remainder) {
+      return join_master(reinterpret_cast<const uint16_t*>(param)[i], master[i]);
+    } else if constexpr (MK == MasterKind::Float) {
+      return synced_master(master[i], static_cast<float>(static_cast<T>(master[i])),
+                           static_cast<float>(param[i]));
+    } else {
+      return static_cast<float>(param[i]);
+    }
+  }
+  static void store1(T* param, Storage* master, int64_t i, float p) {
+    if constexpr (MK == MasterKind::Remainder) {
+      split_master(p, reinterpret_cast<uint16_t*>(param) + i, master + i);
+    } else {
+      if constexpr (MK == MasterKind::Float) master[i] = p;
+      param[i] = static_cast<T>(p);
+    }
+  }
+};
+
+// ---- the optimizers ------------------------------------------------------------------------------
+
+// The update of one optimizer on lanes V (FVec or float), with its state in `st`.
+struct SgdKind {
+  using Hyper = SgdHyper;
+  using Scalars = SgdScalars;
+  static constexpr int kStates = 1;
+  static Scalars scalars(const Hyper& h, double lr, float step) { return sgd_scalars(h, lr, step); }
+  // Which states are read (the rest start at 0) and written.
+  static bool reads_state(const Scalars& s) { return s.has_momentum && !s.first_step; }
+  static bool writes_state(const Scalars& s) { return s.has_momentum; }
+  template <typename V>
+  static V update(V p, V g, V (&st)[kStates], const Scalars& s) {
+    return sgd_update<V, CpuMath>(p, g, s.has_momentum ? &st[0] : nullptr, s);
+  }
+};
+
+template <bool kAmsgrad>
+struct AdamKind {
+  using Hyper = AdamHyper;
+  using Scalars = AdamScalars;
+  static constexpr int kStates = kAmsgrad ? 3 : 2;
+  static Scalars scalars(const Hyper& h, double lr, float step) { return adam_scalars(h, lr, step); }
+  static bool reads_state(const Scalars&) { return true; }
+  static bool writes_state(const Scalars&) { return true; }
+  template <typename V>
+  static V update(V p, V g, V (&st)[kStates], const Scalars& s) {
+    V unused(0.0f);
+    V& vmax = kAmsgrad ? st[kStates - 1] : unused;
+    return adam_update<V, CpuMath>(p, g, st[0], st[1], vmax, s);
+  }
+};
+
+// ---- the pass ------------------------------------------------------------------------------------
+
+// Elements [begin, end) of tensor t: param (through its master), grad (prepared), state of dtype S
+// (fp32 math, stored rounded to nearest even) updated by Kind.
+template <class Kind, typename T, typename G, MasterKind MK, typename S>
+void optim_chunk(const OptimArgs& a, const CallScalars& cs, const typename Kind::Scalars& s,
+                 int64_t t, int64_t begin, int64_t end) {
+  constexpr int NS = Kind::kStates;
+  using M = Master<MK, T>;
+  const kernels::OptimTensor& o = a.tensors[t];
+  T* param = static_cast<T*>(o.param);
+  const G* grad = static_cast<const G*>(o.grad);
+  auto* master = static_cast<typename M::Storage*>(o.master);
+  S* state[NS];
+  for (int k = 0; k < NS; ++k) state[k] = static_cast<S*>(o.state[k]);
+  const bool read = Kind::reads_state(s);
+  const bool write = Kind::writes_state(s);
   int64_t i = begin;
   for (; i + Pair<T>::kLanes <= end; i += Pair<T>::kLanes) {
     FVec p0, p1, g0, g1;
-    Pair<T>::load(param + i, p0, p1);
-    if (master) synced_master_vec<T>(master + i, p0, p1);
+    M::load(param, master, i, p0, p1);
     Pair<G>::load(grad + i, g0, g1);
     g0 = prepare_grad(g0, cs.grad_scale, cs.divide, cs.clip);
     g1 = prepare_grad(g1, cs.grad_scale, cs.divide, cs.clip);
-    p0 = fn(p0, g0, t, i);
-    p1 = fn(p1, g1, t, i + FVec::size());
-    if (master) Pair<float>::store(master + i, p0, p1);
-    Pair<T>::store(param + i, p0, p1);
+    FVec st0[NS], st1[NS];
+    for (int k = 0; k < NS; ++k) {
+      st0[k] = FVec(0.0f);
+      st1[k] = FVec(0.0f);
+      if (read) Pair<S>::load(state[k] + i, st0[k], st1[k]);
+    }
+    p0 = Kind::update(p0, g0, st0, s);
+    p1 = Kind::update(p1, g1, st1, s);
+    M::store(param, master, i, p0, p1);
+    if (write) {
+      for (int k = 0; k < NS; ++k) Pair<S>::store(state[k] + i, st0[k], st1[k]);
+    }
   }
   for (; i < end; ++i) {
-    float p = static_cast<float>(param[i]);
-    if (master) p = synced_master(master[i], static_cast<float>(static_cast<T>(master[i])), p);
-    float g = prepare_grad(static_cast<float>(grad[i]), cs.grad_scale, cs.divide, cs.clip);
-    p = fn(p, g, t, i);
-    if (master) master[i] = p;
-    param[i] = static_cast<T>(p);
-  }
-}
-
-template <typename Fn>
-void dispatch_chunk(const OptimArgs& a, const CallScalars& cs, int64_t t, int64_t begin,
-                    int64_t end, const Fn& fn) {
-  auto with_grad = [&](auto param_tag) {
-    using T = decltype(param_tag);
-    switch (a.grad_dtype) {
-      case DType::Half: return optim_chunk<T, c10::Half>(a, cs, t, begin, end, fn);
-      case DType::BFloat16: return optim_chunk<T, c10::BFloat16>(a, cs, t, begin, end, fn);
-      default: return optim_chunk<T, float>(a, cs, t, begin, end, fn);
+    float p = M::load1(param, master, i);
+    const float g = prepare_grad(static_cast<float>(grad[i]), cs.grad_scale, cs.divide, cs.clip);
+    float st[NS];
+    for (int k = 0; k < NS; ++k) st[k] = read ? static_cast<float>(state[k][i]) : 0.0f;
+    p = Kind::update(p, g, st, s);
+    M::store1(param, master, i, p);
+    if (write) {
+      for (int k = 0; k < NS; ++k) state[k][i] = static_cast<S>(st[k]);
     }
-  };
-  switch (a.param_dtype) {
-    case DType::Half: return with_grad(c10::Half{});
-    case DType::BFloat16: return with_grad(c10::BFloat16{});
-    default: return with_grad(float{});
   }
 }
 
-// One parallel pass over every chunk of every tensor, then each step counter advanced by one.
-template <typename Fn>
-void optim_pass(const OptimArgs& a, const CallScalars& cs, const Fn& fn) {
+// One parallel pass over every chunk of every tensor (the combination of dtypes chosen once per
+// call), then each step counter advanced by one.
+template <class Kind, typename T, typename G, MasterKind MK, typename S>
+void optim_pass(const OptimArgs& a, const CallScalars& cs,
+                const std::vector<typename Kind::Scalars>& scalars) {
   const auto chunks = make_chunks(a.num_tensors, [&](int64_t t) { return a.tensors[t].numel; });
   parallel_chunks(chunks, [&](int64_t c) {
-    dispatch_chunk(a, cs, chunks[c].tensor, chunks[c].begin, chunks[c].end, fn);
+    const Chunk& ch = chunks[c];
+    optim_chunk<Kind, T, G, MK, S>(a, cs, scalars[ch.tensor], ch.tensor, ch.begin, ch.end);
   });
   for (int64_t t = 0; t < a.num_tensors; ++t) *a.tensors[t].step += 1.0f;
 }
 
-// Lane helpers: a state element or vector at index i of tensor t.
-template <typename V>
-inline V load_state(const float* p, int64_t i) {
-  if constexpr (std::is_same_v<V, float>) {
-    return p[i];
-  } else {
-    return FVec::loadu(p + i);
-  }
+// The combinations the op layer admits: (param, grad) (fp32, fp32), (fp16/bf16, same or fp32);
+// masters None or Float, Remainder for bf16; state fp32 or bf16.
+template <class Kind, typename T, typename G, MasterKind MK>
+void with_state(const OptimArgs& a, const CallScalars& cs, const std::vector<typename Kind::Scalars>& sc) {
+  if (a.state_dtype == DType::BFloat16) return optim_pass<Kind, T, G, MK, c10::BFloat16>(a, cs, sc);
+  return optim_pass<Kind, T, G, MK, float>(a, cs, sc);
 }
-template <typename V>
-inline void store_state(float* p, int64_t i, const V& v) {
-  if constexpr (std::is_same_v<V, float>) {
-    p[i] = v;
-  } else {
-    v.store(p + i);
+
+template <class Kind, typename T, typename G>
+void with_master(const OptimArgs& a, const CallScalars& cs, const std::vector<typename Kind::Scalars>& sc) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (a.master == MasterKind::Float) return with_state<Kind, T, G, MasterKind::Float>(a, cs, sc);
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (a.master == MasterKind::Remainder) {
+        return with_state<Kind, T, G, MasterKind::Remainder>(a, cs, sc);
+      }
+    }
   }
+  return with_state<Kind, T, G, MasterKind::None>(a, cs, sc);
+}
+
+template <class Kind, typename T>
+void with_grad(const OptimArgs& a, const CallScalars& cs, const std::vector<typename Kind::Scalars>& sc) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (a.grad_dtype != DType::Float) return with_master<Kind, T, T>(a, cs, sc);
+  }
+  return with_master<Kind, T, float>(a, cs, sc);
+}
+
+template <class Kind>
+int run_kind(const OptimArgs& a, const typename Kind::Hyper& h) {
+  CallScalars cs;
+  if (!call_scalars(a, h, cs)) return 0;  // skipped step: nothing changes
+  std::vector<typename Kind::Scalars> sc(a.num_tensors);
+  for (int64_t t = 0; t < a.num_tensors; ++t) sc[t] = Kind::scalars(h, cs.lr, *a.tensors[t].step);
+  switch (a.param_dtype) {
+    case DType::Half: with_grad<Kind, c10::Half>(a, cs, sc); break;
+    case DType::BFloat16: with_grad<Kind, c10::BFloat16>(a, cs, sc); break;
+    default: with_grad<Kind, float>(a, cs, sc); break;
+  }
+  return 0;
 }
 
 int sgd_step(const OptimArgs& a, const SgdHyper& h, void*, const LaunchContext&) {
-  CallScalars cs;
-  if (!call_scalars(a, h, cs)) return 0;  // skipped step
-  std::vector<SgdScalars> scalars(a.num_tensors);
-  for (int64_t t = 0; t < a.num_tensors; ++t) scalars[t] = sgd_scalars(h, cs.lr, *a.tensors[t].step);
-  optim_pass(a, cs, [&](auto p, auto g, int64_t t, int64_t i) {
-    using V = decltype(p);
-    const SgdScalars& s = scalars[t];
-    if (!s.has_momentum) return sgd_update<V, CpuMath>(p, g, nullptr, s);
-    float* mom = a.tensors[t].state[0];
-    V buf = s.first_step ? V(0.0f) : load_state<V>(mom, i);
-    p = sgd_update<V, CpuMath>(p, g, &buf, s);
-    store_state<V>(mom, i, buf);
-    return p;
-  });
-  return 0;
+  return run_kind<SgdKind>(a, h);
 }
 
 int adam_step(const OptimArgs& a, const AdamHyper& h, void*, const LaunchContext&) {
-  CallScalars cs;
-  if (!call_scalars(a, h, cs)) return 0;  // skipped step
-  std::vector<AdamScalars> scalars(a.num_tensors);
-  for (int64_t t = 0; t < a.num_tensors; ++t) scalars[t] = adam_scalars(h, cs.lr, *a.tensors[t].step);
-  optim_pass(a, cs, [&](auto p, auto g, int64_t t, int64_t i) {
-    using V = decltype(p);
-    float* const* st = a.tensors[t].state;
-    V m = load_state<V>(st[0], i);
-    V v = load_state<V>(st[1], i);
-    V vm = h.amsgrad ? load_state<V>(st[2], i) : V(0.0f);
-    p = adam_update<V, CpuMath>(p, g, m, v, vm, scalars[t]);
-    store_state<V>(st[0], i, m);
-    store_state<V>(st[1], i, v);
-    if (h.amsgrad) store_state<V>(st[2], i, vm);
-    return p;
-  });
-  return 0;
+  return h.amsgrad ? run_kind<AdamKind<true>>(a, h) : run_kind<AdamKind<false>>(a, h);
 }
 
 size_t no_workspace(const OptimArgs&, const LaunchContext&) { return 0; }

@@ -23,23 +23,31 @@ const char* built_with_torch_version();
 
 // Multiplies every tensor in place by inv_scale and sets found_inf to 1.0 if any element is inf or
 // NaN (found_inf is never reset). Drop-in for at::_amp_foreach_non_finite_check_and_unscale_.
+// Instead of inv_scale, `scale` (see unscale_check_norm_); overwrite_found_inf: found_inf := 0 or 1.
 void unscale_check_(at::TensorList tensors, const at::Tensor& found_inf,
-                    const at::Tensor& inv_scale);
+                    const std::optional<at::Tensor>& inv_scale,
+                    const std::optional<at::Tensor>& scale = std::nullopt,
+                    bool overwrite_found_inf = false);
 
-// unscale_check_ plus, in the same pass, the global norm of the unscaled values (fp32
-// accumulation; norm_type 2 or inf) and the clip coefficient min(1, max_norm / (norm + 1e-6))
-// (1 when max_norm is not given). Optionally records per-tensor non-finite flags.
-// Returns (total_norm, clip_coef), both 0-dim float32 tensors on the tensors' device.
+// unscale_check_ plus, in the same pass, the global norm of the unscaled values (norm_type 2 or
+// inf; fp32 accumulation, fp64 when the list holds an fp64 tensor) and the clip coefficient
+// min(1, max_norm / (norm + 1e-6)) (1 when max_norm is not given). Optionally records per-tensor
+// non-finite flags. Pass either inv_scale or scale (then the kernel multiplies by
+// float(1 / double(scale)), torch's GradScaler rule, with no separate reciprocal launch).
+// overwrite_found_inf: found_inf := 0 or 1 (it need not be zeroed first) instead of only set.
+// Returns (total_norm, clip_coef), 0-dim tensors on the tensors' device.
 std::tuple<at::Tensor, at::Tensor> unscale_check_norm_(
-    at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+    at::TensorList tensors, const at::Tensor& found_inf, const std::optional<at::Tensor>& inv_scale,
     double norm_type = 2.0, std::optional<double> max_norm = std::nullopt,
-    const std::optional<at::Tensor>& per_tensor_found_inf = std::nullopt);
+    const std::optional<at::Tensor>& per_tensor_found_inf = std::nullopt,
+    const std::optional<at::Tensor>& scale = std::nullopt, bool overwrite_found_inf = false);
 
 // Read-only variant of unscale_check_norm_: the tensors are not written.
 std::tuple<at::Tensor, at::Tensor> check_norm_(
-    at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+    at::TensorList tensors, const at::Tensor& found_inf, const std::optional<at::Tensor>& inv_scale,
     double norm_type = 2.0, std::optional<double> max_norm = std::nullopt,
-    const std::optional<at::Tensor>& per_tensor_found_inf = std::nullopt);
+    const std::optional<at::Tensor>& per_tensor_found_inf = std::nullopt,
+    const std::optional<at::Tensor>& scale = std::nullopt, bool overwrite_found_inf = false);
 
 // accumulators[i] (fp32) += grads[i] (fp16/bf16/fp32) in one pass; grads are zeroed in the same
 // pass when zero_grads, and found_inf is set to 1 if any sum is inf/NaN (an inf/NaN grad, or an
