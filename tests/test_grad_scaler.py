@@ -401,7 +401,7 @@ def test_check_pass_reads_grads_without_writing():
 def test_unscale_is_one_fused_call_per_device(monkeypatch):
     calls = []
     real = ampfuse.ops.unscale_check_
-    monkeypatch.setattr(ampfuse.ops, "unscale_check_", lambda *a: (calls.append(len(a[0])), real(*a)))
+    monkeypatch.setattr(ampfuse.ops, "unscale_check_", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k)))
     m = make_model("cpu")
     m[2].double()  # mixed dtypes: torch would launch per dtype
     o = torch.optim.SGD(m.parameters(), lr=0.1)

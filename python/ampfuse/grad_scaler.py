@@ -41,6 +41,25 @@ _FLT_MAX = float(torch.finfo(torch.float32).max)
 Grads = Mapping[torch.Tensor, "torch.Tensor | None"]
 
 
+
+class _Replicas:
+    """A tensor on the devices that ask for it: the tensor itself on its own device (torch's
+    ``_MultiDeviceReplicator`` copies it there too, one launch per step), a copy elsewhere."""
+
+    __slots__ = ("master", "copies")
+
+    def __init__(self, master: torch.Tensor) -> None:
+        self.master = master
+        self.copies: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        if device == self.master.device:
+            return self.master
+        t = self.copies.get(device)
+        if t is None:
+            t = self.copies[device] = self.master.to(device=device, non_blocking=True, copy=True)
+        return t
+
 class OverflowReport(list):
     """A list of ``(group_index, param_index, name)`` for parameters whose gradient is non-finite."""
 
@@ -248,6 +267,24 @@ class GradScaler(torch.amp.GradScaler):
                 ops.unscale_check_(gs, per_device_found_inf.get(device), per_device_inv_scale.get(device))
         return per_device_found_inf._per_device_tensors
 
+    def _unscale_from_scale_(
+        self, optimizer: torch.optim.Optimizer, allow_fp16: bool, write: bool, grads: Grads | None = None
+    ) -> dict[torch.device, torch.Tensor]:
+        """The scaler's own check (and unscale, when ``write``): one launch per device that takes
+        ``1/scale`` itself and writes a fresh found_inf (no reciprocal, no zero-fill launches)."""
+        assert self._scale is not None
+        per_device = self._grads_per_device(optimizer, allow_fp16, grads)
+        per_device_scale = _Replicas(self._scale)
+        found: dict[torch.device, torch.Tensor] = {}
+        with torch.no_grad():
+            for device, gs in per_device.items():
+                found[device] = f = torch.empty((), dtype=torch.float32, device=device)
+                if write:
+                    ops.unscale_check_(gs, f, scale=per_device_scale.get(device), overwrite_found_inf=True)
+                else:
+                    ops.check_norm_(gs, f, scale=per_device_scale.get(device), norm_type=math.inf, overwrite_found_inf=True)
+        return found
+
     def _inv_scale(self) -> torch.Tensor:
         assert self._scale is not None
         # As torch: the reciprocal in fp64, rounded to fp32.
@@ -272,9 +309,7 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         optimizer_state = self._check_unscale_stage(optimizer, "unscale_")
-        assert self._scale is not None
-        found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
-        optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, self._inv_scale(), found_inf, False, grads)
+        optimizer_state["found_inf_per_device"] = self._unscale_from_scale_(optimizer, False, True, grads)
         optimizer_state["stage"] = OptState.UNSCALED
 
     def unscale_and_clip_(
@@ -322,19 +357,19 @@ class GradScaler(torch.amp.GradScaler):
         ):
             raise RuntimeError("unscale_and_clip_ does not support sparse gradients; use unscale_() and clip_grad_norm_().")
         assert self._scale is not None
-        inv_scale = self._inv_scale()
-        found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
-        per_device_inv = _MultiDeviceReplicator(inv_scale)
-        per_device_found_inf = _MultiDeviceReplicator(found_inf)
+        per_device_scale = _Replicas(self._scale)
+        found_infs: dict[torch.device, torch.Tensor] = {}
         float_max = None if isinstance(max_norm, torch.Tensor) else float(max_norm)
         single = len(per_device) <= 1
         norms: list[torch.Tensor] = []
         coef: torch.Tensor | None = None
         with torch.no_grad():
             for device, gs in per_device.items():
+                # One launch: 1/scale taken in the kernel, found_inf written (not only set).
+                found_infs[device] = f = torch.empty((), dtype=torch.float32, device=device)
                 norm, c = ops.check_norm_(
-                    gs, per_device_found_inf.get(device), per_device_inv.get(device), norm_type=norm_type,
-                    max_norm=float_max if single else None,
+                    gs, f, scale=per_device_scale.get(device), norm_type=norm_type,
+                    max_norm=float_max if single else None, overwrite_found_inf=True,
                 )
                 norms.append(norm)
                 coef = c
@@ -354,11 +389,12 @@ class GradScaler(torch.amp.GradScaler):
                 optimizer_state["clip_coef"] = coef
                 optimizer_state["grads_still_scaled"] = True
             else:
+                inv_scale = self._inv_scale()
                 factor = _MultiDeviceReplicator((inv_scale * coef.to(inv_scale.device)).reshape(1))
                 for device, gs in per_device.items():
                     # found_inf is already final: re-setting it is idempotent.
-                    ops.unscale_check_(gs, per_device_found_inf.get(device), factor.get(device))
-        optimizer_state["found_inf_per_device"] = per_device_found_inf._per_device_tensors
+                    ops.unscale_check_(gs, found_infs[device], factor.get(device))
+        optimizer_state["found_inf_per_device"] = found_infs
         optimizer_state["stage"] = OptState.UNSCALED
         return total_norm
 
@@ -410,11 +446,8 @@ class GradScaler(torch.amp.GradScaler):
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         if optimizer_state["stage"] is OptState.READY:
-            # The check of the gradients the step will read (read-only: inv_scale 1).
-            found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
-            optimizer_state["found_inf_per_device"] = self._unscale_grads_(
-                optimizer, torch.full((), 1.0, dtype=torch.float32, device=self._scale.device), found_inf, True,
-                kwargs.get("grads"))
+            # The read-only check of the gradients the step will read.
+            optimizer_state["found_inf_per_device"] = self._unscale_from_scale_(optimizer, True, False, kwargs.get("grads"))
             optimizer_state["grads_still_scaled"] = True
         if len(optimizer_state["found_inf_per_device"]) == 0:
             raise AssertionError("No inf checks were recorded for this optimizer.")

@@ -1,34 +1,47 @@
 """Fused optimizers with fp32 master weights: ``ampfuse.optim.SGD``, ``Adam``, ``AdamW``.
 
 They are ``torch.optim.Optimizer`` subclasses with torch's argument names and defaults, plus
-``master_weights``. One kernel pass per (param group, device, dtype) does the whole update:
+``master_weights`` and ``state_dtype``. One kernel pass per (param group, device, dtype) does the
+whole update:
 
 * reads each gradient once, still scaled if a GradScaler says so: it is divided by the scale
   and multiplied by the clip coefficient of ``GradScaler.unscale_and_clip_`` in registers;
 * if the scaler's ``found_inf`` is set, does **nothing at all** (params, masters, optimizer state
   and step counters bitwise unchanged; no host sync decides this, the kernel does);
-* otherwise updates the fp32 master weight and fp32 state and writes the fp16/bf16 param
-  (rounded to nearest) in the same pass.
+* otherwise updates the fp32 master weight and the state (fp32 math) and writes the fp16/bf16
+  param (rounded to nearest) in the same pass.
 
 A param edited between steps (an in-place clamp, ``model.load_state_dict``, a re-initialisation,
-``param.data.copy_(...)``) takes over its master at the next step: the kernel sees that the param
-no longer holds its master rounded and restarts the master from the param.
+``param.data.copy_(...)``) takes over its fp32 master at the next step: the kernel sees that the
+param no longer holds its master rounded and restarts the master from the param.
 
-What is *not* fused: the inf/NaN check and the norm (a separate read-only pass,
-``GradScaler.unscale_and_clip_`` or the scaler's own check), sparse gradients (unsupported),
-complex parameters (unsupported), and ``differentiable=True``.
+Precision options (Transformer Engine's ``store_param_remainders`` and ``exp_avg_dtype`` ideas):
 
-Memory per parameter element (bytes), beyond the fp16/bf16 param and grad themselves:
+* ``master_weights="remainder"`` (bf16 params): instead of a 4-byte fp32 master, a 2-byte int16
+  remainder -- the master's low 16 bits relative to the param, which holds its upper 16 bits
+  rounded to nearest. (param, remainder) *is* the fp32 master bit for bit, so the masters follow
+  exactly the trajectory of ``master_weights=True``. One difference: the param is the master
+  rounded with ties away from zero (an exact 16-bit split cannot round half to even: an even param
+  would need 65537 remainders), so for 1 master value in 65536 -- an exact tie -- the param is
+  one bf16 ulp from ``master.to(torch.bfloat16)``, still a nearest value. fp16 params keep fp32
+  masters under this option: fp16's 5-bit exponent cannot hold the upper half of an fp32 master,
+  so no 16-bit remainder reconstructs it. An edited param keeps its old remainder (master = param
+  + at most half a bf16 ulp) until :meth:`~_FusedOptimizer.sync_masters_from_params`.
+* ``state_dtype=torch.bfloat16``: momentum / ``exp_avg`` / ``exp_avg_sq`` stored in bf16 (rounded
+  to nearest even each step; the math stays fp32). Halves the state; see the README for its
+  measured effect on training.
 
-========================  ============  ============  =====================
-optimizer                 fp32 params   fp16/bf16 +   state kept
-                                        masters
-========================  ============  ============  =====================
-SGD (momentum=0)          0             4             master
-SGD (momentum>0)          4             8             master, momentum
-Adam / AdamW              8             12            master, exp_avg, exp_avg_sq
-Adam / AdamW (amsgrad)    12            16            + max_exp_avg_sq
-========================  ============  ============  =====================
+Memory per parameter element (bytes), beyond the param and its gradient:
+
+========================  ============  ===============  ======================  =====================
+optimizer                 fp32 params   fp16/bf16, fp32  bf16, remainder +       state kept
+                                        masters + state  bf16 state
+========================  ============  ===============  ======================  =====================
+SGD (momentum=0)          0             4                2                       master
+SGD (momentum>0)          4             8                4                       master, momentum
+Adam / AdamW              8             12               6                       master, exp_avg, exp_avg_sq
+Adam / AdamW (amsgrad)    12            16               8                       + max_exp_avg_sq
+========================  ============  ===============  ======================  =====================
 
 plus a 4-byte step counter per parameter tensor. The step allocates no other per-element memory
 (no temporaries); only O(number of tensors) metadata.
@@ -40,8 +53,9 @@ scaler sets, so it drives them sync-free too. ``step(grads={param: tensor})`` ma
 another gradient than ``param.grad`` (``GradAccumulator``'s fp32 sums; ``None``: not stepped).
 
 ``state_dict()`` uses torch's per-parameter layout (``step``, ``exp_avg``, ``exp_avg_sq``,
-``max_exp_avg_sq``, ``momentum_buffer``) plus ``master_param``, so checkpoints move between these
-and ``torch.optim`` optimizers in both directions.
+``max_exp_avg_sq``, ``momentum_buffer``) plus ``master_param`` (fp32; for remainders the master
+they stand for), with bf16 state saved as fp32, so checkpoints move between these and
+``torch.optim`` optimizers in both directions, whatever the precision options.
 """
 
 from __future__ import annotations
@@ -57,10 +71,14 @@ import torch
 from torch.optim.optimizer import ParamsT
 
 from ampfuse import ops
+from ampfuse._precision import join_master, split_master
 
-__all__ = ["SGD", "Adam", "AdamW", "StepScaling"]
+__all__ = ["SGD", "Adam", "AdamW", "StepScaling", "join_master", "split_master"]
 
-MasterWeights = Union[bool, Literal["auto"]]
+MasterWeights = Union[bool, Literal["auto", "remainder"]]
+_MASTER_WEIGHTS = (True, False, "auto", "remainder")
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -226,8 +244,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
         mw = defaults.get("master_weights")
-        if mw not in (True, False, "auto"):
-            raise ValueError(f"master_weights must be True, False or 'auto', got {mw!r}.")
+        if not any(mw is v or (isinstance(v, str) and mw == v) for v in _MASTER_WEIGHTS):
+            raise ValueError(f"master_weights must be True, False, 'auto' or 'remainder', got {mw!r}.")
+        if defaults.get("state_dtype") not in _STATE_DTYPES:
+            raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {defaults.get('state_dtype')!r}.")
         self._param_dtypes: dict[int, torch.dtype] = {}
         self._plans: dict[int, _Plan] = {}
         super().__init__(params, defaults)
@@ -264,11 +284,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
             self._plans.clear()
         group = self.param_groups[-1]
         gi = len(self.param_groups) - 1
-        if group.get("master_weights") not in (True, False, "auto"):
+        try:
+            self._check_precision_options(gi, group)
+        except ValueError:
             self.param_groups.pop()
-            raise ValueError(
-                f"param_groups[{gi}]['master_weights'] must be True, False or 'auto', got {group.get('master_weights')!r}."
-            )
+            raise
         devices = {p.device for p in group["params"]}
         for i, p in enumerate(group["params"]):
             if p.dtype not in _SUPPORTED:
@@ -286,8 +306,30 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for p in group["params"]:
             self._param_dtypes[id(p)] = p.dtype
 
+    @staticmethod
+    def _check_precision_options(gi: int, group: dict[str, Any]) -> None:
+        mw = group.get("master_weights")
+        if not any(mw is v or (isinstance(v, str) and mw == v) for v in _MASTER_WEIGHTS):
+            raise ValueError(f"param_groups[{gi}]['master_weights'] must be True, False, 'auto' or 'remainder', got {mw!r}.")
+        if group.get("state_dtype", torch.float32) not in _STATE_DTYPES:
+            raise ValueError(
+                f"param_groups[{gi}]['state_dtype'] must be torch.float32 or torch.bfloat16, got {group.get('state_dtype')!r}."
+            )
+
+    @staticmethod
+    def _master_kind(p: torch.Tensor, group: dict[str, Any]) -> str | None:
+        """How ``p``'s fp32 master is kept: None (``p`` is updated directly), ``"float"`` (an fp32
+        tensor, ``state["master_param"]``) or ``"remainder"`` (bf16 params: an int16 tensor,
+        ``state["master_remainder"]``, that with ``p`` is the fp32 master bit for bit)."""
+        mw = group["master_weights"]
+        if mw is False or p.dtype not in _LOW_PRECISION:
+            return None
+        if mw == "remainder" and p.dtype == torch.bfloat16:
+            return "remainder"
+        return "float"  # True, "auto"; "remainder" for fp16 params (see the module docstring)
+
     def _wants_master(self, p: torch.Tensor, group: dict[str, Any]) -> bool:
-        return group["master_weights"] in (True, "auto") and p.dtype in _LOW_PRECISION
+        return self._master_kind(p, group) is not None
 
     @staticmethod
     def _grad(p: torch.Tensor, grads: Mapping | None) -> torch.Tensor | None:
@@ -323,6 +365,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _check_group_options(self, gi: int, group: dict[str, Any]) -> None:
         """Hyper-parameters of a group as the user may have edited them since construction."""
+        self._check_precision_options(gi, group)
         lr = group["lr"]
         if isinstance(lr, torch.Tensor):
             if lr.numel() != 1:
@@ -332,21 +375,32 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     # ---- state -------------------------------------------------------------------------------
     def _new_state(self, p: torch.Tensor, group: dict[str, Any], key: str) -> torch.Tensor:
-        return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        return torch.zeros_like(p, dtype=group.get("state_dtype", torch.float32), memory_format=torch.preserve_format)
 
     def _ensure_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """Creates missing state and brings existing state to the group's precision options
+        (state dtype, master kind), e.g. after they were changed or a checkpoint was loaded."""
         state = self.state[p]
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         elif not (isinstance(state["step"], torch.Tensor) and state["step"].device == p.device
                   and state["step"].dtype == torch.float32 and state["step"].dim() == 0):
             state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(p.device).reshape(()).clone()
+        state_dtype = group.get("state_dtype", torch.float32)
         for key in self._state_keys_for(group):
             if state.get(key) is None:
                 state[key] = self._new_state(p, group, key)
                 self._state_created(p, state, key)
-        if self._wants_master(p, group) and state.get("master_param") is None:
-            state["master_param"] = p.detach().to(torch.float32, memory_format=torch.preserve_format, copy=True)
+            elif state[key].dtype != state_dtype:
+                state[key] = state[key].to(state_dtype)  # rounded to nearest even
+        kind = self._master_kind(p, group)
+        if kind == "float" and state.get("master_param") is None:
+            rem = state.pop("master_remainder", None)
+            master = torch.empty_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["master_param"] = master.copy_(join_master(p.detach(), rem) if rem is not None else p.detach())
+        elif kind == "remainder" and state.get("master_remainder") is None:
+            master = state.pop("master_param", None)
+            state["master_remainder"] = _remainder_for(p.detach(), master)
         return state
 
     def _state_created(self, p: torch.Tensor, state: dict[str, Any], key: str) -> None:
@@ -365,13 +419,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for group in self.param_groups:
                 for p in group["params"]:
-                    master = self.state.get(p, {}).get("master_param")
-                    if master is not None:
-                        master.copy_(p)
+                    st = self.state.get(p, {})
+                    if st.get("master_param") is not None:
+                        st["master_param"].copy_(p)
+                    if st.get("master_remainder") is not None:
+                        st["master_remainder"].zero_()
 
     # ---- step --------------------------------------------------------------------------------
     def _signature(self, group: dict[str, Any]) -> tuple:
-        return (self._state_keys_for(group), group["master_weights"])
+        return (self._state_keys_for(group), group["master_weights"], group.get("state_dtype", torch.float32))
 
     def _build_plan(self, group: dict[str, Any], ids: tuple, grad_dtypes: tuple) -> _Plan:
         buckets: dict[tuple, tuple[list[int], dict[str, list]]] = {}
@@ -380,13 +436,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
             if grad_dtypes[i] is None:
                 continue
             state = self._ensure_state(p, group)
-            has_master = self._wants_master(p, group)
-            idx, lists = buckets.setdefault((p.device, p.dtype, grad_dtypes[i], has_master), ([], collections.defaultdict(list)))
+            kind = self._master_kind(p, group)
+            idx, lists = buckets.setdefault((p.device, p.dtype, grad_dtypes[i], kind), ([], collections.defaultdict(list)))
             idx.append(i)
             lists["params"].append(p)
             lists["steps"].append(state["step"])
-            if has_master:
-                lists["masters"].append(state["master_param"])
+            if kind is not None:
+                lists["masters"].append(state["master_param" if kind == "float" else "master_remainder"])
             for key in keys:
                 lists[key].append(state[key])
         plan_buckets = [(key[0], idx, dict(lists)) for key, (idx, lists) in buckets.items()]
@@ -466,9 +522,22 @@ class _FusedOptimizer(torch.optim.Optimizer):
     # ---- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """torch's layout (``state`` keyed by param index, ``param_groups``), state values as
-        plain dicts: loadable by the matching ``torch.optim`` optimizer."""
+        plain dicts: loadable by the matching ``torch.optim`` optimizer. bf16 state is saved as
+        fp32 (exactly: bf16 widens losslessly) and a remainder as the fp32 ``master_param`` it
+        stands for, so the checkpoint does not depend on the precision options."""
         sd = super().state_dict()
-        sd["state"] = {k: dict(v) for k, v in sd["state"].items()}
+        params = [p for g in self.param_groups for p in g["params"]]
+        out = {}
+        for k, v in sd["state"].items():
+            st = dict(v)
+            rem = st.pop("master_remainder", None)
+            if rem is not None and isinstance(k, int) and k < len(params):
+                st["master_param"] = join_master(params[k].detach(), rem)
+            for key in _MOMENT_KEYS:
+                if isinstance(st.get(key), torch.Tensor) and st[key].dtype == torch.bfloat16:
+                    st[key] = st[key].float()
+            out[k] = st
+        sd["state"] = out
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -546,6 +615,18 @@ class _FusedOptimizer(torch.optim.Optimizer):
         """Hook for optimizer-specific fix-ups of a loaded (possibly torch) state."""
 
 
+def _remainder_for(p: torch.Tensor, master: torch.Tensor | None) -> torch.Tensor:
+    """The int16 remainder that with bf16 param ``p`` stands for fp32 ``master``: where ``p`` is
+    not the master's upper half (the param was edited, or loaded from elsewhere) the param wins,
+    as with fp32 masters, and the remainder is 0."""
+    out = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.preserve_format)  # p's layout
+    if master is None:
+        return out
+    hi, rem = split_master(master.to(device=p.device, dtype=torch.float32))
+    same = hi.view(torch.int16) == p.contiguous().view(torch.int16)
+    return out.copy_(torch.where(same, rem, torch.zeros_like(rem)).reshape(p.shape))
+
+
 def _float_hyper(name: str, value: Any) -> float:
     """betas / weight_decay given as CPU tensors (torch accepts them) become numbers; the fused
     kernels take them as arguments, not device tensors."""
@@ -571,9 +652,13 @@ class SGD(_FusedOptimizer):
         foreach, fused, capturable: torch's implementation switches; accepted, nothing changes
             (the step is always one fused, capturable pass with the for-loop numerics).
         differentiable (bool, default False): ``True`` is refused.
-        master_weights (bool or "auto", default "auto"): keep fp32 masters for fp16/bf16 params
-            (``True`` and ``"auto"`` alike; fp32 params never need one). ``False`` updates
-            low-precision params directly (fp32 math, fp32 momentum).
+        master_weights (bool, "auto" or "remainder", default "auto"): keep fp32 masters for
+            fp16/bf16 params (``True`` and ``"auto"`` alike; fp32 params never need one).
+            ``"remainder"``: bf16 params keep an int16 remainder instead (2 bytes, not 4; the same
+            fp32 master bit for bit; see the module docstring). ``False`` updates low-precision
+            params directly (fp32 math).
+        state_dtype (torch.float32 or torch.bfloat16, default float32): storage of the momentum
+            buffer (the math is fp32; bf16 is stored rounded to nearest even).
 
     ``state["step"]`` counts the steps taken with the current momentum buffer: the next step taken
     with ``step == 0`` initialises the buffer to that step's gradient, as torch does when its
@@ -596,6 +681,7 @@ class SGD(_FusedOptimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         master_weights: MasterWeights = "auto",
+        state_dtype: torch.dtype = torch.float32,
     ) -> None:
         self._check_torch_kwargs(foreach, fused, False, differentiable)
         weight_decay = _float_hyper("weight_decay", weight_decay)
@@ -611,7 +697,7 @@ class SGD(_FusedOptimizer):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
-                        fused=fused, master_weights=master_weights)
+                        fused=fused, master_weights=master_weights, state_dtype=state_dtype)
         super().__init__(params, defaults)
 
     def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
@@ -660,10 +746,13 @@ class Adam(_FusedOptimizer):
         maximize (bool, default False): maximize the objective.
         differentiable (bool, default False): ``True`` is refused.
         decoupled_weight_decay (bool, default False): AdamW's decoupled weight decay.
-        master_weights (bool or "auto", default "auto"): fp32 masters for fp16/bf16 params.
+        master_weights (bool, "auto" or "remainder", default "auto"): fp32 masters for fp16/bf16
+            params; ``"remainder"``: int16 remainders for bf16 params (see :class:`SGD`).
+        state_dtype (torch.float32 or torch.bfloat16, default float32): storage of ``exp_avg``,
+            ``exp_avg_sq`` (and ``max_exp_avg_sq``); the math is fp32 in registers either way.
 
-    Optimizer state is fp32 for every param dtype; bias corrections are computed in fp64 from
-    each parameter's own step count, as in torch's for-loop implementation.
+    Bias corrections are computed in fp64 from each parameter's own step count, as in torch's
+    for-loop implementation.
     """
 
     def __init__(
@@ -682,6 +771,7 @@ class Adam(_FusedOptimizer):
         fused: bool | None = None,
         decoupled_weight_decay: bool = False,
         master_weights: MasterWeights = "auto",
+        state_dtype: torch.dtype = torch.float32,
     ) -> None:
         self._check_torch_kwargs(foreach, fused, capturable, differentiable)
         betas = (_float_hyper("betas[0]", betas[0]), _float_hyper("betas[1]", betas[1]))
@@ -700,7 +790,8 @@ class Adam(_FusedOptimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,
-                        fused=fused, decoupled_weight_decay=decoupled_weight_decay, master_weights=master_weights)
+                        fused=fused, decoupled_weight_decay=decoupled_weight_decay, master_weights=master_weights,
+                        state_dtype=state_dtype)
         super().__init__(params, defaults)
 
     def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
@@ -737,7 +828,8 @@ class AdamW(Adam):
         differentiable: bool = False,
         fused: bool | None = None,
         master_weights: MasterWeights = "auto",
+        state_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True, master_weights=master_weights)
+                         decoupled_weight_decay=True, master_weights=master_weights, state_dtype=state_dtype)
