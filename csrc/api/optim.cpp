@@ -10,7 +10,10 @@
 
 #include <array>
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "ops/validation.h"
@@ -62,10 +65,6 @@ at::Tensor read_step(InputArchive& archive) {
   return v.toTensor();
 }
 
-at::Tensor zeros_fp32_like(const at::Tensor& p) {
-  return at::zeros_like(p, p.options().dtype(at::kFloat), at::MemoryFormat::Preserve);
-}
-
 // Lazily created state: a 0-dim fp32 step counter on the param's device.
 void ensure_step(at::Tensor& step, const at::Tensor& p) {
   if (!step.defined()) {
@@ -75,14 +74,44 @@ void ensure_step(at::Tensor& step, const at::Tensor& p) {
   }
 }
 
-void ensure_fp32(at::Tensor& t, const at::Tensor& p) {
-  if (!t.defined()) t = zeros_fp32_like(p);
+// A state tensor of `dtype` (created zero, or converted: rounded to nearest even for bf16).
+void ensure_state_tensor(at::Tensor& t, const at::Tensor& p, c10::ScalarType dtype) {
+  if (!t.defined()) {
+    t = at::zeros_like(p, p.options().dtype(dtype), at::MemoryFormat::Preserve);
+  } else if (t.scalar_type() != dtype) {
+    t = t.to(dtype);
+  }
 }
 
-void ensure_master(at::Tensor& master, const at::Tensor& p) {
-  if (!master.defined()) {
-    master = p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true,
-                           at::MemoryFormat::Preserve);
+enum class MasterKind { None, Float, Remainder };
+
+template <typename O>
+MasterKind master_kind(const O& o, const at::Tensor& p) {
+  if (!o.master_weights() || !is_low(p.scalar_type())) return MasterKind::None;
+  return o.master_remainders() && p.scalar_type() == at::kBFloat16 ? MasterKind::Remainder
+                                                                      : MasterKind::Float;
+}
+
+// The master in the form `kind` asks for, converted exactly from the other form if present. A
+// remainder made from an fp32 master whose upper half the param does not hold (the param was
+// edited, or comes from elsewhere) is 0 there: the param wins, as with fp32 masters.
+template <typename State>
+void ensure_master(State& s, const at::Tensor& p, MasterKind kind) {
+  if (kind == MasterKind::Float && !s.master_param().defined()) {
+    at::Tensor master = at::empty_like(p, p.options().dtype(at::kFloat), at::MemoryFormat::Preserve);
+    master.copy_(s.master_remainder().defined() ? join_master(p.detach(), s.master_remainder())
+                                                : p.detach());
+    s.master_param(master);
+    s.master_remainder(at::Tensor());
+  } else if (kind == MasterKind::Remainder && !s.master_remainder().defined()) {
+    at::Tensor rem = at::zeros_like(p, p.options().dtype(at::kShort), at::MemoryFormat::Preserve);
+    if (s.master_param().defined()) {
+      auto [hi, r] = split_master(s.master_param().to(p.device(), at::kFloat));
+      const at::Tensor same = hi.view(at::kShort).eq(p.detach().contiguous().view(at::kShort));
+      rem.copy_(at::where(same, r, at::zeros_like(r)).reshape(p.sizes()));
+    }
+    s.master_remainder(rem);
+    s.master_param(at::Tensor());
   }
 }
 
@@ -113,13 +142,13 @@ struct Bucket {
   c10::Device device;
   c10::ScalarType param_dtype;
   c10::ScalarType grad_dtype;
-  bool master;
+  MasterKind master;
   std::vector<at::Tensor> params, grads, masters, steps;
   std::array<std::vector<at::Tensor>, 3> states;
 };
 
 Bucket& bucket_for(std::vector<Bucket>& buckets, const at::Tensor& p, const at::Tensor& g,
-                   bool master) {
+                   MasterKind master) {
   for (auto& b : buckets) {
     if (b.device == p.device() && b.param_dtype == p.scalar_type() &&
         b.grad_dtype == g.scalar_type() && b.master == master) {
@@ -149,61 +178,7 @@ StepScaling scaling_on(const std::optional<StepScaling>& scaling, const c10::Dev
   return out;
 }
 
-// ---- the three optimizers as policies of one generic step / save / load ---------------------
-struct SgdPolicy {
-  using Options = SGDOptions;
-  using State = SGDParamState;
-  static int num_states(const Options& o) { return o.momentum() != 0 ? 1 : 0; }
-  static at::Tensor& state(State& s, int) { return s.momentum_buffer(); }
-  static constexpr std::array<const char*, 1> kStateNames = {"momentum_buffer"};
-  static void run(const Options& o, Bucket& b, const StepScaling& sc) {
-    SgdStepOptions so;
-    so.lr = o.lr();
-    so.momentum = o.momentum();
-    so.dampening = o.dampening();
-    so.weight_decay = o.weight_decay();
-    so.nesterov = o.nesterov();
-    so.maximize = o.maximize();
-    sgd_step_(b.params, b.grads, b.masters, b.states[0], b.steps, so, sc);
-  }
-  // torch's SGD has no step counter: a present momentum buffer means momentum was initialised.
-  static void adopt_foreign(State& s, const at::Tensor& p) {
-    if (!s.step().defined()) {
-      s.step(at::full({}, s.momentum_buffer().defined() ? 1.0f : 0.0f, p.options().dtype(at::kFloat)));
-    }
-  }
-};
-
-template <typename O, bool kDecoupled>
-struct AdamPolicyT {
-  using Options = O;
-  using State = AdamParamState;
-  static int num_states(const Options& o) { return o.amsgrad() ? 3 : 2; }
-  static at::Tensor& state(State& s, int k) {
-    return k == 0 ? s.exp_avg() : (k == 1 ? s.exp_avg_sq() : s.max_exp_avg_sq());
-  }
-  static constexpr std::array<const char*, 3> kStateNames = {"exp_avg", "exp_avg_sq",
-                                                             "max_exp_avg_sq"};
-  static void run(const Options& o, Bucket& b, const StepScaling& sc) {
-    AdamStepOptions ao;
-    ao.lr = o.lr();
-    ao.beta1 = std::get<0>(o.betas());
-    ao.beta2 = std::get<1>(o.betas());
-    ao.eps = o.eps();
-    ao.weight_decay = o.weight_decay();
-    ao.amsgrad = o.amsgrad();
-    ao.maximize = o.maximize();
-    ao.decoupled_weight_decay = kDecoupled;
-    adam_step_(b.params, b.grads, b.masters, b.states[0], b.states[1], b.states[2], b.steps, ao,
-               sc);
-  }
-  static void adopt_foreign(State& s, const at::Tensor& p) {
-    if (!s.step().defined()) s.step(at::zeros({}, p.options().dtype(at::kFloat)));
-  }
-};
-using AdamPolicy = AdamPolicyT<AdamOptions, false>;
-using AdamWPolicy = AdamPolicyT<AdamWOptions, true>;
-
+// ---- generic step over a policy ----------------------------------------------------------------
 template <typename P>
 typename P::State& ensure_state(torch::optim::Optimizer& opt, const at::Tensor& p,
                                 const typename P::Options& o) {
@@ -214,8 +189,16 @@ typename P::State& ensure_state(torch::optim::Optimizer& opt, const at::Tensor& 
   }
   auto& s = static_cast<typename P::State&>(*it->second);
   ensure_step(s.step(), p);
-  for (int k = 0; k < P::num_states(o); ++k) ensure_fp32(P::state(s, k), p);
-  if (o.master_weights() && is_low(p.scalar_type())) ensure_master(s.master_param(), p);
+  for (int k = 0; k < P::num_states(o); ++k) {
+    at::Tensor& t = P::state(s, k);
+    if (!t.defined()) {
+      ensure_state_tensor(t, p, o.state_dtype());
+      P::state_created(s);
+    } else {
+      ensure_state_tensor(t, p, o.state_dtype());
+    }
+  }
+  ensure_master(s, p, master_kind(o, p));
   return s;
 }
 
@@ -235,17 +218,52 @@ at::Tensor fused_step(FusedOptimizer& opt, const torch::optim::Optimizer::LossCl
       at::Tensor g = opt.grad_of(p);
       if (!g.defined()) continue;
       auto& s = ensure_state<P>(opt, p, o);
-      const bool master = o.master_weights() && is_low(p.scalar_type());
-      Bucket& b = bucket_for(buckets, p, g, master);
+      const MasterKind kind = master_kind(o, p);
+      Bucket& b = bucket_for(buckets, p, g, kind);
       b.params.push_back(p);
       b.grads.push_back(g);
       b.steps.push_back(s.step());
-      if (master) b.masters.push_back(s.master_param());
+      if (kind == MasterKind::Float) b.masters.push_back(s.master_param());
+      if (kind == MasterKind::Remainder) b.masters.push_back(s.master_remainder());
       for (int k = 0; k < P::num_states(o); ++k) b.states[k].push_back(P::state(s, k));
     }
     for (auto& b : buckets) P::run(o, b, scaling_on(opt.step_scaling(), b.device));
   }
   return loss;
+}
+
+// save(): torch's archive layout, with every state tensor as fp32 and a remainder as the fp32
+// master_param it stands for (the live state is not changed).
+template <typename P>
+void fused_save(const torch::optim::Optimizer& opt, OutputArchive& archive) {
+  using State = typename P::State;
+  auto& live = const_cast<torch::optim::Optimizer&>(opt).state();
+  std::remove_reference_t<decltype(live)> saved;
+  for (const auto& group : opt.param_groups()) {
+    for (const auto& p : group.params()) {
+      auto it = live.find(p.unsafeGetTensorImpl());
+      if (it == live.end()) continue;
+      const auto& s = static_cast<const State&>(*it->second);
+      auto copy = std::make_unique<State>(s);
+      for (size_t k = 0; k < P::kStateNames.size(); ++k) {
+        at::Tensor& t = P::state(*copy, static_cast<int>(k));
+        if (t.defined() && t.scalar_type() != at::kFloat) t = t.to(at::kFloat);
+      }
+      if (copy->master_remainder().defined()) {
+        copy->master_param(join_master(p.detach(), copy->master_remainder()));
+        copy->master_remainder(at::Tensor());
+      }
+      saved.emplace(p.unsafeGetTensorImpl(), std::move(copy));
+    }
+  }
+  std::swap(live, saved);
+  try {
+    torch::optim::serialize<State, typename P::Options>(archive, opt);
+  } catch (...) {
+    std::swap(live, saved);
+    throw;
+  }
+  std::swap(live, saved);
 }
 
 // Loads a checkpoint written by save() (or by torch's matching C++ optimizer). Everything is
@@ -303,6 +321,8 @@ void fused_load(torch::optim::Optimizer& opt, InputArchive& archive) {
         adopt_loaded(P::state(s, static_cast<int>(k)), p, P::kStateNames[k], g, i);
       }
       adopt_loaded(s.master_param(), p, "master_param", g, i);
+      TORCH_CHECK(!s.master_remainder().defined(), "state 'master_remainder' of ", where(g, i),
+                  " in the checkpoint: checkpoints hold masters as fp32 master_param.");
     }
   }
   // Commit.
@@ -317,6 +337,8 @@ void fused_load(torch::optim::Optimizer& opt, InputArchive& archive) {
       auto& s = static_cast<State&>(*it->second);
       P::adopt_foreign(s, p);
       if (s.step().defined()) s.step(s.step().to(p.device(), at::kFloat).reshape({}));
+      // fp32 on the param's device; the next step converts state and masters to the group's
+      // precision options (ensure_state).
       for (size_t k = 0; k < P::kStateNames.size(); ++k) move_loaded(P::state(s, static_cast<int>(k)), p);
       move_loaded(s.master_param(), p);
       opt.state()[p.unsafeGetTensorImpl()] = std::move(it->second);
@@ -326,99 +348,119 @@ void fused_load(torch::optim::Optimizer& opt, InputArchive& archive) {
 }
 
 // ---- hyper-parameter checks (torch's rules, full sentences) ----------------------------------
-void check_lr(const char* opt, double lr) {
-  TORCH_CHECK(lr >= 0.0, opt, ": lr must be >= 0, got ", lr, ".");
-}
-void check_weight_decay(const char* opt, double wd) {
-  TORCH_CHECK(wd >= 0.0, opt, ": weight_decay must be >= 0, got ", wd, ".");
-}
 template <typename O>
-void check_adam_options(const char* name, const O& o) {
-  check_lr(name, o.lr());
-  TORCH_CHECK(o.eps() >= 0.0, name, ": eps must be >= 0, got ", o.eps(), ".");
-  const double b1 = std::get<0>(o.betas());
-  const double b2 = std::get<1>(o.betas());
-  TORCH_CHECK(b1 >= 0.0 && b1 < 1.0, name, ": betas[0] must be in [0, 1), got ", b1, ".");
-  TORCH_CHECK(b2 >= 0.0 && b2 < 1.0, name, ": betas[1] must be in [0, 1), got ", b2, ".");
-  check_weight_decay(name, o.weight_decay());
+void check_common(const char* name, const O& o) {
+  TORCH_CHECK(o.lr() >= 0.0, name, ": lr must be >= 0, got ", o.lr(), ".");
+  TORCH_CHECK(o.weight_decay() >= 0.0, name, ": weight_decay must be >= 0, got ",
+              o.weight_decay(), ".");
+  TORCH_CHECK(o.state_dtype() == at::kFloat || o.state_dtype() == at::kBFloat16, name,
+              ": state_dtype must be torch.float32 or torch.bfloat16, got ",
+              detail::dtype_name(o.state_dtype()), ".");
 }
 
-// torch's group-option inheritance: a field left at its default-constructed value takes the
-// optimizer's default.
-#define AMPFUSE_MERGE_FIELD(field) \
-  if (!(user.field() == fresh.field())) merged.field(user.field())
-
 template <typename O>
-const O& options_of(const OptimizerOptions& options, const char* optimizer, const char* expected) {
+const O& options_of(const OptimizerOptions& options, const char* optimizer) {
   const auto* o = dynamic_cast<const O*>(&options);
-  TORCH_CHECK(o != nullptr, optimizer, " needs param group options of type ", expected,
-              " (got options of another optimizer).");
+  TORCH_CHECK(o != nullptr, "ampfuse::optim::", optimizer, " needs param group options of type ",
+              "ampfuse::optim::", optimizer, "Options (got options of another optimizer).");
   return *o;
 }
 
 }  // namespace
 
 // ============================================================================================
-// Options
+// Options: serialisation and comparison over each type's fields() list
 // ============================================================================================
+namespace {
+
+template <typename T>
+c10::IValue to_ivalue(const T& v) {
+  if constexpr (std::is_same_v<T, c10::ScalarType>) {
+    return c10::IValue(static_cast<int64_t>(v));
+  } else {
+    return c10::IValue(v);
+  }
+}
+
+template <typename T>
+void from_ivalue(const c10::IValue& v, T& out) {
+  if constexpr (std::is_same_v<T, c10::ScalarType>) {
+    out = static_cast<c10::ScalarType>(v.toInt());
+  } else {
+    out = v.to<T>();
+  }
+}
+
+template <typename O>
+void write_options(const O& o, OutputArchive& archive) {
+  O::fields(o, [&](const char* key, const auto& value) { archive.write(key, to_ivalue(value)); });
+}
+
+// Keys absent from the archive keep their current value (a checkpoint of torch's own optimizer
+// lacks ampfuse's options).
+template <typename O>
+void read_options(O& o, InputArchive& archive) {
+  O::fields(o, [&](const char* key, auto& value) {
+    c10::IValue v;
+    if (archive.try_read(key, v)) from_ivalue(v, value);
+  });
+}
+
+template <typename O>
+bool equal_options(const O& a, const O& b) {
+  std::vector<c10::IValue> va, vb;
+  O::fields(a, [&](const char*, const auto& v) { va.push_back(to_ivalue(v)); });
+  O::fields(b, [&](const char*, const auto& v) { vb.push_back(to_ivalue(v)); });
+  for (size_t i = 0; i < va.size(); ++i) {
+    if (!(va[i] == vb[i])) return false;
+  }
+  return true;
+}
+
+// torch's group-option inheritance: a field left at its default-constructed value takes the
+// optimizer's default.
+template <typename O>
+O merge_options(const O& user, const O& defaults) {
+  const O fresh;
+  O merged = defaults;
+  std::vector<c10::IValue> fresh_values;
+  O::fields(fresh, [&](const char*, const auto& v) { fresh_values.push_back(to_ivalue(v)); });
+  size_t i = 0;
+  O::fields(user, [&](const char* key, const auto& v) {
+    if (!(to_ivalue(v) == fresh_values[i])) {
+      O::fields(merged, [&](const char* k, auto& m) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(m)>, std::decay_t<decltype(v)>>) {
+          if (std::strcmp(k, key) == 0) m = v;
+        }
+      });
+    }
+    ++i;
+  });
+  return merged;
+}
+
+}  // namespace
+
 SGDOptions::SGDOptions(double lr) : lr_(lr) {}
 double SGDOptions::get_lr() const { return lr(); }
 void SGDOptions::set_lr(const double lr) { this->lr(lr); }
-bool operator==(const SGDOptions& a, const SGDOptions& b) {
-  return a.lr() == b.lr() && a.momentum() == b.momentum() && a.dampening() == b.dampening() &&
-         a.weight_decay() == b.weight_decay() && a.nesterov() == b.nesterov() &&
-         a.maximize() == b.maximize() && a.master_weights() == b.master_weights();
-}
-void SGDOptions::serialize(OutputArchive& archive) const {
-  archive.write("lr", c10::IValue(lr()));
-  archive.write("momentum", c10::IValue(momentum()));
-  archive.write("dampening", c10::IValue(dampening()));
-  archive.write("weight_decay", c10::IValue(weight_decay()));
-  archive.write("nesterov", c10::IValue(nesterov()));
-  archive.write("maximize", c10::IValue(maximize()));
-  archive.write("master_weights", c10::IValue(master_weights()));
-}
-void SGDOptions::serialize(InputArchive& archive) {
-  read_if_present(archive, "lr", lr_);
-  read_if_present(archive, "momentum", momentum_);
-  read_if_present(archive, "dampening", dampening_);
-  read_if_present(archive, "weight_decay", weight_decay_);
-  read_if_present(archive, "nesterov", nesterov_);
-  read_if_present(archive, "maximize", maximize_);
-  read_if_present(archive, "master_weights", master_weights_);
-}
+bool operator==(const SGDOptions& a, const SGDOptions& b) { return equal_options(a, b); }
+void SGDOptions::serialize(OutputArchive& archive) const { write_options(*this, archive); }
+void SGDOptions::serialize(InputArchive& archive) { read_options(*this, archive); }
 
-#define AMPFUSE_ADAM_OPTIONS_IMPL(Name)                                                        \
-  Name::Name(double lr) : lr_(lr) {}                                                           \
-  double Name::get_lr() const { return lr(); }                                                 \
-  void Name::set_lr(const double lr) { this->lr(lr); }                                         \
-  bool operator==(const Name& a, const Name& b) {                                              \
-    return a.lr() == b.lr() && a.betas() == b.betas() && a.eps() == b.eps() &&                 \
-           a.weight_decay() == b.weight_decay() && a.amsgrad() == b.amsgrad() &&               \
-           a.maximize() == b.maximize() && a.master_weights() == b.master_weights();           \
-  }                                                                                            \
-  void Name::serialize(OutputArchive& archive) const {                                         \
-    archive.write("lr", c10::IValue(lr()));                                                    \
-    archive.write("betas", c10::IValue(betas()));                                              \
-    archive.write("eps", c10::IValue(eps()));                                                  \
-    archive.write("weight_decay", c10::IValue(weight_decay()));                                \
-    archive.write("amsgrad", c10::IValue(amsgrad()));                                          \
-    archive.write("maximize", c10::IValue(maximize()));                                        \
-    archive.write("master_weights", c10::IValue(master_weights()));                            \
-  }                                                                                            \
-  void Name::serialize(InputArchive& archive) {                                                \
-    read_if_present(archive, "lr", lr_);                                                       \
-    read_if_present(archive, "betas", betas_);                                                 \
-    read_if_present(archive, "eps", eps_);                                                     \
-    read_if_present(archive, "weight_decay", weight_decay_);                                   \
-    read_if_present(archive, "amsgrad", amsgrad_);                                             \
-    read_if_present(archive, "maximize", maximize_);                                           \
-    read_if_present(archive, "master_weights", master_weights_);                               \
-  }
+AdamOptions::AdamOptions(double lr) : lr_(lr) {}
+double AdamOptions::get_lr() const { return lr(); }
+void AdamOptions::set_lr(const double lr) { this->lr(lr); }
+bool operator==(const AdamOptions& a, const AdamOptions& b) { return equal_options(a, b); }
+void AdamOptions::serialize(OutputArchive& archive) const { write_options(*this, archive); }
+void AdamOptions::serialize(InputArchive& archive) { read_options(*this, archive); }
 
-AMPFUSE_ADAM_OPTIONS_IMPL(AdamOptions)
-AMPFUSE_ADAM_OPTIONS_IMPL(AdamWOptions)
-#undef AMPFUSE_ADAM_OPTIONS_IMPL
+AdamWOptions::AdamWOptions(double lr) : lr_(lr) {}
+double AdamWOptions::get_lr() const { return lr(); }
+void AdamWOptions::set_lr(const double lr) { this->lr(lr); }
+bool operator==(const AdamWOptions& a, const AdamWOptions& b) { return equal_options(a, b); }
+void AdamWOptions::serialize(OutputArchive& archive) const { write_options(*this, archive); }
+void AdamWOptions::serialize(InputArchive& archive) { read_options(*this, archive); }
 
 // ============================================================================================
 // Per-parameter state
@@ -427,11 +469,13 @@ void SGDParamState::serialize(OutputArchive& archive) const {
   write_tensor(archive, "step", step());
   write_tensor(archive, "momentum_buffer", momentum_buffer());
   write_tensor(archive, "master_param", master_param());
+  write_tensor(archive, "master_remainder", master_remainder());
 }
 void SGDParamState::serialize(InputArchive& archive) {
   step(read_step(archive));
   momentum_buffer(read_tensor(archive, "momentum_buffer"));
   master_param(read_tensor(archive, "master_param"));
+  master_remainder(read_tensor(archive, "master_remainder"));
 }
 void AdamParamState::serialize(OutputArchive& archive) const {
   write_tensor(archive, "step", step());
@@ -439,6 +483,7 @@ void AdamParamState::serialize(OutputArchive& archive) const {
   write_tensor(archive, "exp_avg_sq", exp_avg_sq());
   write_tensor(archive, "max_exp_avg_sq", max_exp_avg_sq());
   write_tensor(archive, "master_param", master_param());
+  write_tensor(archive, "master_remainder", master_remainder());
 }
 void AdamParamState::serialize(InputArchive& archive) {
   step(read_step(archive));
@@ -446,6 +491,7 @@ void AdamParamState::serialize(InputArchive& archive) {
   exp_avg_sq(read_tensor(archive, "exp_avg_sq"));
   max_exp_avg_sq(read_tensor(archive, "max_exp_avg_sq"));
   master_param(read_tensor(archive, "master_param"));
+  master_remainder(read_tensor(archive, "master_remainder"));
 }
 
 // ============================================================================================
@@ -548,75 +594,164 @@ at::Tensor FusedOptimizer::grad_of(const at::Tensor& param) const {
 }
 
 // ============================================================================================
-// SGD / Adam / AdamW
+// Policies and the optimizer template
 // ============================================================================================
-#define AMPFUSE_OPTIMIZER_IMPL(Name, Policy)                                                    \
-  Name::Name(const std::vector<OptimizerParamGroup>& param_groups, Name##Options defaults)      \
-      : FusedOptimizer(std::make_unique<Name##Options>(defaults)) {                             \
-    check_options(*defaults_);                                                                  \
-    for (const auto& group : param_groups) add_param_group(group);                              \
-  }                                                                                             \
-  Name::Name(std::vector<at::Tensor> params, Name##Options defaults)                            \
-      : Name(std::vector<OptimizerParamGroup>{OptimizerParamGroup(std::move(params))},          \
-             std::move(defaults)) {}                                                            \
-  at::Tensor Name::step(LossClosure closure) { return fused_step<Policy>(*this, closure); }     \
-  void Name::save(OutputArchive& archive) const {                                               \
-    torch::optim::serialize<Policy::State, Name##Options>(archive, *this);                      \
-  }                                                                                             \
-  void Name::load(InputArchive& archive) { fused_load<Policy>(*this, archive); }
-
-AMPFUSE_OPTIMIZER_IMPL(SGD, SgdPolicy)
-AMPFUSE_OPTIMIZER_IMPL(Adam, AdamPolicy)
-AMPFUSE_OPTIMIZER_IMPL(AdamW, AdamWPolicy)
-#undef AMPFUSE_OPTIMIZER_IMPL
-
-std::unique_ptr<OptimizerOptions> SGD::merge_group_options(const OptimizerOptions& options) const {
-  const auto& user = options_of<SGDOptions>(options, "ampfuse::optim::SGD", "ampfuse::optim::SGDOptions");
-  const SGDOptions fresh;
-  SGDOptions merged = static_cast<const SGDOptions&>(*defaults_);
-  AMPFUSE_MERGE_FIELD(lr);
-  AMPFUSE_MERGE_FIELD(momentum);
-  AMPFUSE_MERGE_FIELD(dampening);
-  AMPFUSE_MERGE_FIELD(weight_decay);
-  AMPFUSE_MERGE_FIELD(nesterov);
-  AMPFUSE_MERGE_FIELD(maximize);
-  AMPFUSE_MERGE_FIELD(master_weights);
-  return std::make_unique<SGDOptions>(merged);
-}
-
-void SGD::check_options(const OptimizerOptions& options) const {
-  const auto& o = options_of<SGDOptions>(options, "ampfuse::optim::SGD", "ampfuse::optim::SGDOptions");
-  check_lr("SGD", o.lr());
-  TORCH_CHECK(o.momentum() >= 0.0, "SGD: momentum must be >= 0, got ", o.momentum(), ".");
-  check_weight_decay("SGD", o.weight_decay());
-  TORCH_CHECK(!o.nesterov() || (o.momentum() > 0 && o.dampening() == 0),
-              "SGD: nesterov momentum requires a momentum > 0 and zero dampening.");
-}
-
-#define AMPFUSE_ADAM_GROUP_IMPL(Name)                                                           \
-  std::unique_ptr<OptimizerOptions> Name::merge_group_options(const OptimizerOptions& options)  \
-      const {                                                                                   \
-    const auto& user = options_of<Name##Options>(options, "ampfuse::optim::" #Name,             \
-                                                 "ampfuse::optim::" #Name "Options");           \
-    const Name##Options fresh;                                                                  \
-    Name##Options merged = static_cast<const Name##Options&>(*defaults_);                       \
-    AMPFUSE_MERGE_FIELD(lr);                                                                    \
-    AMPFUSE_MERGE_FIELD(betas);                                                                 \
-    AMPFUSE_MERGE_FIELD(eps);                                                                   \
-    AMPFUSE_MERGE_FIELD(weight_decay);                                                          \
-    AMPFUSE_MERGE_FIELD(amsgrad);                                                               \
-    AMPFUSE_MERGE_FIELD(maximize);                                                              \
-    AMPFUSE_MERGE_FIELD(master_weights);                                                        \
-    return std::make_unique<Name##Options>(merged);                                             \
-  }                                                                                             \
-  void Name::check_options(const OptimizerOptions& options) const {                             \
-    check_adam_options(#Name, options_of<Name##Options>(options, "ampfuse::optim::" #Name,      \
-                                                        "ampfuse::optim::" #Name "Options"));   \
+struct SgdPolicy {
+  using Options = SGDOptions;
+  using State = SGDParamState;
+  static constexpr const char* kName = "SGD";
+  static constexpr std::array<const char*, 1> kStateNames = {"momentum_buffer"};
+  static int num_states(const Options& o) { return o.momentum() != 0 ? 1 : 0; }
+  static at::Tensor& state(State& s, int) { return s.momentum_buffer(); }
+  // Momentum switched on mid-run (torch: the buffer is None): the next step taken starts it from
+  // the gradient, which the kernel does when the step counter is 0.
+  static void state_created(State& s) { s.step().zero_(); }
+  static void check(const Options& o) {
+    check_common(kName, o);
+    TORCH_CHECK(o.momentum() >= 0.0, "SGD: momentum must be >= 0, got ", o.momentum(), ".");
+    TORCH_CHECK(!o.nesterov() || (o.momentum() > 0 && o.dampening() == 0),
+                "SGD: nesterov momentum requires a momentum > 0 and zero dampening.");
   }
+  static void run(const Options& o, Bucket& b, const StepScaling& sc) {
+    SgdStepOptions so;
+    so.lr = o.lr();
+    so.momentum = o.momentum();
+    so.dampening = o.dampening();
+    so.weight_decay = o.weight_decay();
+    so.nesterov = o.nesterov();
+    so.maximize = o.maximize();
+    sgd_step_(b.params, b.grads, b.masters, b.states[0], b.steps, so, sc);
+  }
+  // torch's SGD has no step counter: a present momentum buffer means momentum was initialised.
+  static void adopt_foreign(State& s, const at::Tensor& p) {
+    if (!s.step().defined()) {
+      s.step(at::full({}, s.momentum_buffer().defined() ? 1.0f : 0.0f, p.options().dtype(at::kFloat)));
+    }
+  }
+};
 
-AMPFUSE_ADAM_GROUP_IMPL(Adam)
-AMPFUSE_ADAM_GROUP_IMPL(AdamW)
-#undef AMPFUSE_ADAM_GROUP_IMPL
-#undef AMPFUSE_MERGE_FIELD
+template <typename O, bool kDecoupled>
+struct AdamPolicyT {
+  using Options = O;
+  using State = AdamParamState;
+  static constexpr const char* kName = kDecoupled ? "AdamW" : "Adam";
+  static constexpr std::array<const char*, 3> kStateNames = {"exp_avg", "exp_avg_sq",
+                                                             "max_exp_avg_sq"};
+  static int num_states(const Options& o) { return o.amsgrad() ? 3 : 2; }
+  static at::Tensor& state(State& s, int k) {
+    return k == 0 ? s.exp_avg() : (k == 1 ? s.exp_avg_sq() : s.max_exp_avg_sq());
+  }
+  static void state_created(State&) {}
+  static void check(const Options& o) {
+    check_common(kName, o);
+    TORCH_CHECK(o.eps() >= 0.0, kName, ": eps must be >= 0, got ", o.eps(), ".");
+    const double b1 = std::get<0>(o.betas());
+    const double b2 = std::get<1>(o.betas());
+    TORCH_CHECK(b1 >= 0.0 && b1 < 1.0, kName, ": betas[0] must be in [0, 1), got ", b1, ".");
+    TORCH_CHECK(b2 >= 0.0 && b2 < 1.0, kName, ": betas[1] must be in [0, 1), got ", b2, ".");
+  }
+  static void run(const Options& o, Bucket& b, const StepScaling& sc) {
+    AdamStepOptions ao;
+    ao.lr = o.lr();
+    ao.beta1 = std::get<0>(o.betas());
+    ao.beta2 = std::get<1>(o.betas());
+    ao.eps = o.eps();
+    ao.weight_decay = o.weight_decay();
+    ao.amsgrad = o.amsgrad();
+    ao.maximize = o.maximize();
+    ao.decoupled_weight_decay = kDecoupled;
+    adam_step_(b.params, b.grads, b.masters, b.states[0], b.states[1], b.states[2], b.steps, ao,
+               sc);
+  }
+  static void adopt_foreign(State& s, const at::Tensor& p) {
+    if (!s.step().defined()) s.step(at::zeros({}, p.options().dtype(at::kFloat)));
+  }
+};
+struct AdamPolicy : AdamPolicyT<AdamOptions, false> {};
+struct AdamWPolicy : AdamPolicyT<AdamWOptions, true> {};
+
+template <class P>
+Fused<P>::Fused(const std::vector<OptimizerParamGroup>& param_groups, Options defaults)
+    : FusedOptimizer(std::make_unique<Options>(defaults)) {
+  check_options(*defaults_);
+  for (const auto& group : param_groups) add_param_group(group);
+}
+
+template <class P>
+Fused<P>::Fused(std::vector<at::Tensor> params, Options defaults)
+    : Fused(std::vector<OptimizerParamGroup>{OptimizerParamGroup(std::move(params))},
+            std::move(defaults)) {}
+
+template <class P>
+at::Tensor Fused<P>::step(LossClosure closure) {
+  return fused_step<P>(*this, closure);
+}
+
+template <class P>
+void Fused<P>::save(OutputArchive& archive) const {
+  fused_save<P>(*this, archive);
+}
+
+template <class P>
+void Fused<P>::load(InputArchive& archive) {
+  fused_load<P>(*this, archive);
+}
+
+template <class P>
+std::unique_ptr<OptimizerOptions> Fused<P>::merge_group_options(const OptimizerOptions& options) const {
+  const auto& user = options_of<Options>(options, P::kName);
+  return std::make_unique<Options>(merge_options(user, static_cast<const Options&>(*defaults_)));
+}
+
+template <class P>
+void Fused<P>::check_options(const OptimizerOptions& options) const {
+  P::check(options_of<Options>(options, P::kName));
+}
+
+template class Fused<SgdPolicy>;
+template class Fused<AdamPolicy>;
+template class Fused<AdamWPolicy>;
+
+// ============================================================================================
+// Master remainders (the host-side twins of ops/rules.h join_master / split_master)
+// ============================================================================================
+namespace {
+
+constexpr int64_t kU32 = 0xFFFFFFFFLL;
+
+at::Tensor from_uint32(const at::Tensor& u) {
+  const at::Tensor wrapped = at::where(u.ge(int64_t{1} << 31), u - (int64_t{1} << 32), u);
+  return wrapped.to(at::kInt).view(at::kFloat);
+}
+
+}  // namespace
+
+at::Tensor join_master(const at::Tensor& param, const at::Tensor& remainder) {
+  TORCH_CHECK(param.scalar_type() == at::kBFloat16 && remainder.scalar_type() == at::kShort,
+              "join_master needs a torch.bfloat16 param and a torch.int16 remainder, got ",
+              detail::dtype_name(param.scalar_type()), " and ",
+              detail::dtype_name(remainder.scalar_type()), ".");
+  const at::Tensor p = param.contiguous().view(at::kShort).to(at::kLong).bitwise_and(0xFFFF);
+  const at::Tensor r = remainder.contiguous().to(at::kLong);
+  const at::Tensor mag = p.bitwise_and(0x7FFF);
+  const at::Tensor plain = mag.gt(0x7F80)
+                               .logical_or(mag.eq(0x7F80).logical_and(r.ge(0)))
+                               .logical_or(mag.eq(0).logical_and(r.lt(0)));
+  const at::Tensor hi = p * 65536;
+  const at::Tensor bits = at::where(plain, hi, (hi + r).bitwise_and(kU32));
+  return from_uint32(bits).reshape(param.sizes());
+}
+
+std::tuple<at::Tensor, at::Tensor> split_master(const at::Tensor& master) {
+  TORCH_CHECK(master.scalar_type() == at::kFloat, "split_master needs a torch.float32 master, got ",
+              detail::dtype_name(master.scalar_type()), ".");
+  const at::Tensor b = master.contiguous().view(at::kInt).to(at::kLong).bitwise_and(kU32);
+  const at::Tensor nan = b.bitwise_and(0x7FFFFFFF).gt(0x7F800000);
+  const at::Tensor hi = at::floor_divide(b + 0x8000, 65536);  // nearest, ties away from zero
+  const at::Tensor rem = at::where(nan, at::zeros_like(b), b - hi * 65536);
+  const at::Tensor p = at::where(nan, at::floor_divide(b, 65536).bitwise_or(0x40), hi).bitwise_and(0xFFFF);
+  const at::Tensor p16 = at::where(p.ge(0x8000), p - 0x10000, p).to(at::kShort).view(at::kBFloat16);
+  return {p16.reshape(master.sizes()), rem.to(at::kShort).reshape(master.sizes())};
+}
 
 }  // namespace ampfuse::optim

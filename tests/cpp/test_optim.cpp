@@ -437,6 +437,95 @@ TEST(Optim, LoadsTorchAdamWCheckpoint) {
   for (size_t i = 0; i < a.size(); ++i) expect_close(b[i], a[i], 1e-6, 2e-7, "param");
 }
 
+// ---- precision options -----------------------------------------------------------------------
+// master_remainders: the masters equal master_weights' bit for bit over many steps (with skipped
+// steps and a checkpoint round trip), params equal except at exact ties; state_dtype bf16 keeps
+// bf16 moments; checkpoints hold fp32 state and an fp32 master_param.
+template <class Opt, class Options>
+void remainder_parity(Options options) {
+  auto a = make_params(at::kBFloat16);
+  auto b = copy_params(a);
+  Opt plain(a, options);
+  auto ob = std::make_unique<Opt>(b, Options(options).master_remainders(true));
+  for (int step = 0; step < 200; ++step) {
+    auto g = grads_for(step, at::kBFloat16);
+    set_grads(a, g);
+    set_grads(b, g);
+    const bool skip = step % 37 == 5;
+    ampfuse::StepScaling sc;
+    sc.found_inf = at::full({}, skip ? 1.0f : 0.0f);
+    plain.set_step_scaling(sc);
+    ob->set_step_scaling(sc);
+    plain.step();
+    ob->step();
+    if (step == 100) {  // checkpoint round trip into a fresh optimizer
+      std::stringstream stream;
+      torch::save(*ob, stream);
+      ob = std::make_unique<Opt>(b, Options(options).master_remainders(true));
+      torch::load(*ob, stream);
+    }
+  }
+  for (size_t i = 0; i < a.size(); ++i) {
+    auto& sa = static_cast<typename Opt::State&>(*plain.state().at(a[i].unsafeGetTensorImpl()));
+    auto& sb = static_cast<typename Opt::State&>(*ob->state().at(b[i].unsafeGetTensorImpl()));
+    ASSERT_TRUE(sb.master_remainder().defined());
+    EXPECT_EQ(sb.master_remainder().scalar_type(), at::kShort);
+    EXPECT_FALSE(sb.master_param().defined());
+    const at::Tensor master = ampfuse::optim::join_master(b[i].detach(), sb.master_remainder());
+    EXPECT_TRUE(bitwise_equal(master, sa.master_param())) << "master " << i;
+    const at::Tensor ties = sa.master_param().view(at::kInt).bitwise_and(0xFFFF).eq(0x8000);
+    EXPECT_TRUE(a[i].detach().eq(b[i].detach()).logical_or(ties).all().item<bool>()) << "param " << i;
+  }
+}
+
+TEST(Optim, RemainderMastersEqualFp32MastersBitwise) {
+  remainder_parity<ampfuse::optim::AdamW>(ampfuse::optim::AdamWOptions(1e-2));
+  remainder_parity<ampfuse::optim::SGD>(ampfuse::optim::SGDOptions(0.05).momentum(0.9));
+}
+
+TEST(Optim, Bf16StateAndFp32Checkpoints) {
+  auto a = make_params(at::kBFloat16);
+  ampfuse::optim::AdamW opt(a, ampfuse::optim::AdamWOptions(1e-2).master_remainders(true).state_dtype(at::kBFloat16));
+  for (int step = 0; step < 3; ++step) {
+    set_grads(a, grads_for(step, at::kBFloat16));
+    opt.step();
+  }
+  auto& s = static_cast<ampfuse::optim::AdamParamState&>(*opt.state().at(a[0].unsafeGetTensorImpl()));
+  EXPECT_EQ(s.exp_avg().scalar_type(), at::kBFloat16);
+  EXPECT_EQ(s.exp_avg_sq().scalar_type(), at::kBFloat16);
+  const at::Tensor master = ampfuse::optim::join_master(a[0].detach(), s.master_remainder());
+  std::stringstream stream;
+  torch::save(opt, stream);
+  // the live state is unchanged by save()
+  EXPECT_EQ(s.exp_avg().scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(s.master_remainder().defined());
+  // a default-precision optimizer loads it: fp32 state, the fp32 master bit for bit
+  auto b = copy_params(a);
+  ampfuse::optim::AdamW plain(b, ampfuse::optim::AdamWOptions(1.0));
+  torch::load(plain, stream);
+  const auto& o = static_cast<const ampfuse::optim::AdamWOptions&>(plain.param_groups()[0].options());
+  EXPECT_TRUE(o.master_remainders());  // options come from the checkpoint, as torch's do
+  EXPECT_EQ(o.state_dtype(), at::kBFloat16);
+  auto& l = static_cast<ampfuse::optim::AdamParamState&>(*plain.state().at(b[0].unsafeGetTensorImpl()));
+  EXPECT_EQ(l.exp_avg().scalar_type(), at::kFloat);
+  EXPECT_TRUE(bitwise_equal(l.exp_avg(), s.exp_avg().to(at::kFloat)));
+  EXPECT_TRUE(bitwise_equal(l.master_param(), master));
+}
+
+TEST(Optim, PrecisionOptionsMergeAndCheck) {
+  auto p = make_params(at::kBFloat16);
+  ampfuse::optim::AdamW opt(std::vector<at::Tensor>{p[0]}, ampfuse::optim::AdamWOptions(1e-3).state_dtype(at::kBFloat16));
+  opt.add_param_group(torch::optim::OptimizerParamGroup(
+      {p[1]}, std::make_unique<ampfuse::optim::AdamWOptions>(ampfuse::optim::AdamWOptions(5e-3).master_remainders(true))));
+  const auto& g1 = static_cast<const ampfuse::optim::AdamWOptions&>(opt.param_groups()[1].options());
+  EXPECT_EQ(g1.lr(), 5e-3);
+  EXPECT_TRUE(g1.master_remainders());
+  EXPECT_EQ(g1.state_dtype(), at::kBFloat16);  // inherited from the defaults
+  EXPECT_TRUE(throws_with(
+      [&] { ampfuse::optim::AdamW bad(std::vector<at::Tensor>{p[2]}, ampfuse::optim::AdamWOptions().state_dtype(at::kHalf)); },
+      "AdamW: state_dtype must be torch.float32 or torch.bfloat16, got torch.float16"));
+}
+
 TEST(Optim, LoadChecksBeforeChangingAnything) {
   auto a = make_params(at::kFloat);
   ampfuse::optim::Adam oa(a, ampfuse::optim::AdamOptions(1e-2));
