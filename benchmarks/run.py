@@ -1,26 +1,45 @@
-"""ampfuse benchmarks: every figure against the torch path it replaces, measured in the same run.
+"""ampfuse benchmarks: every figure a ratio against the best torch path for the same job, measured
+in the same run, and a bandwidth against the in-place stream measured in the same rounds.
 
-    python benchmarks/run.py                 # CPU (make bench), < 10 minutes on 2 cores
+    python benchmarks/run.py                 # CPU (make bench)
     python benchmarks/run.py --device cuda   # GPU (benchmarks/gpu_check.sh)
     python benchmarks/run.py --quick         # a smoke run (tests use it)
 
-For each case: median time per call and spread (interquartile range over interleaved repeats),
-the bytes a call must move per parameter (the byte model below), achieved GB/s, the fraction of
-a plain copy's bandwidth measured on the same device in the same run for the same number of bytes
-(on CPU also of a triad a = b + s*c), and the ratio ampfuse / torch (< 1: ampfuse is faster).
+How a case is timed:
+  * every candidate owns its tensors; before each timed call its gradients are rewritten from a
+    source (not timed), so each step starts as after a backward pass, with freshly written grads;
+  * candidates and the roof references (in-place stream x *= s, copy, and on CPU a triad
+    a = b + s*c) run in one randomly shuffled order per round, for at least 15 rounds (more for
+    fast cases, within a time budget), after two warm-up rounds;
+  * each call is timed alone (wall clock with a device sync on CPU, CUDA events on GPU); tables
+    show median [min-max] over the rounds, and ratios are taken per round (same round, same
+    machine state) and summarised the same way.
 
-Byte model (per parameter element; lp = 2 bytes for fp16/bf16 weights and grads):
-  unscale+check         read + write the grad                          2*g
-  unscale+check+norm    the same pass (norm in registers)              2*g
-  step, AdamW + masters check pass: read grad (lp); step pass: read grad (lp), master, exp_avg,
-                        exp_avg_sq (3*4); write param (lp), master, exp_avg, exp_avg_sq   = 30 B
-  step, SGD-momentum + masters   lp + (lp + 2*4) + (lp + 2*4)                               = 22 B
-  step, AdamW fp32 params        4 + (4 + 3*4) + 3*4                                        = 32 B
-  skip path (overflow)  the check pass only (the step reads found_inf and returns)         lp
-  accumulate            read grad (lp), read + write the fp32 buffer                       lp + 8
-                        (benchmarked without zeroing the grad, like the torch baseline)
-Torch baselines move more bytes for the same result; their GB/s is computed with the same model
-(useful work per second), so their fraction of copy bandwidth is directly comparable.
+Candidates (per case; the headline ratio is against the fastest torch candidate of the run):
+  ampfuse     GradScaler.unscale_and_clip_ -> step -> update with an ampfuse optimizer (the
+              scaler's check pass plus one fused step pass; no host sync)
+  torch-A     fp16/bf16 params kept with fp32 masters by hand: grads copied to fp32,
+              GradScaler.unscale_, clip_grad_norm_, fused AdamW/SGD on the masters via the
+              scaler, masters copied back (the common recipe)
+  torch-A*    the expert version: grads copied to fp32, one _foreach_norm of the scaled grads,
+              fused AdamW/SGD with grad_scale = scale / clip_coef and found_inf from the norm (the
+              unscale and the clip folded into the fused step), _amp_update_scale_, masters copied
+              back
+  torch-B     fp32 params: GradScaler.unscale_, clip_grad_norm_, scaler.step(fused AdamW/SGD)
+  torch-B*    fp32 params, expert: one _foreach_norm of the scaled grads, fused step with
+              grad_scale = scale / clip_coef and found_inf, _amp_update_scale_
+
+Byte model (useful bytes per parameter element that the job must move; lp = 2 for fp16/bf16):
+  step, AdamW, fp32 masters     check: grad lp; step: read grad lp, param lp (it tells an edited
+                                param), master 4, m 4, v 4; write param lp, master, m, v  = 32 B
+  step, AdamW, remainder +      check lp; read grad, param, remainder, m, v (2 each); write
+    bf16 state                  param, remainder, m, v                                  = 20 B
+  step, AdamW, fp32 params      4 + (4 + 4 + 4 + 4) + 3*4                               = 32 B
+  step, SGD-momentum, masters   lp + (lp + lp + 4 + 4) + (lp + 4 + 4)                   = 24 B
+  skipped step (overflow)       the check pass only                                     lp
+  unscale+check (+norm)         read + write the grad                                   2*g
+  accumulate                    read grad (g), read + write the fp32 buffer             g + 8
+Torch candidates are measured against the same model (useful work per second).
 """
 
 from __future__ import annotations
@@ -32,10 +51,11 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -52,10 +72,14 @@ for _ in range(12):
     GPT2_SMALL += [(768,), (768,), (768, 2304), (2304,), (768, 768), (768,), (768,), (768,), (768, 3072), (3072,), (3072, 768), (768,)]
 GPT2_SMALL += [(768,), (768,)]
 
+MIN_ROUNDS = 15
+ROOF_CAP_BYTES = 1 << 30  # beyond the caches a stream's bandwidth does not depend on its size
+
 
 def layout_shapes(layout: str, total: int) -> list[tuple[int, ...]]:
     """Tensor shapes with about `total` elements: one tensor, GPT-2-small's list scaled to the
-    total (same number of tensors and relative sizes), or 10,000 equal small tensors."""
+    total (same number of tensors and relative sizes), 10,000 equal tensors, or `Nx` equal
+    tensors (e.g. "1000x": 1,000 tensors)."""
     if layout == "1":
         return [(total,)]
     if layout == "gpt2":
@@ -64,6 +88,9 @@ def layout_shapes(layout: str, total: int) -> list[tuple[int, ...]]:
         return [(max(1, round(math.prod(s) * f)),) for s in GPT2_SMALL]
     if layout == "10k":
         return [(max(1, total // 10_000),)] * 10_000
+    if layout.endswith("x"):
+        k = int(layout[:-1])
+        return [(max(1, total // k),)] * k
     raise ValueError(layout)
 
 
@@ -72,219 +99,305 @@ def layout_shapes(layout: str, total: int) -> list[tuple[int, ...]]:
 # ----------------------------------------------------------------------------------------------
 
 
-class Clock:
-    """Times fn() calls on one device: CUDA events (with warm-up and an L2 flush between calls for
-    small sizes) or wall time with torch.utils.benchmark.Timer on CPU (threads set explicitly)."""
-
-    def __init__(self, device: str, threads: int) -> None:
-        self.device = device
-        self.threads = threads
-        self._flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device == "cuda" else None
-
-    def time(self, fn: Callable[[], object], inner: int) -> float:
-        """Seconds per call, averaged over `inner` consecutive calls."""
-        if self.device == "cuda":
-            total = 0.0
-            for _ in range(inner):
-                self._flush.zero_()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                total += start.elapsed_time(end) / 1e3
-            return total / inner
-        import torch.utils.benchmark as tb
-
-        return tb.Timer(stmt="fn()", globals={"fn": fn}, num_threads=self.threads).timeit(inner).mean
-
-
 @dataclass
-class Measurement:
-    median_s: float
-    q1_s: float
-    q3_s: float
+class Candidate:
+    """One timed thing: prepare() (not timed: e.g. rewrite the gradients) then fn() (timed)."""
+
+    fn: Callable[[], object]
+    prepare: Callable[[], object] = lambda: None
+    bytes_moved: float | None = None  # for roofs: the bytes one call moves (else the case's model)
 
 
-def interleaved(clock: Clock, fns: dict[str, Callable[[], object]], repeats: int, budget_s: float) -> dict[str, Measurement]:
-    """Warm each fn up, then alternate them `repeats` times (so drifts hit all alike)."""
-    for fn in fns.values():
-        fn()
-    if clock.device == "cuda":
+def _sync(device: str) -> None:
+    if device == "cuda":
         torch.cuda.synchronize()
-    # calls per sample: enough to fill ~budget/repeats/len(fns) seconds
+
+
+def time_once(device: str, c: Candidate) -> float:
+    c.prepare()
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        c.fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
     t0 = time.perf_counter()
-    for fn in fns.values():
-        fn()
-    if clock.device == "cuda":
-        torch.cuda.synchronize()
-    one = max((time.perf_counter() - t0) / len(fns), 1e-6)
-    inner = int(max(1, min(200, budget_s / repeats / len(fns) / one)))
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            samples[k].append(clock.time(fn, inner))
-    out = {}
-    for k, v in samples.items():
-        q = statistics.quantiles(v, n=4) if len(v) >= 2 else [v[0]] * 3
-        out[k] = Measurement(statistics.median(v), q[0], q[2])
-    return out
+    c.fn()
+    return time.perf_counter() - t0
 
 
-def copy_bandwidth(clock: Clock, nbytes: int, repeats: int) -> tuple[float, float | None, float]:
-    """GB/s, for streams moving `nbytes` (counting bytes read and written once each), of a plain
-    copy, of a triad a = b + s*c (CPU only), and of an in-place scale x *= s. The copy and the
-    triad write a separate array, which costs a CPU an extra read of each destination line
-    (write-allocate) that the in-place stream, like ampfuse's in-place kernels, does not pay."""
-    n = max(1024, nbytes // 8)  # fp32 elements: copy moves 8 bytes per element
-    src = torch.rand(n, device=clock.device)
+def run_rounds(device: str, cands: dict[str, Candidate], min_rounds: int, budget_s: float, rng: random.Random,
+               max_rounds: int = 200) -> dict[str, list[float]]:
+    """Shuffled rounds over every candidate: two warm-up rounds, then at least `min_rounds`, more
+    while the budget lasts (up to `max_rounds`). Returns the seconds of each call per candidate."""
+    names = list(cands)
+    for _ in range(2):
+        for k in names:
+            time_once(device, cands[k])
+    samples: dict[str, list[float]] = {k: [] for k in names}
+    started = time.perf_counter()
+    rounds = 0
+    while rounds < min_rounds or (rounds < max_rounds and time.perf_counter() - started < budget_s):
+        order = names[:]
+        rng.shuffle(order)
+        for k in order:
+            samples[k].append(time_once(device, cands[k]))
+        rounds += 1
+    return samples
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def roof_candidates(device: str, nbytes: float) -> dict[str, Candidate]:
+    """In-place stream (x *= s: reads and writes each fp32 once, 8 B per element), copy (8 B per
+    element; on a CPU the destination is also read, write-allocate) and on CPU a triad a = b + s*c
+    (12 B per element), each moving min(nbytes, 1 GiB)."""
+    moved = max(1 << 16, min(float(nbytes), float(ROOF_CAP_BYTES)))
+    n = int(moved // 8)
+    buf = torch.rand(n, device=device)
+    src = torch.rand(n, device=device)
     dst = torch.empty_like(src)
-    buf = torch.rand(n, device=clock.device)
-    fns = {"copy": lambda: dst.copy_(src), "inplace": lambda: buf.mul_(1.0000001)}
-    triad = None
-    if clock.device == "cpu":
-        nt = max(1024, nbytes // 12)
+    out = {
+        "roof:inplace": Candidate(lambda: buf.mul_(1.0000001), bytes_moved=8 * n),
+        "roof:copy": Candidate(lambda: dst.copy_(src), bytes_moved=8 * n),
+    }
+    if device == "cpu":
+        nt = int(moved // 12)
         b, c = torch.rand(nt), torch.rand(nt)
         a = torch.empty(nt)
-        fns["triad"] = lambda: torch.add(b, c, alpha=0.5, out=a)
-    m = interleaved(clock, fns, repeats, budget_s=0.6)
-    copy = 8 * n / m["copy"].median_s / 1e9
-    inplace = 8 * n / m["inplace"].median_s / 1e9
-    if "triad" in m:
-        triad = 12 * nt / m["triad"].median_s / 1e9
-    return copy, triad, inplace
+        out["roof:triad"] = Candidate(lambda: torch.add(b, c, alpha=0.5, out=a), bytes_moved=12 * nt)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
 # the cases
 # ----------------------------------------------------------------------------------------------
 
+SCALE = 1024.0
+MAX_NORM = 1.0
+
 
 def make_params(shapes, dtype, device, seed=0):
-    """Params and (scaled by 1024) grads, generated on the device itself."""
+    """Params with grads (scaled by SCALE), generated on the device itself."""
     g = torch.Generator(device=device).manual_seed(seed)
     ps = []
     for s in shapes:
         p = (torch.randn(s, generator=g, device=device) * 0.02).to(dtype)
         p.requires_grad_(True)
-        p.grad = (torch.randn(s, generator=g, device=device) * 1e-3 * 1024).to(dtype)
+        p.grad = (torch.randn(s, generator=g, device=device) * 1e-3 * SCALE).to(dtype)
         ps.append(p)
     return ps
 
 
-def case_unscale(shapes, dtype, device, with_norm: bool):
-    params = make_params(shapes, dtype, device)
-    grads = [p.grad for p in params]  # clip_grad_norm_ reads .grad
-    # inv_scale != 1 so that both kernels really write, close to 1 so that repeated calls keep the
-    # values in range (no denormals); max_norm large so that clipping leaves them in range too.
-    inv = torch.full((1,), 1.0 + 2.0**-23, device=device)
-    fi = torch.zeros(1, device=device)
-    fi_t = torch.zeros(1, device=device)
+class GradSource:
+    """Fresh gradients for a candidate's params before each call (as backward writes them)."""
 
-    if with_norm:
-        def ours():
-            norm, coef = ops.unscale_check_norm_(grads, fi, inv, max_norm=1e9)
-            torch._foreach_mul_(grads, coef)  # clip_grad_norm_ multiplies too
-            return norm
+    def __init__(self, params, skip: bool) -> None:
+        self.src = [p.grad.detach().clone() for p in params]
+        if skip:
+            self.src[-1].view(-1)[0] = math.inf  # every step overflows
+        self.params = params
 
-        def theirs():
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, fi_t, inv)
-            return torch.nn.utils.clip_grad_norm_(params, 1e9, foreach=True)
-    else:
-        def ours():
-            ops.unscale_check_(grads, fi, inv)
-
-        def theirs():
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, fi_t, inv)
-    eb = torch.finfo(dtype).bits // 8
-    return {"ampfuse": ours, "torch": theirs}, 2 * eb
+    def writer(self, grads: list[torch.Tensor]) -> Callable[[], None]:
+        def write() -> None:
+            torch._foreach_copy_(grads, self.src)
+        return write
 
 
-def case_step(shapes, dtype, device, kind: str, skip: bool = False):
-    """Full mixed-precision step with clipping. dtype fp16/bf16: master weights (baseline A);
-    fp32: torch's native AMP recipe (baseline B)."""
-    lp = dtype != torch.float32
-    dev_type = torch.device(device).type
-    ours_p = make_params(shapes, dtype, device)
-    ref_p = make_params(shapes, dtype, device)
-    if skip:
-        for ps in (ours_p, ref_p):
-            ps[-1].grad.view(-1)[0] = math.inf
-    # fp32 params (baseline B): torch's unscale_ and clip write the grads in place, so repeated
-    # calls use scale 1 and a max_norm that never clips, keeping the values stable; the passes
-    # are made all the same.
-    scale = 1024.0 if lp else 1.0
-    max_norm = 1.0 if lp else 1e9
+def _torch_opt(kind: str, params):
     if kind == "adamw":
-        opt = ampfuse.optim.AdamW(ours_p, lr=1e-4)
-    else:
-        opt = ampfuse.optim.SGD(ours_p, lr=1e-3, momentum=0.9)
-    scaler = ampfuse.GradScaler(dev_type, init_scale=scale, growth_interval=10**9, on_min_scale="ignore")
-    scaler.scale(torch.ones((), device=device))
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
+    return torch.optim.SGD(params, lr=1e-3, momentum=0.9, fused=True)
 
-    def ours():
-        scaler.unscale_and_clip_(opt, max_norm)
+
+def cand_ampfuse(kind, shapes, dtype, device, src: GradSource | None, skip, precision=None, clip=True) -> Candidate:
+    params = make_params(shapes, dtype, device)
+    source = src or GradSource(params, skip)
+    kw = {}
+    if precision == "remainder-bf16":
+        kw = dict(master_weights="remainder", state_dtype=torch.bfloat16)
+    opt = ampfuse.optim.AdamW(params, lr=1e-4, **kw) if kind == "adamw" else ampfuse.optim.SGD(params, lr=1e-3, momentum=0.9, **kw)
+    dev_type = torch.device(device).type
+    scaler = ampfuse.GradScaler(dev_type, init_scale=SCALE, growth_interval=10**9, on_min_scale="ignore")
+    loss = torch.ones((), device=device)
+    scaler.scale(loss)  # creates the scale tensor
+    grads = [p.grad for p in params]
+    write = source.writer(grads)
+
+    def prepare() -> None:
+        write()
+        if skip:
+            scaler._scale.fill_(SCALE)  # keep overflowing at the same scale
+
+    def step() -> None:
+        scaler.scale(loss)
+        if clip:
+            scaler.unscale_and_clip_(opt, MAX_NORM)
         scaler.step(opt)
         scaler.update()
-        if skip:
-            scaler._scale.fill_(scale)  # keep overflowing at the same scale
 
-    tscaler = torch.amp.GradScaler(dev_type, init_scale=scale, growth_interval=10**9)
-    tscaler.scale(torch.ones((), device=device))
+    return Candidate(step, prepare)
 
-    def make_torch_opt(ps):
-        if kind == "adamw":
-            return torch.optim.AdamW(ps, lr=1e-4, fused=True)
-        return torch.optim.SGD(ps, lr=1e-3, momentum=0.9, fused=True)
 
-    if lp:  # baseline A: fp32 masters kept by hand around torch's fused optimizer
-        masters = [p.detach().float() for p in ref_p]
+def cand_torch_a(kind, shapes, dtype, device, src: GradSource, skip, expert: bool) -> Candidate:
+    """Baselines A (lp params, fp32 masters by hand) and B (fp32 params); `expert` as documented
+    at the top of this file."""
+    params = make_params(shapes, dtype, device)
+    lp = dtype != torch.float32
+    lp_grads = [p.grad for p in params]
+    write = src.writer(lp_grads)
+    if lp:
+        masters = [p.detach().float() for p in params]
         for m in masters:
             m.grad = torch.empty_like(m)
         mgrads = [m.grad for m in masters]
-        lp_grads = [p.grad for p in ref_p]
-        lp_data = [p.detach() for p in ref_p]
-        topt = make_torch_opt(masters)
-        clip_params = masters
-    else:  # baseline B: torch's native AMP recipe on fp32 params
-        topt = make_torch_opt(ref_p)
-        clip_params = ref_p
+        lp_data = [p.detach() for p in params]
+        opt = _torch_opt(kind, masters)
+        step_params, step_grads = masters, mgrads
+    else:
+        opt = _torch_opt(kind, params)
+        step_params, step_grads = params, lp_grads
+    dev_type = torch.device(device).type
+    loss = torch.ones((), device=device)
+    if not expert:
+        tscaler = torch.amp.GradScaler(dev_type, init_scale=SCALE, growth_interval=10**9)
+        tscaler.scale(loss)
 
-    def theirs():
+        def prepare() -> None:
+            write()
+            if skip:
+                tscaler._scale.fill_(SCALE)
+
+        def step() -> None:
+            tscaler.scale(loss)
+            if lp:
+                torch._foreach_copy_(mgrads, lp_grads)
+            tscaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(step_params, MAX_NORM, foreach=True)
+            tscaler.step(opt)
+            tscaler.update()
+            if lp:
+                torch._foreach_copy_(lp_data, masters)
+
+        return Candidate(step, prepare)
+
+    scale = torch.full((), SCALE, device=device)
+    growth = torch.zeros((), dtype=torch.int32, device=device)
+    found = torch.zeros((), device=device)
+
+    def prepare_e() -> None:
+        write()
+        if skip:
+            scale.fill_(SCALE)
+
+    def step_e() -> None:
+        loss * scale  # scaler.scale(loss)
         if lp:
             torch._foreach_copy_(mgrads, lp_grads)
-        tscaler.unscale_(topt)
-        torch.nn.utils.clip_grad_norm_(clip_params, max_norm, foreach=True)
-        tscaler.step(topt)
-        tscaler.update()
+        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(step_grads)))  # of the scaled grads
+        found.copy_(torch.logical_not(torch.isfinite(total)))
+        # clip coefficient of the unscaled grads, folded with the scale into the fused step
+        coef = torch.clamp(MAX_NORM / (total / scale + 1e-6), max=1.0)
+        opt.grad_scale = (scale / coef).to(torch.float32)
+        opt.found_inf = found
+        opt.step()
+        torch._amp_update_scale_(scale, growth, found, 2.0, 0.5, 10**9)
         if lp:
             torch._foreach_copy_(lp_data, masters)
-        if skip:
-            tscaler._scale.fill_(scale)
 
+    return Candidate(step_e, prepare_e)
+
+
+def bytes_per_param(kind: str, dtype: torch.dtype, skip: bool, precision: str | None) -> float:
     g = torch.finfo(dtype).bits // 8
     if skip:
-        bpp = g
-    elif kind == "adamw":
-        bpp = 30 if lp else 32
-    else:
-        bpp = 22 if lp else 24
-    return {"ampfuse": ours, "torch": theirs}, bpp
+        return g
+    if precision == "remainder-bf16":
+        return 20 if kind == "adamw" else 14  # SGD: check 2 + read g, p, rem, mom + write p, rem, mom
+    if kind == "adamw":
+        return 32
+    return 24 if dtype != torch.float32 else 28  # fp32 SGD: 4 + (4 + 4 + 4) + (4 + 4)
+
+
+def case_step(shapes, dtype, device, kind: str, skip: bool = False) -> tuple[dict[str, Candidate], float]:
+    ours = cand_ampfuse(kind, shapes, dtype, device, None, skip)
+    src = GradSource(make_params(shapes, dtype, device), skip)
+    a = "torch-A" if dtype != torch.float32 else "torch-B"
+    return {
+        "ampfuse": ours,
+        a: cand_torch_a(kind, shapes, dtype, device, src, skip, expert=False),
+        a + "*": cand_torch_a(kind, shapes, dtype, device, src, skip, expert=True),
+    }, bytes_per_param(kind, dtype, skip, None)
+
+
+def case_precision(shapes, dtype, device) -> tuple[dict[str, Candidate], float]:
+    """bf16 params, AdamW: remainder masters + bf16 moments against ampfuse's fp32-master step and
+    the expert torch recipe."""
+    src = GradSource(make_params(shapes, dtype, device), False)
+    return {
+        "ampfuse": cand_ampfuse("adamw", shapes, dtype, device, src, False, precision="remainder-bf16"),
+        "ampfuse-fp32-masters": cand_ampfuse("adamw", shapes, dtype, device, src, False),
+        "torch-A*": cand_torch_a("adamw", shapes, dtype, device, src, False, expert=True),
+    }, bytes_per_param("adamw", dtype, False, "remainder-bf16")
+
+
+def case_unscale(shapes, dtype, device, with_norm: bool):
+    def cand(fn_kind: str) -> Candidate:
+        params = make_params(shapes, dtype, device)
+        grads = [p.grad for p in params]
+        write = GradSource(params, False).writer(grads)
+        inv = torch.full((1,), 1.0 / SCALE, device=device)
+        fi = torch.zeros(1, device=device)
+        if fn_kind == "ampfuse":
+            if with_norm:
+                def fn():
+                    norm, coef = ops.unscale_check_norm_(grads, fi, inv, max_norm=MAX_NORM)
+                    torch._foreach_mul_(grads, coef)  # clip_grad_norm_ multiplies too
+                    return norm
+            else:
+                def fn():
+                    ops.unscale_check_(grads, fi, inv)
+        else:
+            if with_norm:
+                def fn():
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, fi, inv)
+                    return torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
+            else:
+                def fn():
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, fi, inv)
+        return Candidate(fn, write)
+
+    eb = torch.finfo(dtype).bits // 8
+    return {"ampfuse": cand("ampfuse"), "torch": cand("torch")}, 2 * eb
 
 
 def case_accumulate(shapes, dtype, device):
-    grads = [p.grad for p in make_params(shapes, dtype, device)]
-    bufs = [torch.zeros(g.shape, device=device) for g in grads]
-    fi = torch.zeros(1, device=device)
-
-    def ours():
-        ops.accumulate_grads_(bufs, grads, fi, zero_grads=False)
-
-    def theirs():  # the same work with torch's foreach ops (no inf check)
-        torch._foreach_add_(bufs, grads)
+    def cand(fn_kind: str) -> Candidate:
+        grads = [p.grad for p in make_params(shapes, dtype, device)]
+        bufs = [torch.zeros(g.shape, device=device) for g in grads]
+        fi = torch.zeros(1, device=device)
+        if fn_kind == "ampfuse":
+            return Candidate(lambda: ops.accumulate_grads_(bufs, grads, fi, zero_grads=False))
+        return Candidate(lambda: torch._foreach_add_(bufs, grads))  # the same sums, no inf check
 
     eb = torch.finfo(dtype).bits // 8
-    return {"ampfuse": ours, "torch": theirs}, eb + 8
+    return {"ampfuse": cand("ampfuse"), "torch": cand("torch")}, eb + 8
+
+
+def case_small_model(device):
+    """The whole scaler.scale -> unscale_and_clip_ -> step -> update path, bf16 AdamW with fp32
+    masters, for 1,000 tensors of 1,000 elements and for the same bytes in 10 tensors (and the
+    expert torch recipe on both, for context)."""
+    dtype = torch.bfloat16
+    out = {}
+    for name, shapes in (("1000", [(1000,)] * 1000), ("10", [(100_000,)] * 10)):
+        src = GradSource(make_params(shapes, dtype, device), False)
+        out[f"ampfuse-{name}"] = cand_ampfuse("adamw", shapes, dtype, device, src, False)
+        out[f"torch-A*-{name}"] = cand_torch_a("adamw", shapes, dtype, device, src, False, expert=True)
+    return out, 32.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,118 +405,158 @@ def case_accumulate(shapes, dtype, device):
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Row:
-    case: str
-    params: int
-    tensors: int
-    layout: str
-    dtype: str
-    bytes_per_param: float
-    ampfuse_ms: float
-    ampfuse_iqr_ms: tuple[float, float]
-    torch_ms: float
-    torch_iqr_ms: tuple[float, float]
-    ratio: float  # ampfuse / torch time
-    ampfuse_gbps: float
-    torch_gbps: float
-    copy_gbps: float
-    triad_gbps: float | None
-    ampfuse_frac_copy: float
-    torch_frac_copy: float
-    ampfuse_frac_triad: float | None
-    inplace_gbps: float = 0.0
-    ampfuse_frac_inplace: float = 0.0
-    torch_frac_inplace: float = 0.0
-
-
 def plan(device: str, quick: bool, max_params: int | None = None) -> list[tuple]:
     """(case, layout, params, dtype, kwargs); no case above max_params."""
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    lp = fp16 if device == "cuda" else bf16
     if quick:
         sizes, big = [10**5], 10**5
     elif device == "cuda":
-        sizes, big = [10**5, 10**6, 10**7, 10**8, 10**9], 10**8
+        sizes, big = [10**6, 10**7, 10**8], 10**8
     else:
-        sizes, big = [10**5, 10**6, 10**7, 10**8], 10**7
-    rows = _plan_rows(device, quick, sizes, big, bf16, fp16, fp32)
+        sizes, big = [10**6, 10**7, 10**8], 10**7
+    rows = [("small_model", "1000x", 10**6, bf16, {})]
+    for n in sizes:  # the headlines: parameter-count sweeps, GPT-2 shapes
+        rows.append(("step_adamw_master", "gpt2", n, lp, {}))
+    for n in sizes:
+        rows.append(("step_adamw_precision", "gpt2", n, bf16, {}))
+    for n in sizes:
+        rows.append(("step_adamw_fp32", "gpt2", n, fp32, {}))
+    rows.append(("step_adamw_master", "10k", big, lp, {}))
+    other = fp16 if lp == bf16 else bf16
+    rows += [
+        ("step_adamw_master", "gpt2", big, other, {}),
+        ("step_sgd_master", "gpt2", big, lp, {}),
+        ("skip_adamw_master", "gpt2", big, lp, {}),
+        ("unscale_check", "gpt2", big, fp32, {}),
+        ("unscale_check", "gpt2", big, lp, {}),
+        ("unscale_check_norm", "gpt2", big, fp32, {}),
+        ("accumulate", "gpt2", big, lp, {}),
+    ]
     if max_params is not None:
         rows = [r for r in rows if r[2] <= max_params]
     return rows
 
 
-def _plan_rows(device, quick, sizes, big, bf16, fp16, fp32):
-    lp = fp16 if device == "cuda" else bf16
-    rows = []
-    for n in sizes:  # the headline: AdamW with masters, parameter-count sweep, GPT-2 shapes
-        rows.append(("step_adamw_master", "gpt2", n, lp, {}))
-    for layout in ["1", "10k"]:  # tensor-count sweep
-        rows.append(("step_adamw_master", layout, big, lp, {}))
-    other = fp16 if lp == bf16 else bf16
-    rows += [
-        ("step_adamw_master", "gpt2", big, other, {}),
-        ("step_sgd_master", "gpt2", big, lp, {}),
-        ("step_sgd_master", "gpt2", big, other, {}),
-        ("step_adamw_fp32", "gpt2", big, fp32, {}),
-        ("skip_adamw_master", "gpt2", big, lp, {}),
-        ("unscale_check", "gpt2", big, fp32, {}),
-        ("unscale_check", "gpt2", big, lp, {}),
-        ("unscale_check", "10k", big, fp32, {}),
-        ("unscale_check_norm", "gpt2", big, fp32, {}),
-        ("accumulate", "gpt2", big, lp, {}),
-    ]
-    if not quick and device == "cpu":
-        rows.append(("step_adamw_fp32", "gpt2", 10**8, fp32, {}))
-        rows.append(("unscale_check", "1", 10**8, fp32, {}))
-    if not quick and device == "cuda":
-        for n in [10**8, 10**9]:
-            rows.append(("step_adamw_fp32", "gpt2", n, fp32, {}))
-    return rows
-
-
 def build(case: str, shapes, dtype, device):
+    if case == "small_model":
+        return case_small_model(device)
     if case == "unscale_check":
         return case_unscale(shapes, dtype, device, with_norm=False)
     if case == "unscale_check_norm":
         return case_unscale(shapes, dtype, device, with_norm=True)
     if case == "accumulate":
         return case_accumulate(shapes, dtype, device)
+    if case == "step_adamw_precision":
+        return case_precision(shapes, dtype, device)
     kind = "adamw" if "adamw" in case else "sgd"
     return case_step(shapes, dtype, device, kind, skip=case.startswith("skip"))
 
 
+def state_bytes_per_param(case: str, dtype: torch.dtype) -> dict[str, float] | None:
+    """Training state per parameter (param + grad + master + optimizer state), for the AdamW rows."""
+    if case == "step_adamw_precision":
+        return {"ampfuse": 2 + 2 + 2 + 4, "ampfuse-fp32-masters": 2 + 2 + 4 + 8, "torch (fp32 params, AMP)": 4 + 4 + 8}
+    return None
+
+
+def measure_case(device, case, layout, n, dtype, quick, rng) -> dict:
+    shapes = layout_shapes(layout, n)
+    params = sum(math.prod(s) for s in shapes)
+    cands, bpp = build(case, shapes, dtype, device)
+    nbytes = params * bpp
+    cands.update(roof_candidates(device, nbytes))
+    budget = 2.0 if quick else (20.0 if nbytes > (256 << 20) else 8.0)
+    samples = run_rounds(device, cands, 3 if quick else MIN_ROUNDS, budget, rng)
+    row: dict = {
+        "case": case, "layout": layout, "params": params, "tensors": len(shapes), "dtype": str(dtype).replace("torch.", ""),
+        "bytes_per_param": bpp, "rounds": len(next(iter(samples.values()))), "candidates": {}, "roofs": {},
+    }
+    for name, ts in samples.items():
+        s = summary(ts)
+        if name.startswith("roof:"):
+            moved = cands[name].bytes_moved
+            row["roofs"][name[5:]] = {"gbps": moved / s["median"] / 1e9, "gbps_min": moved / s["max"] / 1e9,
+                                      "gbps_max": moved / s["min"] / 1e9}
+        else:
+            row["candidates"][name] = {"ms": s["median"] * 1e3, "min_ms": s["min"] * 1e3, "max_ms": s["max"] * 1e3}
+    inplace = row["roofs"]["inplace"]["gbps"]
+    if case == "small_model":
+        diff = [(a - b) / 990 * 1e6 for a, b in zip(samples["ampfuse-1000"], samples["ampfuse-10"])]
+        tdiff = [(a - b) / 990 * 1e6 for a, b in zip(samples["torch-A*-1000"], samples["torch-A*-10"])]
+        row["per_tensor_us"] = summary(diff)
+        row["torch_per_tensor_us"] = summary(tdiff)
+        return row
+    for name, c in row["candidates"].items():
+        c["gbps"] = nbytes / (c["ms"] / 1e3) / 1e9
+        c["frac_inplace"] = c["gbps"] / inplace
+    torch_names = [k for k in row["candidates"] if k.startswith("torch")]
+    best = min(torch_names, key=lambda k: row["candidates"][k]["ms"])
+    row["best_torch"] = best
+    row["speedup_vs_best_torch"] = summary([t / a for a, t in zip(samples["ampfuse"], samples[best])])
+    row["speedup_vs"] = {k: summary([t / a for a, t in zip(samples["ampfuse"], samples[k])])
+                         for k in row["candidates"] if k != "ampfuse"}
+    sb = state_bytes_per_param(case, dtype)
+    if sb:
+        row["state_bytes_per_param"] = sb
+    del cands
+    return row
+
+
 def gpu_step_diagnostics(device: str) -> dict:
-    """Host syncs and kernel launches of one fused step (GPU only), for 1,000 tensors."""
+    """Per step, 1,000 tensors, fp16 AdamW: kernel launches (profiler) of ampfuse and of the
+    expert torch recipe, host syncs of ampfuse (set_sync_debug_mode), and whether ampfuse's whole
+    step can be captured in a CUDA graph and replayed (the strict test of no host sync)."""
+    from torch.profiler import ProfilerActivity, profile
+
     shapes = [(1000,)] * 1000
-    p = make_params(shapes, torch.float16, device)
-    opt = ampfuse.optim.AdamW(p, lr=1e-4)
-    scaler = ampfuse.GradScaler("cuda", init_scale=1024.0, on_min_scale="ignore")
-    scaler.scale(torch.ones((), device=device))
-
-    def step():
-        scaler.unscale_and_clip_(opt, 1.0)
-        scaler.step(opt)
-        scaler.update()
-
-    step()
-    torch.cuda.synchronize()
+    out: dict = {"tensors": 1000}
+    src = GradSource(make_params(shapes, torch.float16, device), False)
+    cands = {"ampfuse": cand_ampfuse("adamw", shapes, torch.float16, device, src, False),
+             "torch-A*": cand_torch_a("adamw", shapes, torch.float16, device, src, False, expert=True)}
+    for name, c in cands.items():
+        c.prepare()
+        c.fn()
+        c.prepare()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            c.fn()
+            torch.cuda.synchronize()
+        evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = [e for e in evs if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+        out[name] = {"kernel_launches": len(kernels), "memcpy_memset": len(evs) - len(kernels),
+                     "kernels": sorted({e.name[:70] for e in kernels})}
     import warnings
 
+    c = cands["ampfuse"]
+    c.prepare()
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            step()
+            c.fn()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    syncs = sum("synchroniz" in str(w.message).lower() for w in rec)
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
+    out["ampfuse"]["host_syncs"] = sum("synchroniz" in str(w.message).lower() for w in rec)
+    try:
+        c.prepare()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "memset" not in e.name.lower() and "memcpy" not in e.name.lower()]
-    return {"tensors": 1000, "host_syncs": syncs, "kernel_launches": len(kernels), "kernels": sorted({e.name[:60] for e in kernels})}
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            c.fn()  # warm-up on the side stream (tables resident there)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            c.fn()
+        for _ in range(3):
+            c.prepare()
+            g.replay()
+        torch.cuda.synchronize()
+        out["ampfuse"]["graph_capture"] = "ok"
+    except Exception as e:  # noqa: BLE001 -- reported, not raised
+        out["ampfuse"]["graph_capture"] = f"failed: {type(e).__name__}: {e}"[:300]
+    return out
 
 
 def machine_info(device: str) -> dict:
@@ -433,41 +586,45 @@ def machine_info(device: str) -> dict:
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (a smoke run)")
-    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, few rounds (a smoke run)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--seed", type=int, default=0, help="seed of the candidates' order in each round")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--only", default=None, help="comma-separated case names to run")
     ap.add_argument("--max-params", type=int, default=None, help="skip cases with more parameters")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="stop starting new cases after this many seconds (the JSON holds what was measured)")
     ap.add_argument("--plan-only", action="store_true", help="write the planned cases, measure nothing")
     a = ap.parse_args(argv)
     device = a.device
+    cases = plan(device, a.quick, a.max_params)
+    if a.only:
+        keep = set(a.only.split(","))
+        cases = [c for c in cases if c[0] in keep]
+    os.makedirs(a.out, exist_ok=True)
     if a.plan_only:
-        cases = plan(device, a.quick, a.max_params)
-        os.makedirs(a.out, exist_ok=True)
         path = os.path.join(a.out, f"plan-{device}.json")
         with open(path, "w", encoding="utf-8") as f:
             json.dump({"device": device, "planned": [[c, l, n, str(d).replace("torch.", "")] for c, l, n, d, _ in cases]}, f, indent=1)
         print(f"{len(cases)} cases planned for {device}, at most {max(n for _, _, n, _, _ in cases):.0e} parameters; wrote {path}")
         return path
-    threads = torch.get_num_threads()
-    torch.set_num_threads(threads)  # explicit: all cores
-    repeats = a.repeats or (3 if a.quick else 7)
-    clock = Clock(device, threads)
+    torch.set_num_threads(torch.get_num_threads())  # explicit: all cores
     from tqdm import tqdm
 
-    rows: list[Row] = []
-    cases = plan(device, a.quick, a.max_params)
+    rng = random.Random(a.seed)
+    rows: list[dict] = []
     started = time.perf_counter()
-    os.makedirs(a.out, exist_ok=True)
     tag = "quick-" if a.quick else ""
     info = machine_info(device)
+    info["seed"] = a.seed
     path = os.path.join(a.out, f"{tag}{device}-{info['date']}.json")
+    result: dict = {"machine": info, "rows": rows}
 
-    def save(extra=None) -> None:  # after every case: a run cut off by a time limit keeps its rows
-        result = {"machine": info, "rows": [asdict(r) for r in rows], **(extra or {})}
+    def save() -> None:  # after every case: a run cut off by a time limit keeps its rows
+        import report
+
+        result["targets"] = report.evaluate_targets(result)
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
         os.replace(path + ".tmp", path)
@@ -476,38 +633,22 @@ def main(argv: list[str] | None = None) -> str:
         if a.deadline_s is not None and time.perf_counter() - started > a.deadline_s:
             print(f"deadline reached: {len(rows)} of {len(cases)} cases measured")
             break
-        shapes = layout_shapes(layout, n)
-        params = sum(math.prod(s) for s in shapes)
-        fns, bpp = build(case, shapes, dtype, device)
-        big = params * bpp > (400 << 20)
-        m = interleaved(clock, fns, max(3, repeats - (3 if big else 0)), budget_s=0.5 if a.quick else (6.0 if big else 3.0))
-        copy_gbps, triad_gbps, inplace_gbps = copy_bandwidth(clock, int(params * bpp), max(3, repeats // 2))
-        nbytes = params * bpp
-        ga = nbytes / m["ampfuse"].median_s / 1e9
-        gt = nbytes / m["torch"].median_s / 1e9
-        rows.append(Row(
-            case, params, len(shapes), layout, str(dtype).replace("torch.", ""), bpp,
-            m["ampfuse"].median_s * 1e3, (m["ampfuse"].q1_s * 1e3, m["ampfuse"].q3_s * 1e3),
-            m["torch"].median_s * 1e3, (m["torch"].q1_s * 1e3, m["torch"].q3_s * 1e3),
-            m["ampfuse"].median_s / m["torch"].median_s, ga, gt, copy_gbps, triad_gbps,
-            ga / copy_gbps, gt / copy_gbps, (ga / triad_gbps) if triad_gbps else None,
-            inplace_gbps, ga / inplace_gbps, gt / inplace_gbps,
-        ))
-        del fns
+        rows.append(measure_case(device, case, layout, n, dtype, a.quick, rng))
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
         save()
-    result = {"machine": info, "rows": [asdict(r) for r in rows]}
-    if device == "cuda":
+    if device == "cuda" and (a.deadline_s is None or time.perf_counter() - started < a.deadline_s + 60):
         result["step_diagnostics"] = gpu_step_diagnostics(device)
-    save({k: v for k, v in result.items() if k not in ("machine", "rows")})
+    save()
     print(f"wrote {path}")
-    from report import markdown_table, plot
+    import report
 
-    print(markdown_table(result))
+    print(report.markdown_table(result))
+    print()
+    print(report.targets_table(result))
     if not a.no_plots:
-        for p in plot(result, a.out, prefix=tag):
+        for p in report.plot(result, a.out, prefix=tag):
             print(f"wrote {p}")
     return path
 

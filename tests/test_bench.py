@@ -1,4 +1,5 @@
-"""The benchmark harness in its quick configuration: it runs and its results are well formed."""
+"""The benchmark harness in its quick configuration: it runs, its results are well formed, every
+target of benchmarks/targets.json is evaluated, and the tables come from the JSON."""
 
 from __future__ import annotations
 
@@ -19,12 +20,42 @@ def test_quick_benchmark_run(tmp_path):
         res = json.load(f)
     assert res["machine"]["device"] == "cpu" and res["machine"]["threads"] >= 1
     cases = {r["case"] for r in res["rows"]}
-    assert {"step_adamw_master", "step_sgd_master", "step_adamw_fp32", "skip_adamw_master", "unscale_check",
-            "unscale_check_norm", "accumulate"} <= cases
+    assert {"small_model", "step_adamw_master", "step_adamw_precision", "step_sgd_master", "step_adamw_fp32",
+            "skip_adamw_master", "unscale_check", "unscale_check_norm", "accumulate"} <= cases
     for r in res["rows"]:
-        assert r["ampfuse_ms"] > 0 and r["torch_ms"] > 0 and r["copy_gbps"] > 0 and r["inplace_gbps"] > 0
-        assert abs(r["ratio"] - r["ampfuse_ms"] / r["torch_ms"]) < 1e-9 * r["ratio"]
-        assert r["ampfuse_iqr_ms"][0] <= r["ampfuse_ms"] <= r["ampfuse_iqr_ms"][1]
+        assert r["rounds"] >= 3
+        for name, c in r["candidates"].items():
+            assert 0 < c["min_ms"] <= c["ms"] <= c["max_ms"], (r["case"], name)
+        assert {"inplace", "copy", "triad"} <= set(r["roofs"])
+        if r["case"] == "small_model":
+            assert {"ampfuse-1000", "ampfuse-10", "torch-A*-1000", "torch-A*-10"} <= set(r["candidates"])
+            assert r["per_tensor_us"]["min"] <= r["per_tensor_us"]["median"] <= r["per_tensor_us"]["max"]
+            continue
+        assert r["best_torch"].startswith("torch")
+        s = r["speedup_vs_best_torch"]
+        assert s["min"] <= s["median"] <= s["max"]
+        if r["case"].startswith(("step_adamw_master", "step_sgd", "skip")):
+            assert {"torch-A", "torch-A*"} <= set(r["candidates"])
+        if r["case"] == "step_adamw_fp32":
+            assert {"torch-B", "torch-B*"} <= set(r["candidates"])
+    # every CPU target is evaluated (measured rows in a quick run: only the size-independent ones pass or fail)
+    ids = {t["id"] for t in res["targets"]}
+    assert ids == {t["id"] for t in report.load_targets() if t["device"] in ("any", "cpu")}
+    assert all(t["status"] in ("PASS", "FAIL", "not measured") for t in res["targets"])
+    assert {t["id"]: t["status"] for t in res["targets"]}["precision-bytes"] == "PASS"
     table = report.markdown_table(res)
-    assert table.count("\n| ") == len(res["rows"]) + 1
+    assert table.count("\n| ") == len(res["rows"]) - 1 + 1  # the small-model row is a sentence
+    assert "per extra tensor" in table
+    assert report.targets_table(res).count("\n| ") == len(res["targets"])  # rows after the header line
     assert any(name.endswith("-adamw.png") for name in os.listdir(tmp_path))
+
+
+def test_targets_evaluate_pass_and_fail():
+    row = {"case": "small_model", "params": 10**6, "dtype": "bfloat16", "per_tensor_us": {"median": 0.8, "min": 0.5, "max": 1.2}}
+    res = {"machine": {"device": "cpu"}, "rows": [row]}
+    status = {t["id"]: t["status"] for t in report.evaluate_targets(res)}
+    assert status["small-model-per-tensor"] == "PASS"
+    row["per_tensor_us"]["median"] = 1.5
+    status = {t["id"]: t["status"] for t in report.evaluate_targets(res)}
+    assert status["small-model-per-tensor"] == "FAIL"
+    assert status["adamw-masters-vs-best-torch"] == "not measured"

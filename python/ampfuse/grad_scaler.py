@@ -60,6 +60,35 @@ class _Replicas:
             t = self.copies[device] = self.master.to(device=device, non_blocking=True, copy=True)
         return t
 
+def _all_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _dense_grads_per_group_device(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> dict[torch.device, list[torch.Tensor]] | None:
+    """The fast path of ``_grads_per_device`` for ampfuse optimizers (one device per param group):
+    one pass over ``.grad`` per group, the device taken from the group. None when a gradient is
+    sparse or, without ``allow_fp16``, fp16 (the general path handles and names those). A
+    gradient on another device than its group is rejected by the check op, naming it."""
+    per_device: dict[torch.device, list[torch.Tensor]] = {}
+    strided = torch.strided
+    for group in optimizer.param_groups:
+        params = group["params"]
+        if not params:
+            continue
+        gs = [g for g in [p.grad for p in params] if g is not None]
+        if not gs:
+            continue
+        for g in gs:
+            if g.layout is not strided or (not allow_fp16 and g.dtype is torch.float16):
+                return None
+        device = params[0].device
+        if device in per_device:
+            per_device[device].extend(gs)
+        else:
+            per_device[device] = gs
+    return per_device
+
+
 class OverflowReport(list):
     """A list of ``(group_index, param_index, name)`` for parameters whose gradient is non-finite."""
 
@@ -223,6 +252,10 @@ class GradScaler(torch.amp.GradScaler):
     def _grads_per_device(optimizer: torch.optim.Optimizer, allow_fp16: bool, grads: Grads | None = None) -> dict[torch.device, list[torch.Tensor]]:
         """The gradients the optimizer's step will read (``grads`` overrides ``.grad``), per device;
         sparse gradients as their coalesced values (torch's rule)."""
+        if grads is None and isinstance(optimizer, _FusedOptimizer):
+            fast = _dense_grads_per_group_device(optimizer, allow_fp16)
+            if fast is not None:
+                return fast
         per_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         with torch.no_grad():
             for group in optimizer.param_groups:
@@ -334,7 +367,6 @@ class GradScaler(torch.amp.GradScaler):
         back to ``unscale_`` + ``clip_grad_norm_``. ``grads`` as for :meth:`unscale_`. Counts as
         this iteration's ``unscale_`` for ``optimizer``.
         """
-        params = [p for g in optimizer.param_groups for p in g["params"]]
         if isinstance(max_norm, torch.Tensor):
             if max_norm.numel() != 1 or not max_norm.is_floating_point():
                 raise ValueError(f"max_norm must be a number or a 1-element floating-point tensor, got shape {tuple(max_norm.shape)}, {max_norm.dtype}.")
@@ -344,16 +376,16 @@ class GradScaler(torch.amp.GradScaler):
         if grads is not None and not fused:
             raise ValueError("grads= can only be given for an ampfuse optimizer (whose step reads them).")
         if not self._enabled:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+            return torch.nn.utils.clip_grad_norm_(_all_params(optimizer), max_norm, norm_type)
         norm_type = float(norm_type)
         if not (norm_type == 2.0 or norm_type == math.inf):
             self.unscale_(optimizer, grads=grads)
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+            return torch.nn.utils.clip_grad_norm_(_all_params(optimizer), max_norm, norm_type)
 
         optimizer_state = self._check_unscale_stage(optimizer, "unscale_and_clip_")
         per_device = self._grads_per_device(optimizer, allow_fp16=fused, grads=grads)
-        if any(g.is_sparse for gs in per_device.values() for g in gs) or any(
-            p.grad is not None and p.grad.is_sparse for p in params if grads is None or p not in grads
+        if any(g.layout is not torch.strided for gs in per_device.values() for g in gs) or any(
+            p.grad is not None and p.grad.is_sparse for p in _all_params(optimizer) if grads is not None and p not in grads
         ):
             raise RuntimeError("unscale_and_clip_ does not support sparse gradients; use unscale_() and clip_grad_norm_().")
         assert self._scale is not None

@@ -479,19 +479,21 @@ class _FusedOptimizer(torch.optim.Optimizer):
             self._plans.clear()
         work = []
         stale = False
+        strided = torch.strided
         for gi, group in enumerate(self.param_groups):
             params = group["params"]
             grad_list = [self._grad(p, grads) for p in params] if grads is not None else [p.grad for p in params]
             try:
-                grad_dtypes = tuple(None if g is None else g.dtype for g in grad_list)
+                # dtype per gradient; a sparse one (or a non-tensor) makes the plan stale, and
+                # _validate names it
+                grad_dtypes = tuple(None if g is None else g.dtype if g.layout is strided else "sparse" for g in grad_list)
             except AttributeError:  # not a tensor: _validate names it
                 self._validate(grads)
                 raise
             ids = tuple(map(id, params))
             plan = self._plans.get(gi)
             if (plan is None or plan.params is not params or plan.ids != ids or plan.generation != self.state.generation
-                    or plan.grad_dtypes != grad_dtypes or plan.signature != self._signature(group)
-                    or any(g.is_sparse for g in grad_list if g is not None)):
+                    or plan.grad_dtypes != grad_dtypes or plan.signature != self._signature(group)):
                 plan = None
                 stale = True
             work.append((gi, group, grad_list, grad_dtypes, ids, plan))
