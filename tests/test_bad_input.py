@@ -103,6 +103,22 @@ _unscale_case("per_tensor-int32", "per_tensor_found_inf must be a torch.float32 
 # ---- ops: update_scale_ ---------------------------------------------------------------------------
 
 
+def _clip_case(name, pattern, make_args):
+    @case(f"clip_coef/{name}", RuntimeError, pattern)
+    def make():
+        args, kwargs = make_args()
+        return (lambda: torch.ops.ampfuse.clip_coef(*args, **kwargs)), []
+
+
+_clip_case("neither", "pass exactly one of max_norm and max_norm_tensor, got neither", lambda: ((scalar(2.0),), {}))
+_clip_case("both", "pass exactly one of max_norm and max_norm_tensor, got both",
+           lambda: ((scalar(2.0),), dict(max_norm=1.0, max_norm_tensor=scalar(1.0))))
+_clip_case("norm-fp16", r"total_norm must be a 1-element torch.float32 or torch.float64 tensor, got shape \[1\] and dtype torch.float16",
+           lambda: ((torch.ones(1, dtype=torch.float16),), dict(max_norm=1.0)))
+_clip_case("max_norm-0", "max_norm must be a positive finite number, got 0", lambda: ((scalar(2.0),), dict(max_norm=0.0)))
+_clip_case("max_norm_tensor-2", "max_norm_tensor must be a 1-element tensor", lambda: ((scalar(2.0),), dict(max_norm_tensor=torch.ones(2))))
+
+
 def _update_case(name, pattern, change):
     @case(f"update_scale/{name}", RuntimeError, pattern)
     def make():

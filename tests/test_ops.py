@@ -527,3 +527,26 @@ def test_cpu_kernels_vectorised_and_parallel():
     assert info["kernels"] == expected
     if torch.get_num_threads() > 1:
         assert info["threads_used"] > 1, info
+
+
+# ---- clip_coef ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm_dtype", [torch.float32, torch.float64])
+def test_clip_coef_is_clip_grad_norms_coefficient(norm_dtype):
+    """The coefficient torch.nn.utils.clip_grad_norm_ multiplies by, bit for bit: for a float
+    max_norm (reciprocal-then-multiply) and a tensor one (true division), NaN propagating."""
+    norms = torch.tensor([0.0, 1e-7, 0.3, 0.999999, 1.0, 7.25, 3e38, math.inf, math.nan], dtype=norm_dtype)
+    for max_norm in [0.5, 1.0, 3.7, torch.tensor(3.7), torch.tensor(0.25, dtype=torch.float64)]:
+        for n in norms:
+            got = ops.clip_coef(n.clone(), max_norm)
+            want = torch.clamp(max_norm / (n + 1e-6), max=1.0).to(torch.float32)
+            assert got.dtype == torch.float32 and got.shape == ()
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_clip_coef_opcheck():
+    from torch.library import opcheck
+
+    opcheck(torch.ops.ampfuse.clip_coef.default, (torch.tensor(2.0),), {"max_norm": 1.0})
+    opcheck(torch.ops.ampfuse.clip_coef.default, (torch.tensor(2.0, dtype=torch.float64),), {"max_norm_tensor": torch.tensor(1.0)})

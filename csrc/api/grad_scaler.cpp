@@ -271,7 +271,7 @@ at::Tensor GradScaler::unscale_and_clip_(torch::optim::Optimizer& optimizer, dou
       std::vector<at::Tensor> on_scale_device;
       for (const auto& n : norms) on_scale_device.push_back(n.to(scale_.device()));
       total_norm = at::linalg_vector_norm(at::stack(on_scale_device), norm_type);
-      coef = at::clamp(at::reciprocal(total_norm + 1e-6) * max_norm, std::nullopt, 1.0);
+      coef = clip_coef(total_norm, max_norm);  // the fused ops' rule (ops/rules.h)
     }
     if (fused != nullptr) {
       state.clip_coef = coef;

@@ -48,6 +48,14 @@ std::tuple<at::Tensor, at::Tensor> check_norm_(
                      scale, overwrite_found_inf);
 }
 
+at::Tensor clip_coef(const at::Tensor& total_norm, std::optional<double> max_norm,
+                     const std::optional<at::Tensor>& max_norm_tensor) {
+  static auto handle =
+      op<at::Tensor(const at::Tensor&, std::optional<double>, const std::optional<at::Tensor>&)>(
+          "ampfuse::clip_coef");
+  return handle.call(total_norm, max_norm, max_norm_tensor);
+}
+
 void accumulate_grads_(at::TensorList accumulators, at::TensorList grads,
                        const at::Tensor& found_inf, bool zero_grads) {
   static auto handle = op<void(at::TensorList, at::TensorList, const at::Tensor&, bool)>(

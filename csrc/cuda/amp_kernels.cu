@@ -9,6 +9,7 @@ namespace ampfuse::cuda {
 namespace {
 
 using kernels::AccumulateArgs;
+using kernels::ClipCoefArgs;
 using kernels::UnscaleCheckArgs;
 using kernels::UpdateScaleArgs;
 
@@ -295,6 +296,19 @@ __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker, const
   update_scale_rule(scale, growth_tracker, *found_inf, hysteresis_left, stats, params);
 }
 
+__global__ void clip_coef_kernel(ClipCoefArgs a) {
+  if (a.norm_fp64) {
+    const double norm = *static_cast<const double*>(a.total_norm);
+    *a.clip_coef = static_cast<float>(
+        a.max_norm_tensor ? clip_coefficient_div<double>(norm, *a.max_norm_tensor)
+                          : clip_coefficient<double>(norm, a.max_norm));
+  } else {
+    const float norm = *static_cast<const float*>(a.total_norm);
+    *a.clip_coef = a.max_norm_tensor ? clip_coefficient_div<float>(norm, *a.max_norm_tensor)
+                                     : clip_coefficient<float>(norm, static_cast<float>(a.max_norm));
+  }
+}
+
 constexpr size_t kCounterBytes = 16;  // the arrival counter and the bad-block flag
 
 // Workspace: the counters (zeroed on the stream here when fresh; the last block leaves them zero)
@@ -382,6 +396,11 @@ int update_scale(const UpdateScaleArgs& a, const LaunchContext& ctx) {
   return cudaGetLastError();
 }
 
+int clip_coef(const ClipCoefArgs& a, const LaunchContext& ctx) {
+  AMPFUSE_LAUNCH(1, 1, 0, stream_of(ctx), clip_coef_kernel)(a);
+  return cudaGetLastError();
+}
+
 const char* error_string(int status) {
   return cudaGetErrorString(static_cast<cudaError_t>(status));
 }
@@ -400,6 +419,7 @@ const KernelTable& kernel_table() {
     t.unscale_check = &unscale_check;
     t.accumulate = &accumulate;
     t.update_scale = &update_scale;
+    t.clip_coef = &clip_coef;
     t.error_string = &error_string;
     fill_optim_kernels(t);
     return t;

@@ -83,6 +83,15 @@ struct UpdateScaleArgs {
   ScaleRuleParams params;
 };
 
+// clip_coef: the clip coefficient of a norm computed elsewhere (e.g. combined across ranks).
+struct ClipCoefArgs {
+  const void* total_norm;        // 1 element, float or double (norm_fp64)
+  bool norm_fp64;
+  const float* max_norm_tensor;  // 1 element (clip_coefficient_div), or null and:
+  double max_norm;               // (clip_coefficient, in the norm's precision)
+  float* clip_coef;              // 1 element
+};
+
 // How a fused optimizer call keeps the fp32 master of a low-precision param.
 enum class MasterKind : uint8_t {
   None = 0,       // the param is updated directly (fp32 math)
@@ -127,6 +136,7 @@ struct KernelTable {
   int (*unscale_check)(const UnscaleCheckArgs&, void* workspace, const LaunchContext&);
   int (*accumulate)(const AccumulateArgs&, const LaunchContext&);
   int (*update_scale)(const UpdateScaleArgs&, const LaunchContext&);
+  int (*clip_coef)(const ClipCoefArgs&, const LaunchContext&);
   size_t (*optim_workspace)(const OptimArgs&, const LaunchContext&);
   int (*sgd_step)(const OptimArgs&, const SgdHyper&, void* workspace, const LaunchContext&);
   int (*adam_step)(const OptimArgs&, const AdamHyper&, void* workspace, const LaunchContext&);

@@ -224,6 +224,25 @@ void update_scale(const Backend& b, const at::Tensor& scale, const at::Tensor& g
   check_status(table, table.update_scale(args, res.ctx()), res, "update_scale_");
 }
 
+at::Tensor clip_coef(const Backend& b, const at::Tensor& total_norm, std::optional<double> max_norm,
+                     const std::optional<at::Tensor>& max_norm_tensor) {
+  detail::check_clip_coef_args(total_norm, max_norm, max_norm_tensor);
+  at::Tensor out = at::empty({}, total_norm.options().dtype(at::kFloat));
+  if (b.table == nullptr) return out;
+  const c10::Device device = total_norm.device();
+  const c10::DeviceGuard guard(device);
+  kernels::ClipCoefArgs args{};
+  args.total_norm = total_norm.const_data_ptr();
+  args.norm_fp64 = total_norm.scalar_type() == at::kDouble;
+  args.max_norm_tensor = max_norm_tensor ? max_norm_tensor->const_data_ptr<float>() : nullptr;
+  args.max_norm = max_norm.value_or(0.0);
+  args.clip_coef = out.mutable_data_ptr<float>();
+  detail::CallResources res(b, device);
+  const kernels::KernelTable& table = b.table();
+  check_status(table, table.clip_coef(args, res.ctx()), res, "clip_coef");
+  return out;
+}
+
 void accumulate_grads(const Backend& b, at::TensorList accumulators, at::TensorList grads,
                       const at::Tensor& found_inf, bool zero_grads) {
   detail::check_accumulate_args(accumulators, grads, found_inf);

@@ -53,6 +53,9 @@ void update_scale(const Backend& b, const at::Tensor& scale, const at::Tensor& g
                   std::optional<double> min_scale, std::optional<double> max_scale,
                   const std::optional<at::Tensor>& stats);
 
+at::Tensor clip_coef(const Backend& b, const at::Tensor& total_norm, std::optional<double> max_norm,
+                     const std::optional<at::Tensor>& max_norm_tensor);
+
 void accumulate_grads(const Backend& b, at::TensorList accumulators, at::TensorList grads,
                       const at::Tensor& found_inf, bool zero_grads);
 
@@ -108,6 +111,10 @@ void register_kernels(torch::Library& m) {
                         growth_interval, hysteresis, hysteresis_tracker, consecutive_hysteresis,
                         min_scale, max_scale, stats);
          });
+  m.impl("clip_coef", [](const at::Tensor& total_norm, std::optional<double> max_norm,
+                         const std::optional<at::Tensor>& max_norm_tensor) {
+    return clip_coef(B, total_norm, max_norm, max_norm_tensor);
+  });
   m.impl("accumulate_grads_", [](at::TensorList accumulators, at::TensorList grads,
                                  const at::Tensor& found_inf, bool zero_grads) {
     accumulate_grads(B, accumulators, grads, found_inf, zero_grads);

@@ -26,6 +26,11 @@ TORCH_LIBRARY(ampfuse, m) {
       "check_norm_(Tensor[] tensors, Tensor(b!) found_inf, Tensor? inv_scale, *, "
       "float norm_type=2., float? max_norm=None, Tensor(c!)? per_tensor_found_inf=None, "
       "Tensor? scale=None, bool overwrite_found_inf=False) -> (Tensor, Tensor)");
+  // The clip coefficient of a total norm (e.g. one combined across ranks or devices), by the
+  // rule of the fused check ops: min(1, max_norm / (total_norm + 1e-6)) -- reciprocal-then-multiply
+  // for a float max_norm, a true division for a tensor one, as torch.nn.utils.clip_grad_norm_.
+  // Returns a 0-dim float32 tensor on total_norm's device.
+  m.def("clip_coef(Tensor total_norm, *, float? max_norm=None, Tensor? max_norm_tensor=None) -> Tensor");
   // Dynamic loss-scale update on device; torch._amp_update_scale_'s arguments plus hysteresis,
   // scale bounds and optional counters.
   m.def(

@@ -94,6 +94,15 @@ AMPFUSE_HOST_DEVICE F clip_coefficient(F norm, F max_norm) {
   return coef > F(1) ? F(1) : coef;
 }
 
+// The same for a max_norm given as a tensor: torch's `max_norm / (norm + 1e-6)` is then a true
+// division. (These two are the only clip-coefficient formulas in ampfuse: the fused check
+// kernels, the clip_coef op and every scaler path use them.)
+template <typename F>
+AMPFUSE_HOST_DEVICE F clip_coefficient_div(F norm, F max_norm) {
+  const F coef = max_norm / (norm + F(1e-6));
+  return coef > F(1) ? F(1) : coef;
+}
+
 // Where a step with an fp32 master starts: the master, unless the param no longer holds the master
 // rounded to its dtype -- it was edited since the last step (an in-place clamp, a
 // model.load_state_dict, a re-initialisation, param.data.copy_(...)); then the edit wins and the

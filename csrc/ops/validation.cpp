@@ -77,6 +77,24 @@ ScaleArg check_unscale_args(at::TensorList tensors, const at::Tensor& found_inf,
   return arg;
 }
 
+void check_clip_coef_args(const at::Tensor& total_norm, std::optional<double> max_norm,
+                          const std::optional<at::Tensor>& max_norm_tensor) {
+  TORCH_CHECK(total_norm.defined(), "total_norm must be a defined tensor.");
+  TORCH_CHECK(total_norm.layout() == c10::kStrided && total_norm.sym_numel() == 1 &&
+                  (total_norm.scalar_type() == c10::kFloat || total_norm.scalar_type() == c10::kDouble),
+              "total_norm must be a 1-element torch.float32 or torch.float64 tensor, got shape ",
+              total_norm.sym_sizes(), " and dtype ", dtype_name(total_norm.scalar_type()), ".");
+  const bool has_tensor = max_norm_tensor.has_value() && max_norm_tensor->defined();
+  TORCH_CHECK(max_norm.has_value() != has_tensor, "pass exactly one of max_norm and max_norm_tensor, got ",
+              has_tensor ? "both" : "neither", ".");
+  if (max_norm) {
+    TORCH_CHECK(std::isfinite(*max_norm) && *max_norm > 0, "max_norm must be a positive finite number, got ",
+                *max_norm, ".");
+  } else {
+    check_scalar_tensor(*max_norm_tensor, "max_norm_tensor", c10::kFloat, total_norm.device());
+  }
+}
+
 void check_accumulate_args(at::TensorList accumulators, at::TensorList grads,
                            const at::Tensor& found_inf) {
   TORCH_CHECK(found_inf.defined(), "found_inf must be a defined tensor.");

@@ -43,6 +43,11 @@ void check_norm_args(double norm_type, std::optional<double> max_norm,
                      const std::optional<at::Tensor>& per_tensor_found_inf, int64_t num_tensors,
                      const c10::Device& device);
 
+// clip_coef preconditions: total_norm a 1-element float32/float64 tensor; exactly one of max_norm
+// (> 0, finite) and max_norm_tensor (a 1-element float32 tensor on total_norm's device).
+void check_clip_coef_args(const at::Tensor& total_norm, std::optional<double> max_norm,
+                          const std::optional<at::Tensor>& max_norm_tensor);
+
 // accumulate_grads_ preconditions.
 void check_accumulate_args(at::TensorList accumulators, at::TensorList grads,
                            const at::Tensor& found_inf);

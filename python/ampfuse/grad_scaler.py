@@ -413,9 +413,8 @@ class GradScaler(torch.amp.GradScaler):
             else:
                 total_norm = torch.linalg.vector_norm(torch.stack([n.to(self._scale.device) for n in norms]), norm_type)
             if per_device and (not single or float_max is None):
-                # torch.nn.utils.clip_grad_norm_'s formula on the total norm (for a tensor max_norm
-                # a true division; for a float, reciprocal-then-multiply as the fused op does).
-                coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).to(torch.float32)
+                # the coefficient of the combined norm, by the fused ops' rule (ops/rules.h)
+                coef = ops.clip_coef(total_norm, max_norm)
             assert coef is not None
             if fused:
                 optimizer_state["clip_coef"] = coef

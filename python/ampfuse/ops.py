@@ -19,6 +19,7 @@ __all__ = [
     "unscale_check_",
     "unscale_check_norm_",
     "check_norm_",
+    "clip_coef",
     "update_scale_",
     "accumulate_grads_",
     "sgd_step_",
@@ -138,6 +139,30 @@ def check_norm_(
         scale=scale,
         overwrite_found_inf=overwrite_found_inf,
     )
+
+
+def clip_coef(
+    total_norm: torch.Tensor, max_norm: float | torch.Tensor
+) -> torch.Tensor:
+    """The clip coefficient of ``total_norm`` by the rule of the fused check ops (and of
+    ``torch.nn.utils.clip_grad_norm_``): ``min(1, max_norm / (total_norm + 1e-6))`` -- for a float
+    ``max_norm`` computed as reciprocal-then-multiply, for a tensor one as a true division, in the
+    norm's precision. For norms combined outside one check pass (several devices, several ranks).
+
+    Args:
+        total_norm: 1-element float32 or float64 tensor.
+        max_norm: a positive finite number, or a 1-element floating-point tensor (cast to
+            float32, moved to ``total_norm``'s device).
+
+    Returns:
+        A 0-dim float32 tensor on ``total_norm``'s device (no host sync).
+    """
+    if isinstance(max_norm, torch.Tensor):
+        t = max_norm.reshape(())
+        if t.dtype != torch.float32 or t.device != total_norm.device:
+            t = t.to(device=total_norm.device, dtype=torch.float32, non_blocking=True)
+        return torch.ops.ampfuse.clip_coef(total_norm, max_norm_tensor=t)
+    return torch.ops.ampfuse.clip_coef(total_norm, max_norm=float(max_norm))
 
 
 def update_scale_(

@@ -10,6 +10,7 @@ namespace CPU_CAPABILITY {
 namespace {
 
 using kernels::AccumulateArgs;
+using kernels::ClipCoefArgs;
 using kernels::DType;
 using kernels::KernelTable;
 using kernels::LaunchContext;
@@ -308,6 +309,20 @@ int update_scale(const UpdateScaleArgs& a, const LaunchContext&) {
   return 0;
 }
 
+int clip_coef(const ClipCoefArgs& a, const LaunchContext&) {
+  if (a.norm_fp64) {
+    const double norm = *static_cast<const double*>(a.total_norm);
+    *a.clip_coef = static_cast<float>(
+        a.max_norm_tensor ? clip_coefficient_div<double>(norm, *a.max_norm_tensor)
+                          : clip_coefficient<double>(norm, a.max_norm));
+  } else {
+    const float norm = *static_cast<const float*>(a.total_norm);
+    *a.clip_coef = a.max_norm_tensor ? clip_coefficient_div<float>(norm, *a.max_norm_tensor)
+                                     : clip_coefficient<float>(norm, static_cast<float>(a.max_norm));
+  }
+  return 0;
+}
+
 size_t no_workspace_unscale(const UnscaleCheckArgs&, const LaunchContext&) { return 0; }
 
 const char* error_string(int status) {
@@ -338,6 +353,7 @@ const KernelTable& kernel_table() {
     t.unscale_check = &unscale_check;
     t.accumulate = &accumulate;
     t.update_scale = &update_scale;
+    t.clip_coef = &clip_coef;
     t.error_string = &error_string;
     fill_optim_kernels(t);
     return t;

@@ -49,6 +49,13 @@ std::tuple<at::Tensor, at::Tensor> check_norm_(
     const std::optional<at::Tensor>& per_tensor_found_inf = std::nullopt,
     const std::optional<at::Tensor>& scale = std::nullopt, bool overwrite_found_inf = false);
 
+// The clip coefficient of `total_norm` (e.g. a norm combined across devices or ranks) by the rule
+// of the fused check ops: min(1, max_norm / (total_norm + 1e-6)), reciprocal-then-multiply for a
+// float max_norm, a true division for a tensor one (as torch.nn.utils.clip_grad_norm_). Exactly
+// one of max_norm and max_norm_tensor. A 0-dim float32 tensor on total_norm's device.
+at::Tensor clip_coef(const at::Tensor& total_norm, std::optional<double> max_norm,
+                     const std::optional<at::Tensor>& max_norm_tensor = std::nullopt);
+
 // accumulators[i] (fp32) += grads[i] (fp16/bf16/fp32) in one pass; grads are zeroed in the same
 // pass when zero_grads, and found_inf is set to 1 if any sum is inf/NaN (an inf/NaN grad, or an
 // fp32 overflow).
