@@ -7,6 +7,8 @@ their Meta kernels, registered in C++ with the very checks (and messages) of the
 
 from __future__ import annotations
 
+import sys
+
 from collections.abc import Sequence
 
 import torch
@@ -14,6 +16,19 @@ import torch
 from ampfuse._library import load_library
 
 load_library()
+
+_dtensor_ready = False
+
+
+def _dtensor_support() -> None:
+    """Registers the DTensor handlers (ampfuse.distributed) once torch.distributed.tensor is in use."""
+    global _dtensor_ready
+    if not _dtensor_ready and "torch.distributed.tensor" in sys.modules:
+        from ampfuse import distributed
+
+        distributed.install()
+        _dtensor_ready = True
+
 
 __all__ = [
     "unscale_check_",
@@ -65,6 +80,7 @@ def unscale_check_(
         scale: instead of ``inv_scale``, the loss scale (see :func:`unscale_check_norm_`).
         overwrite_found_inf: set ``found_inf`` to 0 or 1 (it needs no zeroing beforehand).
     """
+    _dtensor_support()
     torch.ops.ampfuse.unscale_check_(tensors, found_inf, inv_scale, scale=scale, overwrite_found_inf=overwrite_found_inf)
 
 
@@ -100,6 +116,7 @@ def unscale_check_norm_(
         float64 with an fp64 tensor in the list). The tensors are not multiplied by
         ``clip_coef``.
     """
+    _dtensor_support()
     return torch.ops.ampfuse.unscale_check_norm_(
         tensors,
         found_inf,
@@ -129,6 +146,7 @@ def check_norm_(
     norm and clip coefficient of ``tensors * inv_scale`` (or ``tensors / scale``) without
     materialising them.
     """
+    _dtensor_support()
     return torch.ops.ampfuse.check_norm_(
         tensors,
         found_inf,
@@ -161,7 +179,9 @@ def clip_coef(
         t = max_norm.reshape(())
         if t.dtype != torch.float32 or t.device != total_norm.device:
             t = t.to(device=total_norm.device, dtype=torch.float32, non_blocking=True)
+        _dtensor_support()
         return torch.ops.ampfuse.clip_coef(total_norm, max_norm_tensor=t)
+    _dtensor_support()
     return torch.ops.ampfuse.clip_coef(total_norm, max_norm=float(max_norm))
 
 
@@ -202,6 +222,7 @@ def update_scale_(
         stats: optional int64 tensor of :data:`NUM_SCALE_STATS` counters (see :class:`ScaleStat`),
             incremented in place.
     """
+    _dtensor_support()
     torch.ops.ampfuse.update_scale_(
         scale,
         growth_tracker,
@@ -235,6 +256,7 @@ def accumulate_grads_(
             grad element, or finite grads whose fp32 sum overflowed (never reset: zero it once per
             accumulation window).
     """
+    _dtensor_support()
     torch.ops.ampfuse.accumulate_grads_(accumulators, grads, found_inf, zero_grads=zero_grads)
 
 
@@ -270,6 +292,7 @@ def sgd_step_(
         found_inf: if non-zero, nothing at all is modified (params, masters, buffers, steps).
     """
     lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+    _dtensor_support()
     torch.ops.ampfuse.sgd_step_(
         params, grads, master_params, momentum_buffers, steps,
         lr=0.0 if lr_tensor is not None else float(lr), lr_tensor=lr_tensor, momentum=momentum,
@@ -305,6 +328,7 @@ def adam_step_(
     with ``amsgrad``, else ``[]``) are fp32. Bias corrections use each tensor's own step.
     """
     lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+    _dtensor_support()
     torch.ops.ampfuse.adam_step_(
         params, grads, master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
         lr=0.0 if lr_tensor is not None else float(lr), lr_tensor=lr_tensor, beta1=beta1,

@@ -1,0 +1,243 @@
+"""ampfuse on torch.distributed (gloo, CPU, 2 processes; every run under a deadline, so a hang
+fails): FSDP2 (DTensor) with the ampfuse scaler and optimizers, agreed found_inf and global clip
+norm, ranks with empty shards, distributed checkpoints (DCP) including a resharded load.
+
+References are the same training in one process (world size 1, the whole batch), so
+"equal within tolerance" compares the sharded run with a single-process one: bf16 gradients are
+averaged across ranks in bf16 by FSDP2's reduce-scatter, so the runs agree to a bf16 rounding of
+the gradients (parameters within 2e-2 after 6 AdamW steps of lr 1e-2, masters likewise).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
+
+STEPS = 6
+BATCH = 8
+
+
+def _batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 1, generator=g)
+
+
+def _model(kind: str):
+    """A small MLP; its last layer has one output row, so with 2 ranks one rank's shard of it is
+    empty."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                            torch.nn.Linear(16, 1))
+    if kind == "bf16":
+        m = m.to(torch.bfloat16)
+    return m
+
+
+def _shard(model, kind: str):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if kind == "fp32-mp" else MixedPrecisionPolicy()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def _train(rank: int, world: int, kind: str, steps: int, inf_at: int | None = None, model=None, opt=None, scaler=None,
+           start: int = 0):
+    import ampfuse
+
+    if model is None:
+        model = _shard(_model(kind), kind)
+        opt = ampfuse.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        scaler = ampfuse.GradScaler("cpu", init_scale=2.0**12)
+    log = []
+    per = BATCH // world
+    for step in range(start, start + steps):
+        x, y = _batches(step)
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        out = model(x.to(torch.bfloat16) if kind == "bf16" else x)
+        loss = torch.nn.functional.mse_loss(out.float(), y)
+        scaler.scale(loss).backward()
+        if inf_at == step and rank == 0:  # an inf in rank 0's shard only
+            p = next(p for p in model.parameters() if p.grad is not None and p.grad._local_tensor.numel())
+            p.grad._local_tensor.view(-1)[0] = math.inf
+        norm = scaler.unscale_and_clip_(opt, 0.5)
+        scale_before = scaler.get_scale()
+        grads_norm = _global_norm([p.grad for p in model.parameters() if p.grad is not None]) / scale_before
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        log.append({"norm": float(norm), "global_norm": float(grads_norm), "scale": scaler.get_scale(),
+                    "skipped": float(scaler.last_found_inf)})
+    return model, opt, scaler, log
+
+
+def _global_norm(grads) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    full = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
+    return torch.linalg.vector_norm(torch.cat([g.float().flatten() for g in full]))
+
+
+def _gathered(model, opt) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    def full(t):
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().clone()
+
+    out = {"params": [full(p) for p in model.parameters()], "masters": []}
+    for p in model.parameters():
+        st = opt.state.get(p, {})
+        if "master_param" in st:
+            out["masters"].append(full(st["master_param"]))
+    return out
+
+
+def _fsdp_worker(rank: int, world: int, kind: str, inf_at: int | None):
+    model, opt, scaler, log = _train(rank, world, kind, STEPS, inf_at)
+    return {"log": log, **_gathered(model, opt)}
+
+
+def _assert_close_runs(a: dict, b: dict, atol: float) -> None:
+    for x, y in zip(a["params"], b["params"]):
+        torch.testing.assert_close(x, y, rtol=0, atol=atol)
+    assert len(a["masters"]) == len(b["masters"])
+    for x, y in zip(a["masters"], b["masters"]):
+        torch.testing.assert_close(x, y, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp32-mp"], ids=["bf16-params-masters", "fp32-params-bf16-policy"])
+def test_fsdp2_matches_single_process(kind):
+    two = run_ranks(_fsdp_worker, 2, kind, None)
+    one = run_ranks(_fsdp_worker, 1, kind, None)[0]
+    # the ranks agree bit for bit; the sharded run equals the single-process one within tolerance
+    for x, y in zip(two[0]["params"] + two[0]["masters"], two[1]["params"] + two[1]["masters"]):
+        assert torch.equal(x, y)
+    assert [r["scale"] for r in two[0]["log"]] == [r["scale"] for r in two[1]["log"]]
+    _assert_close_runs(two[0], one, atol=2e-2)
+    if kind == "bf16":
+        assert len(one["masters"]) == len(one["params"])  # fp32 masters kept for the bf16 params
+    # the clip norm is the global norm (of the unscaled gradients), the same on both ranks
+    for r0, r1 in zip(two[0]["log"], two[1]["log"]):
+        assert r0["norm"] == r1["norm"]
+        assert r0["norm"] == pytest.approx(r0["global_norm"], rel=1e-4)
+
+
+def test_fsdp2_inf_in_one_shard_skips_every_rank():
+    inf_at = 3
+    two = run_ranks(_fsdp_worker, 2, "bf16", inf_at)
+    for rank in (0, 1):
+        log = two[rank]["log"]
+        assert log[inf_at]["skipped"] == 1.0 and all(r["skipped"] == 0.0 for k, r in enumerate(log) if k != inf_at)
+        assert log[inf_at]["scale"] == log[inf_at - 1]["scale"] / 2  # backed off on every rank
+    assert [r["scale"] for r in two[0]["log"]] == [r["scale"] for r in two[1]["log"]]
+    for x, y in zip(two[0]["params"] + two[0]["masters"], two[1]["params"] + two[1]["masters"]):
+        assert torch.equal(x, y)
+
+
+def _empty_shard_worker(rank: int, world: int):
+    model = _shard(_model("bf16"), "bf16")
+    last = model[4].weight  # shape (1, 16): rank 1's shard is empty
+    sizes = [p._local_tensor.numel() for p in (model[4].weight, model[4].bias)]
+    model, opt, scaler, log = _train(rank, world, "bf16", 3, None, model,
+                                     __import__("ampfuse").optim.AdamW(model.parameters(), lr=1e-2),
+                                     __import__("ampfuse").GradScaler("cpu", init_scale=2.0**12))
+    return {"sizes": sizes, "log": log, "last": last.full_tensor().float()}
+
+
+def test_rank_with_empty_shards_takes_part():
+    res = run_ranks(_empty_shard_worker, 2)
+    assert res[1]["sizes"] == [0, 0] and res[0]["sizes"] == [16, 1]
+    assert res[0]["log"] == res[1]["log"]
+    assert torch.equal(res[0]["last"], res[1]["last"])
+
+
+# ---- distributed checkpoints --------------------------------------------------------------------
+
+
+def _dcp_worker(rank: int, world: int, ckpt: str, mode: str):
+    """mode "save": train 3 steps, save, train 3 more; "load": load, check the state, train 3 more
+    from the same point (a resharded load when world differs from the saving run's)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import ampfuse
+
+    model = _shard(_model("bf16"), "bf16")
+    opt = ampfuse.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    scaler = ampfuse.GradScaler("cpu", init_scale=2.0**12)
+    if mode == "save":
+        model, opt, scaler, _ = _train(rank, world, "bf16", 3, None, model, opt, scaler)
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+        if rank == 0:
+            torch.save(scaler.state_dict(), os.path.join(ckpt, "scaler.pt"))
+        at_save = _gathered(model, opt)
+        at_save["steps"] = [float(opt.state[p]["step"]) for p in model.parameters()]
+        model, opt, scaler, log = _train(rank, world, "bf16", 3, None, model, opt, scaler, start=3)
+        return {"at_save": at_save, "final": _gathered(model, opt), "log": log}
+    # load: DCP's get_state_dict initialises the optimizer state with a zero-grad, lr-0 step first
+    before = _gathered(model, opt)
+    msd, osd = get_state_dict(model, opt)
+    after_init = _gathered(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    scaler.load_state_dict(torch.load(os.path.join(ckpt, "scaler.pt")))
+    loaded = _gathered(model, opt)
+    loaded["steps"] = [float(opt.state[p]["step"]) for p in model.parameters()]
+    model, opt, scaler, log = _train(rank, world, "bf16", 3, None, model, opt, scaler, start=3)
+    return {"before": before, "after_init": after_init, "loaded": loaded, "final": _gathered(model, opt), "log": log}
+
+
+@pytest.mark.parametrize("load_world", [2, 1], ids=["same-ranks", "resharded-2-to-1"])
+def test_fsdp2_dcp_save_load_continue(load_world):
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = os.path.join(d, "ckpt")
+        saved = run_ranks(_dcp_worker, 2, ckpt, "save")[0]
+        loaded = run_ranks(_dcp_worker, load_world, ckpt, "load")[0]
+    # the zero-grad, lr-0 step of DCP's state initialisation changes no param and no master
+    for x, y in zip(loaded["before"]["params"] + loaded["before"]["masters"],
+                    loaded["after_init"]["params"] + loaded["after_init"]["masters"]):
+        assert torch.equal(x, y)
+    # the loaded state is the saved one, bit for bit (masters included), whatever the world size
+    for x, y in zip(saved["at_save"]["params"] + saved["at_save"]["masters"],
+                    loaded["loaded"]["params"] + loaded["loaded"]["masters"]):
+        assert torch.equal(x, y)
+    assert saved["at_save"]["steps"] == loaded["loaded"]["steps"]
+    # continuing: identical to uninterrupted training with the same ranks, within the sharded /
+    # single-process tolerance after a resharded load
+    if load_world == 2:
+        for x, y in zip(saved["final"]["params"] + saved["final"]["masters"], loaded["final"]["params"] + loaded["final"]["masters"]):
+            assert torch.equal(x, y)
+        assert saved["log"] == loaded["log"]
+    else:
+        _assert_close_runs(saved["final"], loaded["final"], atol=2e-2)
+
+
+def test_zero_grad_lr0_step_changes_nothing():
+    """What DCP's _init_optim_state does: zero gradients, lr 0, one step (no process group)."""
+    import ampfuse
+
+    for opt_cls, kw in [(ampfuse.optim.AdamW, {"weight_decay": 0.1}), (ampfuse.optim.SGD, {"momentum": 0.9, "weight_decay": 0.1}),
+                        (ampfuse.optim.AdamW, {"master_weights": "remainder", "state_dtype": torch.bfloat16})]:
+        model = _model("bf16")
+        opt = opt_cls(model.parameters(), lr=0.0, **kw)
+        before = [p.detach().clone() for p in model.parameters()]
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        for p, b in zip(model.parameters(), before):
+            assert torch.equal(p, b)
+            st = opt.state[p]
+            if "master_param" in st:
+                assert torch.equal(st["master_param"], b.float())
