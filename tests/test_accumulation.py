@@ -326,8 +326,11 @@ def _ddp_worker(rank, world, dtype_name):
     real_all_reduce = dist.all_reduce
 
     def counting_all_reduce(t, *a, **k):
-        if t.numel() > 1:  # gradient traffic, not the 1-element skip flag
+        op = k.get("op", a[0] if a else dist.ReduceOp.SUM)
+        if op == dist.ReduceOp.SUM:  # gradient traffic, not the MAX of the skip flag and has-grad mask
             counts["all_reduce"] += 1
+        else:
+            counts["flags"] = counts.get("flags", 0) + 1
         return real_all_reduce(t, *a, **k)
 
     dist.all_reduce = counting_all_reduce

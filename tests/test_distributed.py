@@ -241,3 +241,158 @@ def test_zero_grad_lr0_step_changes_nothing():
             st = opt.state[p]
             if "master_param" in st:
                 assert torch.equal(st["master_param"], b.float())
+
+
+# ---- GradAccumulator on DDP and FSDP2 -----------------------------------------------------------
+
+
+class _Branchy(torch.nn.Module):
+    """bf16 layers, one fp32 layer (a parameter the accumulator does not buffer) and a branch that
+    only some ranks use (a parameter that gets a gradient on rank 0 only)."""
+
+    def __init__(self, use_branch: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(8, 16).to(torch.bfloat16)
+        self.branch = torch.nn.Linear(8, 16).to(torch.bfloat16)
+        self.head = torch.nn.Linear(16, 1)  # fp32
+        self.use_branch = use_branch
+
+    def forward(self, x):
+        h = self.a(x.to(torch.bfloat16))
+        if self.use_branch:
+            h = h + self.branch(x.to(torch.bfloat16))
+        return self.head(torch.tanh(h).float())
+
+
+def _ddp_acc_worker(rank: int, world: int):
+    import torch.distributed as dist
+
+    import ampfuse
+
+    model = _Branchy(use_branch=rank == 0)
+    init_branch = model.branch.weight.detach().clone()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    opt = ampfuse.optim.AdamW(ddp.parameters(), lr=1e-2)
+    acc = ampfuse.GradAccumulator(ddp, opt, ampfuse.GradScaler("cpu", init_scale=2.0**10), steps=2, max_grad_norm=1.0)
+    calls: list[str] = []
+    real = dist.all_reduce
+
+    def counting(t, *a, **k):
+        op = k.get("op", a[0] if a else dist.ReduceOp.SUM)
+        calls.append(f"{'MAX' if op == dist.ReduceOp.MAX else 'SUM'}:{t.dtype}:{t.numel()}")
+        return real(t, *a, **k)
+
+    dist.all_reduce = counting
+    per_window = []
+    try:
+        for w in range(3):
+            before = len(calls)
+            for k in range(2):
+                x, y = _batches(10 * w + k)
+                with acc.accumulate():
+                    acc.backward(torch.nn.functional.mse_loss(ddp(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]))
+            per_window.append(calls[before:])
+        x, y = _batches(99)  # an incomplete window, flushed
+        with acc.accumulate():
+            acc.backward(torch.nn.functional.mse_loss(ddp(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]))
+        acc.flush()
+    finally:
+        dist.all_reduce = real
+    return {"params": [p.detach().float().clone() for p in model.parameters()], "per_window": per_window,
+            "branch_moved": not torch.equal(model.branch.weight.detach(), init_branch), "calls": calls}
+
+
+def test_ddp_accumulator_ranks_agree_with_a_rank_only_branch_and_fp32_params():
+    res = run_ranks(_ddp_acc_worker, 2)
+    for x, y in zip(res[0]["params"], res[1]["params"]):
+        assert torch.equal(x, y)
+    assert res[0]["branch_moved"] and res[1]["branch_moved"]  # stepped on the rank that never used it too
+    assert res[0]["calls"] == res[1]["calls"]  # the same collectives, in the same order, on every rank
+    for window in res[0]["per_window"]:
+        # one flag/mask exchange, one all-reduce of the bf16 params' fp32 sums, one bucket of fp32 grads
+        assert [c.split(":")[0] for c in window] == ["MAX", "SUM", "SUM"], window
+
+
+def _fsdp_acc_worker(rank: int, world: int, sync: str, flush: bool):
+    import torch.distributed as dist
+
+    import ampfuse
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = _model("bf16")
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = ampfuse.optim.AdamW(model.parameters(), lr=1e-2)
+    acc = ampfuse.GradAccumulator(model, opt, ampfuse.GradScaler("cpu", init_scale=2.0**10), steps=3, max_grad_norm=1.0,
+                                  fsdp_sync=sync)
+    counts = {"rs": 0}
+    real = dist.reduce_scatter_single
+
+    def counting(*a, **k):
+        counts["rs"] += 1
+        return real(*a, **k)
+
+    dist.reduce_scatter_single = counting
+    per_window = []
+    error = None
+    try:
+        for w in range(2):
+            before = counts["rs"]
+            for k in range(3):
+                x, y = _batches(10 * w + k)
+                with acc.accumulate():
+                    acc.backward(torch.nn.functional.mse_loss(model(x[rank * 4:(rank + 1) * 4].to(torch.bfloat16)).float(),
+                                                              y[rank * 4:(rank + 1) * 4]))
+            per_window.append(counts["rs"] - before)
+        if flush:
+            x, y = _batches(77)
+            with acc.accumulate():
+                acc.backward(torch.nn.functional.mse_loss(model(x[rank * 4:(rank + 1) * 4].to(torch.bfloat16)).float(),
+                                                          y[rank * 4:(rank + 1) * 4]))
+            try:
+                acc.flush()
+            except RuntimeError as e:
+                error = str(e)
+    finally:
+        dist.reduce_scatter_single = real
+    return {**_gathered(model, opt), "per_window": per_window, "error": error, "windows": acc.windows}
+
+
+@pytest.mark.parametrize("sync", ["window", "micro_batch"])
+def test_fsdp2_accumulator(sync):
+    res = run_ranks(_fsdp_acc_worker, 2, sync, True)
+    for x, y in zip(res[0]["params"] + res[0]["masters"], res[1]["params"] + res[1]["masters"]):
+        assert torch.equal(x, y)
+    groups = 3  # the three Linear layers' FSDP groups
+    assert res[0]["per_window"] == [groups if sync == "window" else 3 * groups] * 2
+    if sync == "window":  # an incomplete window cannot be flushed: FSDP2 reduces only in a backward
+        assert "fsdp_sync='micro_batch'" in res[0]["error"] and res[0]["windows"] == 2
+    else:
+        assert res[0]["error"] is None and res[0]["windows"] == 3
+
+
+def _mid_window_state_worker(rank: int, world: int):
+    import ampfuse
+
+    model = _Branchy(use_branch=True)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    acc = ampfuse.GradAccumulator(ddp, ampfuse.optim.AdamW(ddp.parameters(), lr=1e-2), steps=2)
+    x, y = _batches(0)
+    with acc.accumulate():
+        acc.backward(torch.nn.functional.mse_loss(ddp(x[:4]), y[:4]))
+    try:
+        acc.state_dict()
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    per_rank = acc.state_dict(per_rank=True)
+    return {"refused": refused, "has_buffers": "buffers" in per_rank}
+
+
+def test_mid_window_accumulator_state_is_per_rank_or_refused():
+    res = run_ranks(_mid_window_state_worker, 2)[0]
+    assert "partial sums differ per rank" in res["refused"] and res["has_buffers"]

@@ -39,6 +39,25 @@ inf/NaN in the same pass; ``.grad`` is then set to ``None``. With an ampfuse opt
 explicitly for the window's step (``optimizer.step(grads=...)``); with ``torch.amp.GradScaler``
 or another optimizer, which read ``.grad``, the sums are written into ``.grad`` (rounded once)
 at the window's end. fp32 parameters accumulate in ``.grad`` as torch does.
+
+Distributed training (torch.distributed):
+
+* **DDP**: every micro-batch runs under ``no_sync``; at the window's end the ranks exchange, on
+  DDP's own process group and with the same list of collectives on every rank: one all-reduce
+  (MAX) of the found_inf flag and of which parameters got a gradient (one host read of that mask
+  per window), then one all-reduce per device of the fp32 sums and one per (device, dtype) bucket
+  of the other parameters' ``.grad`` (zeros where a rank has none). A parameter that got a
+  gradient on any rank is stepped on every rank with the averaged sum; one that got none anywhere
+  is not stepped.
+* **FSDP2** (``fully_shard``): gradients are synchronised once per window --
+  ``set_requires_gradient_sync`` is off for all but the window's last micro-batch, FSDP2
+  accumulates the unsharded gradients meanwhile (in fp32 when its ``MixedPrecisionPolicy`` has
+  ``reduce_dtype=torch.float32``, which is recommended), and its reduce-scatter of the last
+  micro-batch hands the window's sum to the fp32 buffers, which are shaped like each rank's
+  local shard (DTensors). ``fsdp_sync="micro_batch"`` instead reduce-scatters after every
+  micro-batch and sums the local shards in fp32 (more communication; allows ``flush()`` of an
+  incomplete window, which the once-per-window mode refuses: FSDP2 reduces only in a backward).
+  found_inf and the clip norm are agreed across ranks by the ops themselves (``ampfuse.distributed``).
 """
 
 from __future__ import annotations
@@ -60,6 +79,14 @@ __all__ = ["GradAccumulator"]
 _LOW = (torch.float16, torch.bfloat16)
 
 
+def _is_fsdp2(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
 class GradAccumulator:
     """Accumulate ``steps`` micro-batches per optimizer step, correctly under loss scaling.
 
@@ -73,6 +100,8 @@ class GradAccumulator:
         norm_type: norm for clipping (2 or inf are fused).
         lr_scheduler: advanced once per window that actually stepped.
         fp32_accumulation: accumulate fp16/bf16 gradients in fp32 buffers (default ``True``).
+        fsdp_sync: under FSDP2, ``"window"`` (default: one reduce-scatter per window) or
+            ``"micro_batch"`` (one per micro-batch; see the module docstring).
     """
 
     def __init__(
@@ -86,6 +115,7 @@ class GradAccumulator:
         norm_type: float = 2.0,
         lr_scheduler: Any | None = None,
         fp32_accumulation: bool = True,
+        fsdp_sync: str = "window",
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -101,8 +131,13 @@ class GradAccumulator:
             raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}.")
         if lr_scheduler is not None and not callable(getattr(lr_scheduler, "step", None)):
             raise TypeError(f"lr_scheduler must have a step() method, got {type(lr_scheduler).__name__}.")
+        if fsdp_sync not in ("window", "micro_batch"):
+            raise ValueError(f"fsdp_sync must be 'window' or 'micro_batch', got {fsdp_sync!r}.")
         self.model = model
         self._ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        self._fsdp = _is_fsdp2(model)
+        self._fsdp_sync_window = self._fsdp and fsdp_sync == "window"
+        self._group = getattr(model, "process_group", None) if self._ddp else None
         self.optimizer = optimizer
         self.scaler = scaler if (scaler is not None and scaler.is_enabled()) else None
         self.steps = steps
@@ -126,7 +161,12 @@ class GradAccumulator:
         self._flat: dict[torch.device, torch.Tensor] = {}
         self._buffers: list[torch.Tensor] = []
         self._found_inf: dict[torch.device, torch.Tensor] = {}
-        if self._low:
+        if self._low and self._fsdp:
+            # one fp32 buffer per parameter, sharded like it (a DTensor over the local shard)
+            self._buffers = [torch.zeros_like(p, dtype=torch.float32) for p in self._low]
+            for p in self._low:
+                self._found_inf.setdefault(p.device, torch.zeros((), dtype=torch.float32, device=p.device))
+        elif self._low:
             by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
             for p in self._low:
                 by_device[p.device].append(p)
@@ -140,6 +180,8 @@ class GradAccumulator:
                     buffers[id(p)] = flat[offset : offset + p.numel()].view(p.shape)
                     offset += p.numel()
             self._buffers = [buffers[id(p)] for p in self._low]
+        if self._ddp and len({p.device for p in params}) > 1:
+            raise ValueError("GradAccumulator under DDP supports one device per process (as DDP recommends).")
         self._has_grad = [False] * len(self._low)
         # The gradients handed to the fused step (one dict, updated every window).
         self._step_grads: dict[torch.Tensor, torch.Tensor | None] = {}
@@ -154,8 +196,10 @@ class GradAccumulator:
             raise RuntimeError("GradAccumulator.accumulate() contexts cannot be nested.")
         self.window_ended = False
         last = self.micro_step == self.steps - 1
-        sync = last and not self._flat
+        sync = last and not self._low
         ctx = self.model.no_sync() if (self._ddp and not sync) else contextlib.nullcontext()
+        if self._fsdp:
+            self.model.set_requires_gradient_sync(last or not self._fsdp_sync_window)
         self._in_context = True
         self._backward_called = False
         try:
@@ -189,9 +233,15 @@ class GradAccumulator:
         self.window_ended = False
         if self.micro_step == 0:
             return False
-        if self._ddp and not self._flat:
+        if self._fsdp_sync_window:
+            raise RuntimeError(
+                "GradAccumulator.flush() of an incomplete window under FSDP2 with fsdp_sync='window': the "
+                "window's gradients are still unsharded inside FSDP2, which reduce-scatters them only in a "
+                "backward. Use fsdp_sync='micro_batch' to flush incomplete windows, or end epochs on a window boundary."
+            )
+        if self._ddp and not self._low:
             # the last micro-batch ran under no_sync: synchronise the .grad sums now
-            self._all_reduce([p.grad for p in self._all_params() if p.grad is not None])
+            self._sync_ddp(flush=True)
         self._end_window(self.micro_step)
         return True
 
@@ -223,13 +273,47 @@ class GradAccumulator:
             self._has_grad[k] = True
             self._low[k].grad = None
 
-    def _all_reduce(self, tensors: list[torch.Tensor]) -> None:
+    def _sync_ddp(self, flush: bool = False) -> None:
+        """The window's gradient exchange under DDP (every micro-batch ran under no_sync): the same
+        collectives on every rank whatever gradients it holds. One all-reduce (MAX) of found_inf and
+        of the has-gradient mask, then the averaged sums: the fp32 buffers (one all-reduce per
+        device) and the other parameters' .grad in one bucket per (device, dtype)."""
         import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-        world = dist.get_world_size()
-        for t in tensors:
-            dist.all_reduce(t)
-            t.div_(world)
+        group = self._group
+        world = dist.get_world_size(group)
+        buffered = {id(p) for p in self._low}
+        others = [p for p in self._all_params() if id(p) not in buffered]
+        device = (self._low or others)[0].device if (self._low or others) else None
+        if device is None:
+            return
+        fi = self._found_inf.get(device, torch.zeros((), dtype=torch.float32, device=device))
+        mask = torch.tensor([float(h) for h in self._has_grad] + [float(p.grad is not None) for p in others],
+                            dtype=torch.float32).to(device, non_blocking=True)
+        meta = torch.cat([fi.reshape(1), mask])
+        dist.all_reduce(meta, op=dist.ReduceOp.MAX, group=group)
+        fi.copy_(meta[0])
+        agreed = meta[1:].tolist()  # the one host read of the window: which parameters are stepped
+        self._has_grad = [bool(v) for v in agreed[: len(self._low)]]
+        for flat in self._flat.values():
+            dist.all_reduce(flat, group=group)
+            flat.div_(world)
+        buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for p, has in zip(others, agreed[len(self._low):]):
+            if has:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                buckets[(p.device, p.dtype)].append(p)
+            else:
+                p.grad = None
+        for ps in buckets.values():
+            grads = [p.grad for p in ps]
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=group)
+            flat.div_(world)
+            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
 
     def _end_window(self, micro_batches: int) -> None:
         """Step (or skip) the window; whatever happens, the next window starts clean."""
@@ -237,18 +321,16 @@ class GradAccumulator:
             buffered = {id(p) for p in self._low}
             others = [p for p in self._all_params() if id(p) not in buffered and p.grad is not None]
             with torch.no_grad():
-                if self._ddp and self._flat:
-                    # Every micro-batch ran under no_sync: one all-reduce per device buffer (plus the
-                    # .grad of parameters not buffered), and every rank skips the same windows.
-                    import torch.distributed as dist
-
-                    self._all_reduce(list(self._flat.values()) + [p.grad for p in others])
-                    for fi in self._found_inf.values():
-                        dist.all_reduce(fi, op=dist.ReduceOp.MAX)
+                if self._ddp and self._low:
+                    # Every micro-batch ran under no_sync: one exchange, the same on every rank.
+                    self._sync_ddp()
+                    others = [p for p in self._all_params() if id(p) not in buffered and p.grad is not None]
                 if micro_batches != self.steps:  # incomplete window: the sums hold sum / steps
                     tensors = list(self._flat.values()) + [p.grad for p in others]
-                    if tensors:
-                        torch._foreach_mul_(tensors, self.steps / micro_batches)
+                    if self._fsdp:
+                        tensors += [b for b, h in zip(self._buffers, self._has_grad) if h]
+                    for t in tensors:
+                        t.mul_(self.steps / micro_batches)
                 if self._low and not self._step_reads_buffers:
                     # The optimizer (or torch's scaler) reads .grad: hand it the sums, rounded once.
                     for k, (p, b) in enumerate(zip(self._low, self._buffers)):
@@ -266,6 +348,9 @@ class GradAccumulator:
             with torch.no_grad():
                 for flat in self._flat.values():
                     flat.zero_()
+                if self._fsdp:
+                    for b in self._buffers:
+                        b.zero_()
                 for fi in self._found_inf.values():
                     fi.zero_()
             for p in self._all_params():
@@ -331,9 +416,12 @@ class GradAccumulator:
         return coef
 
     # ---- checkpoints ---------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, per_rank: bool = False) -> dict[str, Any]:
         """Counters plus the optimizer's, scaler's and scheduler's state, and, when taken inside a
-        window, the partial sums: the fp32 buffers and the ``.grad`` of the other parameters."""
+        window, the partial sums: the fp32 buffers and the ``.grad`` of the other parameters.
+
+        Under DDP/FSDP2 the partial sums are per rank: inside a window this raises unless
+        ``per_rank=True`` (then save each rank's dict separately)."""
         sd: dict[str, Any] = {
             "steps": self.steps,
             "micro_step": self.micro_step,
@@ -343,6 +431,19 @@ class GradAccumulator:
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
         }
+        if self.micro_step != 0 and (self._ddp or self._fsdp) and not per_rank:
+            raise RuntimeError(
+                "GradAccumulator.state_dict() inside a window under DDP/FSDP2: the partial sums differ per "
+                "rank, and a distributed checkpoint would treat them as replicated (every rank would load "
+                "rank 0's). Save at a window boundary (acc.micro_step == 0), or pass per_rank=True and save "
+                "each rank's state dict itself (e.g. torch.save to a per-rank file)."
+            )
+        if self.micro_step != 0 and self._fsdp:
+            raise RuntimeError(
+                "GradAccumulator.state_dict() inside a window under FSDP2: part of the window's gradients "
+                "lives inside FSDP2 (unsharded, not yet reduce-scattered) and cannot be saved. Save at a "
+                "window boundary (acc.micro_step == 0)."
+            )
         if self.micro_step != 0:
             sd["buffers"] = {str(d): f.clone() for d, f in self._flat.items()}
             sd["found_inf"] = {str(d): f.clone() for d, f in self._found_inf.items()}
@@ -366,6 +467,8 @@ class GradAccumulator:
         params = self._all_params()
         buffers, found_infs, grads = {}, {}, {}
         has_grad = [False] * len(self._low)
+        if micro != 0 and self._fsdp:
+            raise ValueError("a mid-window GradAccumulator state cannot be loaded under FSDP2; load one saved at a window boundary.")
         if micro != 0:
             for d, f in self._flat.items():
                 b = state_dict.get("buffers", {}).get(str(d))
@@ -397,6 +500,9 @@ class GradAccumulator:
         with torch.no_grad():
             for d, f in self._flat.items():
                 f.copy_(buffers[d]) if d in buffers else f.zero_()
+            if self._fsdp:
+                for b in self._buffers:
+                    b.zero_()
             for d, f in self._found_inf.items():
                 f.copy_(found_infs[d].reshape(())) if d in found_infs else f.zero_()
             for i, p in enumerate(params):
