@@ -24,3 +24,20 @@ def test_demo_tiny(tmp_path):
     assert abs(a["train_loss"][0] - t["train_loss"][0]) < 0.02 * t["train_loss"][0]
     assert a["train_loss"][-1] < a["train_loss"][0]  # it learns
     assert summary["median_step_ms"]["ampfuse"] > 0
+
+
+def test_demo_step_heavy_and_precision_options(tmp_path):
+    """The step-heavy configuration (a big embedding table, the optimizer a large share of the
+    step) with remainder masters and bf16 moments: it runs, reports the split, and learns."""
+    out = str(tmp_path / "heavy")
+    summary = demo.main([
+        "--config", "step-heavy", "--steps", "6", "--embed-rows", "4096", "--d-model", "64", "--layers", "1",
+        "--corpus-bytes", "200000", "--eval-batches", "2", "--val-every", "3", "--no-progress", "--out", out,
+        "--master-weights", "remainder", "--state-dtype", "bf16",
+    ])
+    cfg = summary["config"]
+    assert cfg["embed_rows"] == 4096 and cfg["batch"] == 4 and cfg["accum"] == 1
+    a = summary["ampfuse"]
+    assert len(a["val_curve"]) == 2 and len(a["fwd_bwd_seconds"]) == 6
+    assert 0 < summary["median_rest_ms"]["ampfuse"] < summary["median_step_ms"]["ampfuse"]
+    assert a["train_loss"][-1] < a["train_loss"][0]

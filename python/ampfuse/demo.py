@@ -6,13 +6,19 @@
 * **ampfuse**: low-precision weights (bf16 on CPU, fp16 on CUDA) with fp32 master weights in
   ``ampfuse.optim.AdamW``, ``ampfuse.GradScaler`` (dynamic loss scaling), ``ampfuse.GradAccumulator``
   (fp32 gradient accumulation, clipping fused into the step).
-* **torch**: fp32 weights, ``torch.autocast``, ``torch.amp.GradScaler``, ``torch.optim.AdamW`` and the
-  hand-written accumulation loop with ``clip_grad_norm_``.
+* **torch**: torch's best AMP recipe: fp32 weights, ``torch.autocast``, ``torch.amp.GradScaler``,
+  ``torch.optim.AdamW(fused=True)`` and the hand-written accumulation loop with ``clip_grad_norm_``.
 
 Both start from the same weights and see the same batches. The demo prints a side-by-side table
-(losses, steps taken/skipped, loss-scale range, time per optimizer step, parameter + optimizer
-memory) and writes ``demo.png`` (loss curves; loss scale with skipped steps marked) and
-``demo.json`` into ``--out``.
+(losses, steps taken/skipped, loss-scale range, time per training step split into
+forward/backward and the rest -- unscale, clip, optimizer step, scale update, accumulation --,
+parameter + optimizer memory) and writes ``demo.png`` (loss curves; loss scale with skipped steps
+marked) and ``demo.json`` into ``--out``.
+
+``--config step-heavy`` trains a model where the optimizer step is a large share of the time, as
+in models with a large embedding table and small batches: a 65,536-row token embedding (most rows
+unused by the data, all of them stepped), batch 4, no accumulation. ``--master-weights remainder``
+and ``--state-dtype bf16`` run ampfuse with 16-bit master remainders and bf16 moments.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import sysconfig
 import time
 from dataclasses import dataclass, field
@@ -105,9 +112,10 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, vocab: int, context: int, d: int, layers: int, heads: int) -> None:
+    def __init__(self, vocab: int, context: int, d: int, layers: int, heads: int, embed_rows: int = 0) -> None:
         super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(context, d)
+        # embed_rows > vocab: a larger token table (as a big-vocabulary model has), the head unchanged
+        self.tok, self.pos = nn.Embedding(max(vocab, embed_rows), d), nn.Embedding(context, d)
         self.blocks = nn.Sequential(*[Block(d, heads) for _ in range(layers)])
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
 
@@ -134,7 +142,11 @@ class Config:
     heads: int = 4
     lr: float = 3e-3
     max_grad_norm: float = 1.0
+    embed_rows: int = 0
+    master_weights: str = "true"  # "true" (fp32 masters) or "remainder"
+    state_dtype: str = "fp32"  # "fp32" or "bf16"
     eval_batches: int = 8
+    val_every: int = 0
     corpus_bytes: int = 2_000_000
     seed: int = 0
     out: str = "demo_out"
@@ -153,7 +165,9 @@ class RunResult:
     scale: list[float] = field(default_factory=list)
     skipped: list[bool] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
+    fwd_bwd_seconds: list[float] = field(default_factory=list)  # forward + backward of the step's micro-batches
     val_loss: float = math.nan
+    val_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, validation loss)
     state_bytes: int = 0
     param_bytes: int = 0
 
@@ -188,32 +202,42 @@ def _sync(device: str) -> None:
 
 def run_ampfuse(init_state: dict, data: CharData, cfg: Config, bar) -> RunResult:
     lp = cfg.low_precision()
-    model = TinyGPT(data.vocab, cfg.context, cfg.d_model, cfg.layers, cfg.heads)
+    model = TinyGPT(data.vocab, cfg.context, cfg.d_model, cfg.layers, cfg.heads, cfg.embed_rows)
     model.load_state_dict(init_state)
     model.to(device=cfg.device, dtype=lp)  # fp16/bf16 weights: no autocast re-casting per forward
-    opt = ampfuse.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, master_weights=True)
+    opt = ampfuse.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01,
+                              master_weights="remainder" if cfg.master_weights == "remainder" else True,
+                              state_dtype=torch.bfloat16 if cfg.state_dtype == "bf16" else torch.float32)
     scaler = ampfuse.GradScaler(torch.device(cfg.device).type, init_scale=2.0**16, growth_interval=50)
     acc = ampfuse.GradAccumulator(model, opt, scaler, steps=cfg.accum, max_grad_norm=cfg.max_grad_norm)
     res = RunResult("ampfuse")
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     losses: list[torch.Tensor] = []
+    fb = 0.0
     t0 = time.perf_counter()
     while acc.windows < cfg.steps:
         x, y = (t.to(cfg.device) for t in data.batch("train", cfg.batch, gen))
         with acc.accumulate():
+            f0 = time.perf_counter()
             logits = model(x)
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
             acc.backward(loss)
+            _sync(cfg.device)
+            fb += time.perf_counter() - f0
         losses.append(loss.detach())
         if acc.window_ended:
             _sync(cfg.device)
             t1 = time.perf_counter()
             res.step_seconds.append(t1 - t0)
+            res.fwd_bwd_seconds.append(fb)
             res.train_loss.append(torch.stack(losses).mean().item())
             res.scale.append(scaler.get_scale())
             res.skipped.append(bool(acc.last_window_skipped.item()))
             losses.clear()
             bar.update(1)
+            if cfg.val_every and acc.windows % cfg.val_every == 0:
+                res.val_curve.append((acc.windows, evaluate(model, data, cfg, lp)))
+            fb = 0.0
             t0 = time.perf_counter()
     res.val_loss = evaluate(model, data, cfg, lp)
     res.param_bytes = tensor_bytes(model.parameters())
@@ -224,22 +248,26 @@ def run_ampfuse(init_state: dict, data: CharData, cfg: Config, bar) -> RunResult
 def run_torch(init_state: dict, data: CharData, cfg: Config, bar) -> RunResult:
     lp = cfg.low_precision()
     dev_type = torch.device(cfg.device).type
-    model = TinyGPT(data.vocab, cfg.context, cfg.d_model, cfg.layers, cfg.heads)
+    model = TinyGPT(data.vocab, cfg.context, cfg.d_model, cfg.layers, cfg.heads, cfg.embed_rows)
     model.load_state_dict(init_state)
     model.to(cfg.device)  # fp32 weights; autocast casts them to fp16/bf16 in every forward
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, fused=True)
     scaler = torch.amp.GradScaler(dev_type, init_scale=2.0**16, growth_interval=50)
     res = RunResult("torch")
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    for _ in range(cfg.steps):
+    for step in range(cfg.steps):
         t0 = time.perf_counter()
         losses = []
+        fb = 0.0
         for _ in range(cfg.accum):
             x, y = (t.to(cfg.device) for t in data.batch("train", cfg.batch, gen))
+            f0 = time.perf_counter()
             with torch.autocast(dev_type, dtype=lp):
                 logits = model(x)
                 loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
             scaler.scale(loss / cfg.accum).backward()
+            _sync(cfg.device)
+            fb += time.perf_counter() - f0
             losses.append(loss.detach())
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -249,10 +277,13 @@ def run_torch(init_state: dict, data: CharData, cfg: Config, bar) -> RunResult:
         opt.zero_grad(set_to_none=True)
         _sync(cfg.device)
         res.step_seconds.append(time.perf_counter() - t0)
+        res.fwd_bwd_seconds.append(fb)
         res.train_loss.append(torch.stack(losses).mean().item())
         res.scale.append(scaler.get_scale())
         res.skipped.append(scaler.get_scale() < scale_before)
         bar.update(1)
+        if cfg.val_every and (step + 1) % cfg.val_every == 0:
+            res.val_curve.append((step + 1, evaluate(model, data, cfg, None)))
     res.val_loss = evaluate(model, data, cfg, None)
     res.param_bytes = tensor_bytes(model.parameters())
     res.state_bytes = optimizer_state_bytes(opt)
@@ -272,20 +303,29 @@ def summarize(a: RunResult, t: RunResult, cfg: Config) -> tuple[str, dict]:
     warm = min(5, max(0, len(a.step_seconds) - 1))
     ms_a = statistics.median(a.step_seconds[warm:]) * 1e3
     ms_t = statistics.median(t.step_seconds[warm:]) * 1e3
+    # the rest: unscale, clip, optimizer step, scale update (and the accumulation outside backward)
+    rest_a = statistics.median([s - f for s, f in zip(a.step_seconds[warm:], a.fwd_bwd_seconds[warm:])]) * 1e3
+    rest_t = statistics.median([s - f for s, f in zip(t.step_seconds[warm:], t.fwd_bwd_seconds[warm:])]) * 1e3
+    fb_a = statistics.median(a.fwd_bwd_seconds[warm:]) * 1e3
+    fb_t = statistics.median(t.fwd_bwd_seconds[warm:]) * 1e3
     tail = max(1, len(a.train_loss) // 10)
     rows = [
         ("final train loss (last 10% of steps)", f"{statistics.mean(a.train_loss[-tail:]):.4f}", f"{statistics.mean(t.train_loss[-tail:]):.4f}"),
         ("validation loss", f"{a.val_loss:.4f}", f"{t.val_loss:.4f}"),
         ("optimizer steps taken / skipped", f"{len(a.skipped) - sum(a.skipped)} / {sum(a.skipped)}", f"{len(t.skipped) - sum(t.skipped)} / {sum(t.skipped)}"),
         ("loss scale min .. max", f"{min(a.scale):g} .. {max(a.scale):g}", f"{min(t.scale):g} .. {max(t.scale):g}"),
-        ("time per optimizer step (median)", f"{ms_a:.1f} ms", f"{ms_t:.1f} ms"),
-        ("  ampfuse / torch time", f"{ms_a / ms_t:.2f}x", ""),
+        ("time per training step (median)", f"{ms_a:.1f} ms", f"{ms_t:.1f} ms"),
+        ("  forward + backward", f"{fb_a:.1f} ms", f"{fb_t:.1f} ms"),
+        ("  scaler + optimizer (+ accumulation)", f"{rest_a:.1f} ms ({100 * rest_a / ms_a:.0f}%)", f"{rest_t:.1f} ms ({100 * rest_t / ms_t:.0f}%)"),
+        ("  ampfuse speedup: whole step / scaler + optimizer", f"{ms_t / ms_a:.2f}x / {rest_t / rest_a:.2f}x", ""),
         ("parameters", _mib(a.param_bytes), _mib(t.param_bytes)),
         ("optimizer state (+ fp32 masters)", _mib(a.state_bytes), _mib(t.state_bytes)),
         ("parameters + optimizer state", _mib(a.param_bytes + a.state_bytes), _mib(t.param_bytes + t.state_bytes)),
     ]
     lp = str(cfg.low_precision()).replace("torch.", "")
-    head = ("", f"ampfuse ({lp} weights + fp32 masters)", f"torch AMP (fp32 weights + autocast {lp})")
+    masters = "remainder masters" if cfg.master_weights == "remainder" else "fp32 masters"
+    state = ", bf16 moments" if cfg.state_dtype == "bf16" else ""
+    head = ("", f"ampfuse ({lp} weights + {masters}{state})", f"torch AMP (fp32 weights + autocast {lp}, fused AdamW)")
     w0 = max(len(r[0]) for r in rows + [head])
     w1 = max(len(r[1]) for r in rows + [head])
     lines = [f"{head[0]:<{w0}}  {head[1]:<{w1}}  {head[2]}", "-" * (w0 + w1 + len(head[2]) + 4)]
@@ -296,6 +336,8 @@ def summarize(a: RunResult, t: RunResult, cfg: Config) -> tuple[str, dict]:
         "ampfuse": a.__dict__,
         "torch": t.__dict__,
         "median_step_ms": {"ampfuse": ms_a, "torch": ms_t, "ratio": ms_a / ms_t},
+        "median_fwd_bwd_ms": {"ampfuse": fb_a, "torch": fb_t},
+        "median_rest_ms": {"ampfuse": rest_a, "torch": rest_t, "speedup": rest_t / rest_a},
     }
     return "\n".join(lines), summary
 
@@ -342,11 +384,27 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--corpus-bytes", type=int, default=d.corpus_bytes)
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--embed-rows", type=int, default=d.embed_rows, help="token-embedding rows (> vocabulary: a bigger table)")
+    p.add_argument("--master-weights", default=d.master_weights, choices=["true", "remainder"],
+                   help="ampfuse masters: fp32 (true) or 16-bit remainders (bf16 weights)")
+    p.add_argument("--state-dtype", default=d.state_dtype, choices=["fp32", "bf16"], help="ampfuse AdamW moments")
+    p.add_argument("--val-every", type=int, default=0, help="evaluate every N steps (the validation curves)")
+    p.add_argument("--config", default="default", choices=["default", "step-heavy"],
+                   help="step-heavy: 65,536-row embedding, batch 4, no accumulation (the optimizer step dominates)")
     p.add_argument("--out", default=d.out, help="directory for demo.png and demo.json")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
+    if a.config == "step-heavy":
+        explicit = set(argv if argv is not None else sys.argv[1:])
+        a.embed_rows = a.embed_rows if "--embed-rows" in explicit else 65536
+        a.batch = a.batch if "--batch" in explicit else 4
+        a.accum = a.accum if "--accum" in explicit else 1
+        a.context = a.context if "--context" in explicit else 64
+        a.d_model = a.d_model if "--d-model" in explicit else 256
+        a.layers = a.layers if "--layers" in explicit else 2
     cfg = Config(device=a.device, dtype=a.dtype, steps=a.steps, accum=a.accum, batch=a.batch, context=a.context,
-                 d_model=a.d_model, layers=a.layers, lr=a.lr, corpus_bytes=a.corpus_bytes,
+                 d_model=a.d_model, layers=a.layers, lr=a.lr, corpus_bytes=a.corpus_bytes, embed_rows=a.embed_rows,
+                 master_weights=a.master_weights, state_dtype=a.state_dtype, val_every=a.val_every,
                  eval_batches=a.eval_batches, seed=a.seed, out=a.out, progress=not a.no_progress)
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda requested but CUDA is not available")
@@ -355,7 +413,7 @@ def main(argv: list[str] | None = None) -> dict:
     text = load_corpus(cfg.corpus_bytes)
     data = CharData(text, cfg.context)
     torch.manual_seed(cfg.seed)
-    init = TinyGPT(data.vocab, cfg.context, cfg.d_model, cfg.layers, cfg.heads).state_dict()
+    init = TinyGPT(data.vocab, cfg.context, cfg.d_model, cfg.layers, cfg.heads, cfg.embed_rows).state_dict()
     n_params = sum(v.numel() for v in init.values())
     print(f"ampfuse demo: {n_params / 1e6:.2f}M-parameter character transformer on {len(text) / 1e6:.1f} MB of "
           f"Python stdlib source, {cfg.device}, {cfg.steps} optimizer steps x {cfg.accum} micro-batches of "
