@@ -12,6 +12,7 @@
 #   probe     tools and versions (nvcc, compute-sanitizer, pytest-timeout), recorded
 #   build     libampfuse for sm_90 only, against the machine's torch (<= 240 s)
 #   tests     the CUDA tests only (-k cuda; not the cross-language, benchmark and demo tests)
+#   fsdp2     FSDP2 + NCCL on one GPU: ampfuse's DTensor paths, sharded vs unsharded (<= 45 s)
 #   memcheck  compute-sanitizer memcheck on the fp16/bf16 + fp32-master paths, with torch's
 #             caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1), if the tool is there
 #   bench     GPU benchmarks up to 1e8 parameters, data generated on the GPU, the JSON rewritten
@@ -98,6 +99,15 @@ else
   note "tests: $(grep -E '(passed|failed|error)' "$LOGS/tests.log" | tail -1)"
   grep -E '^(FAILED|ERROR)' "$LOGS/tests.log" | head -20 >>"$summary"
 fi
+
+# ---- fsdp2 ----------------------------------------------------------------------------------------
+# FSDP2 + NCCL on one GPU (world size 1 still runs every op through DTensor): sharded vs unsharded.
+if [ $DRY = 1 ]; then
+  stage fsdp2 30 $PY benchmarks/fsdp2_check.py --dry-run
+else
+  stage fsdp2 45 $PY -m torch.distributed.run --standalone --nproc_per_node=1 benchmarks/fsdp2_check.py
+fi
+note "fsdp2: $(grep -E '^\{' "$LOGS/fsdp2.log" | tail -1 | cut -c1-400)"
 
 # ---- memcheck -------------------------------------------------------------------------------------
 $PY -m pytest --collect-only -q -p no:cacheprovider "${MEMCHECK_FILES[@]}" -k "$MEMCHECK_K" >"$LOGS/memcheck-selection.log" 2>&1

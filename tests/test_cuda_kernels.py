@@ -601,3 +601,24 @@ def test_emulator_counts_launches():
         before = launches()
         ops.update_scale_(torch.ones(1), torch.zeros(1, dtype=torch.int32), torch.zeros(1), 2.0, 0.5, 10)
         assert launches() - before == 1
+
+
+def test_remainder_special_values_bit_for_bit():
+    """Remainder masters next to params no split produces (edited to zero, inf or NaN) and NaN or
+    infinite masters: the vectorised CPU join/split and the CUDA kernels (ops/rules.h) agree on
+    every bit of the params and remainders (NaN payloads included), in the vector body and the
+    tail."""
+    specials = [0.0, -0.0, math.inf, -math.inf, math.nan, 1.0, -2.5, 3.0e38, -3.0e38, 1e-40]
+
+    def make():
+        n = 67  # 2 vectors of 32 (AVX-512) / 4 of 16 (AVX2) and a tail
+        vals = torch.tensor([specials[i % len(specials)] for i in range(n)], dtype=torch.float32)
+        params = [vals.to(torch.bfloat16)]
+        rem = torch.tensor([(-1) ** i * (i * 977 % 32768) for i in range(n)], dtype=torch.int16)
+        grads = [torch.tensor([((i % 7) - 3) * 0.25 for i in range(n)], dtype=torch.bfloat16)]
+        states = [[torch.zeros(n)], [torch.zeros(n)]]
+        return params, grads, [rem], states, [torch.zeros(())]
+
+    a, b = both(make, _optim_call("adam", ADAM_CONFIGS["adamw"], [(None, None, None, None), (0.0, 2.0, 0.5, None)]))
+    for x, y, what in [(a[0][0][0], b[0][0][0], "params"), (a[0][2][0], b[0][2][0], "remainders")]:
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16)), what

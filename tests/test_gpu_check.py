@@ -21,7 +21,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert len(files) <= 8, files  # the device tool returns at most 8 files
     assert {"summary.txt", "logs.tar.gz"} <= set(files)
     summary = (out / "summary.txt").read_text()
-    for line in ["mode: dry run", "compute-sanitizer:", "pytest-timeout:", "tests: rc=0", "bench: rc=0", "done"]:
+    for line in ["mode: dry run", "compute-sanitizer:", "pytest-timeout:", "tests: rc=0", "fsdp2: rc=0", '"dry_run": true',
+                 "bench: rc=0", "done"]:
         assert line in summary, summary
     collected = next(l for l in summary.splitlines() if "tests collected" in l)
     assert int(collected.split("tests: ")[1].split("/")[0]) >= 100, collected

@@ -7,8 +7,12 @@
 #include <cstdint>
 #include <cstring>
 
+// Always inlined, as nvcc's __forceinline__: the rules are a few operations each, called per
+// element (or per vector) in the kernels' inner loops, where a call would cost more than the rule.
 #if defined(__CUDACC__)
 #define AMPFUSE_HOST_DEVICE __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
+#define AMPFUSE_HOST_DEVICE inline __attribute__((always_inline))
 #else
 #define AMPFUSE_HOST_DEVICE inline
 #endif

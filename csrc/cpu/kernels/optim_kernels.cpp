@@ -7,7 +7,12 @@
 #include "cpu/kernels/vec_utils.h"
 
 #include <cmath>
+#include <cstring>
 #include <type_traits>
+
+// The per-vector helpers below are always inlined into the one loop of each instantiation (GCC's
+// size heuristics otherwise leave some of them as calls taking vectors through memory).
+#define AMPFUSE_CPU_INLINE inline __attribute__((always_inline))
 
 namespace ampfuse::cpu {
 namespace CPU_CAPABILITY {
@@ -41,12 +46,12 @@ bool call_scalars(const OptimArgs& a, const Hyper& h, CallScalars& out) {
 // neg/sqrt/max for the shared update rules (ops/rules.h), per lane type.
 struct CpuMath {
   static float neg(float x) { return -x; }
-  static FVec neg(const FVec& x) { return x.neg(); }
+  static AMPFUSE_CPU_INLINE FVec neg(const FVec& x) { return x.neg(); }
   static float sqrt(float x) { return std::sqrt(x); }
-  static FVec sqrt(const FVec& x) { return x.sqrt(); }
+  static AMPFUSE_CPU_INLINE FVec sqrt(const FVec& x) { return x.sqrt(); }
   // NaN-propagating maximum, as torch.maximum.
   static float max(float a, float b) { return (a != a || b != b) ? a + b : (a > b ? a : b); }
-  static FVec max(const FVec& a, const FVec& b) { return at::vec::maximum(a, b); }
+  static AMPFUSE_CPU_INLINE FVec max(const FVec& a, const FVec& b) { return at::vec::maximum(a, b); }
   // Fused where the build has FMA (as at::vec::fmadd), two roundings otherwise: the scalar tail
   // must round exactly as the vector body.
   static float fma(float a, float b, float c) {
@@ -56,14 +61,14 @@ struct CpuMath {
     return a * b + c;
 #endif
   }
-  static FVec fma(const FVec& a, const FVec& b, const FVec& c) { return at::vec::fmadd(a, b, c); }
+  static AMPFUSE_CPU_INLINE FVec fma(const FVec& a, const FVec& b, const FVec& c) { return at::vec::fmadd(a, b, c); }
 };
 
 // Two float vectors' worth of elements of T (half/bf16 widen to fp32).
 template <typename T>
 struct Pair {
   static constexpr int64_t kLanes = 2 * FVec::size();
-  static void load(const T* p, FVec& a, FVec& b) {
+  static AMPFUSE_CPU_INLINE void load(const T* p, FVec& a, FVec& b) {
     if constexpr (std::is_same_v<T, float>) {
       a = FVec::loadu(p);
       b = FVec::loadu(p + FVec::size());
@@ -72,7 +77,7 @@ struct Pair {
       std::tie(a, b) = at::vec::convert_to_float<T>(Vectorized<T>::loadu(p));
     }
   }
-  static void store(T* p, const FVec& a, const FVec& b) {
+  static AMPFUSE_CPU_INLINE void store(T* p, const FVec& a, const FVec& b) {
     if constexpr (std::is_same_v<T, float>) {
       a.store(p);
       b.store(p + FVec::size());
@@ -85,7 +90,7 @@ struct Pair {
 // Gradient as the optimizer sees it: unscaled (divided by the scale, as torch's fused optimizers
 // do) and clipped.
 template <typename V>
-inline V prepare_grad(V g, float grad_scale, bool divide, float clip) {
+AMPFUSE_CPU_INLINE V prepare_grad(V g, float grad_scale, bool divide, float clip) {
   if (divide) g = g / V(grad_scale);
   if (clip != 1.0f) g = g * V(clip);
   return g;
@@ -94,7 +99,7 @@ inline V prepare_grad(V g, float grad_scale, bool divide, float clip) {
 // synced_master (ops/rules.h) on two float vectors: the masters, where the params still hold them
 // rounded to T; the params where they were edited. NaN lanes compare unequal and take the param.
 template <typename T>
-inline void synced_master_vec(const float* master, FVec& p0, FVec& p1) {
+AMPFUSE_CPU_INLINE void synced_master_vec(const float* master, FVec& p0, FVec& p1) {
   FVec m0, m1;
   Pair<float>::load(master, m0, m1);
   FVec r0 = m0, r1 = m1;
@@ -107,6 +112,52 @@ inline void synced_master_vec(const float* master, FVec& p0, FVec& p1) {
 
 // ---- masters -----------------------------------------------------------------------------------
 
+// join_master / split_master (ops/rules.h) on float vectors, bit for bit the same results (the
+// emulated CUDA kernels, which use rules.h, are compared with these bitwise). The bf16 param and
+// the int16 remainder are widened by the bf16 -> fp32 conversion, which is an exact 16-bit shift
+// for every bit pattern: h = bits(param) << 16, q = bits(remainder) << 16.
+using IVec = Vectorized<int32_t>;
+
+AMPFUSE_CPU_INLINE FVec join_vec(const FVec& h, const FVec& q) {
+  const IVec H = at::vec::cast<int32_t>(h);
+  const IVec R = at::vec::cast<int32_t>(q) >> IVec(16);  // the remainder, sign-extended
+  const IVec mag = H & IVec(0x7FFF0000);
+  const IVec inf(0x7F800000), zero(0);
+  // a pair no split produces (an edited zero/inf/NaN param): the param's value
+  const IVec plain = (mag > inf) | ((mag == inf) & (R >= zero)) | ((mag == zero) & (R < zero));
+  return at::vec::cast<float>(IVec::blendv(H + R, H, plain));
+}
+
+// The param bits (low 16 bits of each lane of *p) and remainders (of *r) of masters m.
+AMPFUSE_CPU_INLINE void split_vec(const FVec& m, IVec& p, IVec& r) {
+  const IVec b = at::vec::cast<int32_t>(m);
+  const IVec nan = (b & IVec(0x7FFFFFFF)) > IVec(0x7F800000);
+  const IVec hi = (b + IVec(0x8000)) >> IVec(16);  // nearest, ties away (low 16 bits exact)
+  const IVec rem = b - (hi << IVec(16));
+  p = IVec::blendv(hi, (b >> IVec(16)) | IVec(0x0040), nan);  // NaN stays a quiet NaN
+  r = IVec::blendv(rem, IVec(0), nan);
+}
+
+// Stores the low 16 bits of each lane of a and b (2 * FVec::size() values): one truncating
+// narrow per vector (compilers turn the portable loop into per-element extracts).
+template <typename U>
+AMPFUSE_CPU_INLINE void store_low16(U* out, const IVec& a, const IVec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(a));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), _mm512_cvtepi32_epi16(b));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i low = _mm256_set1_epi32(0xFFFF);
+  const __m256i packed = _mm256_packus_epi32(_mm256_and_si256(a, low), _mm256_and_si256(b, low));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(packed, 0xD8));
+#else
+  constexpr int N = 2 * FVec::size();
+  int32_t buf[N];
+  a.store(buf);
+  b.store(buf + FVec::size());
+  for (int e = 0; e < N; ++e) out[e] = static_cast<U>(static_cast<uint16_t>(buf[e]));
+#endif
+}
+
 // Where the fp32 value an update starts from comes from, and where it goes (kernels::MasterKind):
 // the param itself, an fp32 master (synced_master), or the param and an int16 remainder
 // (join_master / split_master, ops/rules.h).
@@ -114,23 +165,25 @@ template <MasterKind MK, typename T>
 struct Master {
   using Storage = std::conditional_t<MK == MasterKind::Remainder, int16_t, float>;
 
-  static void load(const T* param, const Storage* master, int64_t i, FVec& p0, FVec& p1) {
+  static AMPFUSE_CPU_INLINE void load(const T* param, const Storage* master, int64_t i, FVec& p0, FVec& p1) {
     if constexpr (MK == MasterKind::Remainder) {
-      float m[Pair<T>::kLanes];
-      const auto* bits = reinterpret_cast<const uint16_t*>(param + i);
-      for (int64_t e = 0; e < Pair<T>::kLanes; ++e) m[e] = join_master(bits[e], master[i + e]);
-      Pair<float>::load(m, p0, p1);
+      FVec h0, h1, q0, q1;
+      Pair<T>::load(param + i, h0, h1);
+      Pair<c10::BFloat16>::load(reinterpret_cast<const c10::BFloat16*>(master + i), q0, q1);
+      p0 = join_vec(h0, q0);
+      p1 = join_vec(h1, q1);
     } else {
       Pair<T>::load(param + i, p0, p1);
       if constexpr (MK == MasterKind::Float) synced_master_vec<T>(master + i, p0, p1);
     }
   }
-  static void store(T* param, Storage* master, int64_t i, const FVec& p0, const FVec& p1) {
+  static AMPFUSE_CPU_INLINE void store(T* param, Storage* master, int64_t i, const FVec& p0, const FVec& p1) {
     if constexpr (MK == MasterKind::Remainder) {
-      float m[Pair<T>::kLanes];
-      Pair<float>::store(m, p0, p1);
-      auto* bits = reinterpret_cast<uint16_t*>(param + i);
-      for (int64_t e = 0; e < Pair<T>::kLanes; ++e) split_master(m[e], bits + e, master + i + e);
+      IVec a0, a1, b0, b1;
+      split_vec(p0, a0, b0);
+      split_vec(p1, a1, b1);
+      store_low16(reinterpret_cast<uint16_t*>(param + i), a0, a1);
+      store_low16(master + i, b0, b1);
     } else {
       if constexpr (MK == MasterKind::Float) Pair<float>::store(master + i, p0, p1);
       Pair<T>::store(param + i, p0, p1);
@@ -168,7 +221,7 @@ struct SgdKind {
   static bool reads_state(const Scalars& s) { return s.has_momentum && !s.first_step; }
   static bool writes_state(const Scalars& s) { return s.has_momentum; }
   template <typename V>
-  static V update(V p, V g, V (&st)[kStates], const Scalars& s) {
+  static AMPFUSE_CPU_INLINE V update(V p, V g, V (&st)[kStates], const Scalars& s) {
     return sgd_update<V, CpuMath>(p, g, s.has_momentum ? &st[0] : nullptr, s);
   }
 };
@@ -182,7 +235,7 @@ struct AdamKind {
   static bool reads_state(const Scalars&) { return true; }
   static bool writes_state(const Scalars&) { return true; }
   template <typename V>
-  static V update(V p, V g, V (&st)[kStates], const Scalars& s) {
+  static AMPFUSE_CPU_INLINE V update(V p, V g, V (&st)[kStates], const Scalars& s) {
     V unused(0.0f);
     V& vmax = kAmsgrad ? st[kStates - 1] : unused;
     return adam_update<V, CpuMath>(p, g, st[0], st[1], vmax, s);
@@ -199,9 +252,11 @@ void optim_chunk(const OptimArgs& a, const CallScalars& cs, const typename Kind:
   constexpr int NS = Kind::kStates;
   using M = Master<MK, T>;
   const kernels::OptimTensor& o = a.tensors[t];
-  T* param = static_cast<T*>(o.param);
-  const G* grad = static_cast<const G*>(o.grad);
-  auto* master = static_cast<typename M::Storage*>(o.master);
+  // Every list is its own memory (the op layer checked): restrict lets the compiler keep values in
+  // registers across the 16-bit stores of param and remainder.
+  T* __restrict param = static_cast<T*>(o.param);
+  const G* __restrict grad = static_cast<const G*>(o.grad);
+  auto* __restrict master = static_cast<typename M::Storage*>(o.master);
   S* state[NS];
   for (int k = 0; k < NS; ++k) state[k] = static_cast<S*>(o.state[k]);
   const bool read = Kind::reads_state(s);
