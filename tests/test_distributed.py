@@ -1,6 +1,7 @@
 """ampfuse on torch.distributed (gloo, CPU, 2 processes; every run under a deadline, so a hang
 fails): FSDP2 (DTensor) with the ampfuse scaler and optimizers, agreed found_inf and global clip
-norm, ranks with empty shards, distributed checkpoints (DCP) including a resharded load.
+norm, ranks with empty shards, distributed checkpoints (DCP, under FSDP2 and DDP) including a
+resharded load.
 
 References are the same training in one process (world size 1, the whole batch), so
 "equal within tolerance" compares the sharded run with a single-process one: bf16 gradients are
@@ -222,6 +223,70 @@ def test_fsdp2_dcp_save_load_continue(load_world):
         assert saved["log"] == loaded["log"]
     else:
         _assert_close_runs(saved["final"], loaded["final"], atol=2e-2)
+
+
+def _ddp_train(rank: int, world: int, ddp, opt, scaler, start: int, steps: int) -> list:
+    per = BATCH // world
+    log = []
+    for step in range(start, start + steps):
+        x, y = _batches(step)
+        out = ddp(x[rank * per:(rank + 1) * per].to(torch.bfloat16))
+        scaler.scale(torch.nn.functional.mse_loss(out.float(), y[rank * per:(rank + 1) * per])).backward()
+        scaler.unscale_and_clip_(opt, 0.5)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        log.append({"scale": scaler.get_scale(), "skipped": float(scaler.last_found_inf)})
+    return log
+
+
+def _ddp_dcp_worker(rank: int, world: int, ckpt: str, mode: str):
+    """DDP (replicated bf16 params, fp32 masters): "save" trains 3 steps, saves with DCP, trains 3
+    more; "load" starts from fresh objects, loads and trains the same 3 more."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import ampfuse
+
+    model = _model("bf16")
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = ampfuse.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    scaler = ampfuse.GradScaler("cpu", init_scale=2.0**12)
+    if mode == "save":
+        _ddp_train(rank, world, ddp, opt, scaler, 0, 3)
+        msd, osd = get_state_dict(ddp, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+        if rank == 0:
+            torch.save(scaler.state_dict(), os.path.join(ckpt, "scaler.pt"))
+        at_save = _gathered(model, opt)
+    else:
+        msd, osd = get_state_dict(ddp, opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+        set_state_dict(ddp, opt, model_state_dict=msd, optim_state_dict=osd)
+        scaler.load_state_dict(torch.load(os.path.join(ckpt, "scaler.pt")))
+        at_save = _gathered(model, opt)
+    at_save["steps"] = [float(opt.state[p]["step"]) for p in model.parameters()]
+    log = _ddp_train(rank, world, ddp, opt, scaler, 3, 3)
+    return {"at_save": at_save, "final": _gathered(model, opt), "log": log}
+
+
+def test_ddp_dcp_save_load_continue():
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = os.path.join(d, "ckpt")
+        saved = run_ranks(_ddp_dcp_worker, 2, ckpt, "save")
+        loaded = run_ranks(_ddp_dcp_worker, 2, ckpt, "load")
+    for rank in (0, 1):
+        s, l = saved[rank], loaded[rank]
+        assert s["at_save"]["steps"] == l["at_save"]["steps"] == [3.0] * len(s["at_save"]["steps"])
+        assert len(s["at_save"]["masters"]) == len(s["at_save"]["params"])
+        for x, y in zip(s["at_save"]["params"] + s["at_save"]["masters"], l["at_save"]["params"] + l["at_save"]["masters"]):
+            assert torch.equal(x, y)
+        # continuing from the checkpoint is bit for bit the uninterrupted run
+        for x, y in zip(s["final"]["params"] + s["final"]["masters"], l["final"]["params"] + l["final"]["masters"]):
+            assert torch.equal(x, y)
+        assert s["log"] == l["log"]
+    for x, y in zip(saved[0]["final"]["params"], saved[1]["final"]["params"]):
+        assert torch.equal(x, y)
 
 
 def test_zero_grad_lr0_step_changes_nothing():
