@@ -8,7 +8,9 @@ import os
 from ampfuse import demo
 
 
-def test_demo_tiny(tmp_path):
+def test_demo_tiny(tmp_path, capsys, monkeypatch):
+    # a CPU without native bf16 matmuls is named in the output (forced here, to see the note)
+    monkeypatch.setattr(demo, "native_low_precision_matmul", lambda device, dtype: False)
     out = str(tmp_path / "demo")
     summary = demo.main([
         "--steps", "8", "--accum", "2", "--batch", "4", "--context", "32", "--d-model", "32",
@@ -24,6 +26,15 @@ def test_demo_tiny(tmp_path):
     assert abs(a["train_loss"][0] - t["train_loss"][0]) < 0.02 * t["train_loss"][0]
     assert a["train_loss"][-1] < a["train_loss"][0]  # it learns
     assert summary["median_step_ms"]["ampfuse"] > 0
+    assert "no native torch.bfloat16 matrix multiply on this CPU" in capsys.readouterr().out
+
+
+def test_native_low_precision_matmul_probe():
+    import torch
+
+    assert demo.native_low_precision_matmul("cuda", torch.float16)
+    assert demo.native_low_precision_matmul("cpu", torch.float32)
+    assert demo.native_low_precision_matmul("cpu", torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def test_demo_step_heavy_and_precision_options(tmp_path):
