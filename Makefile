@@ -79,15 +79,17 @@ build: $(BUILD_DIR)/build.ninja
 # The emulated runs repeat every suite with CPU tensors going through the CUDA kernels
 # (AMPFUSE_CPU_KERNELS=cuda-emulated): once in forward order, once in random block and thread order
 # with two worker threads and a fresh seed (printed; `make test-emulated CUEMU_SEED=N` replays it).
-# The package-consumer test, the emulator's self-test and the benchmark and GPU-check smoke tests,
-# which run no kernel code of their own, run only in the native pass.
+# The package-consumer and packaging tests, the emulator's self-test, the demo and the benchmark
+# and GPU-check smoke tests, which test no kernel code of their own (the packaging test builds and
+# runs an installed wheel, never the emulated table), run only in the native pass.
 ifndef CUEMU_SEED
 CUEMU_SEED := $(shell date +%s)
 endif
 PYTEST := AMPFUSE_CPP_BUILD_DIR=$(abspath $(BUILD_DIR)) AMPFUSE_REQUIRE_EMULATION=1 PYTHONPATH=python $(PY) -m pytest -q -p no:cacheprovider
 EMULATED := AMPFUSE_CPU_KERNELS=cuda-emulated
 NOT_EMULATED_CTEST := -E "ampfuse_cpp_consumer|cuemu_selftest"
-NOT_EMULATED_PYTEST := --ignore=tests/test_bench.py --ignore=tests/test_gpu_check.py
+NOT_EMULATED_PYTEST := --ignore=tests/test_bench.py --ignore=tests/test_gpu_check.py --ignore=tests/test_packaging.py \
+  --ignore=tests/test_demo.py
 FORWARD := CUEMU_BLOCK_ORDER=forward CUEMU_THREAD_ORDER=forward CUEMU_WORKERS=1
 RANDOM := CUEMU_BLOCK_ORDER=random CUEMU_THREAD_ORDER=random CUEMU_WORKERS=2 CUEMU_SEED=$(CUEMU_SEED)
 

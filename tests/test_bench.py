@@ -59,3 +59,24 @@ def test_targets_evaluate_pass_and_fail():
     status = {t["id"]: t["status"] for t in report.evaluate_targets(res)}
     assert status["small-model-per-tensor"] == "FAIL"
     assert status["adamw-masters-vs-best-torch"] == "not measured"
+
+
+def test_precision_quality_comparison(tmp_path):
+    """benchmarks/precision_quality.py: both precision variants trained from the same start, their
+    validation curves compared at the same steps, the result written as JSON and a plot."""
+    import pytest
+
+    import precision_quality
+
+    tiny = ["--steps", "4", "--accum", "1", "--batch", "4", "--context", "32", "--d-model", "32", "--layers", "1",
+            "--corpus-bytes", "200000", "--eval-batches", "2", "--val-every", "2"]
+    res = precision_quality.main(["--out", str(tmp_path), "--", *tiny])
+    assert [s for s, _ in res["val_curve"]["fp32-state"]] == [2, 4]
+    assert res["state_bytes"]["remainder+bf16-state"] < res["state_bytes"]["fp32-state"]
+    assert res["max_abs_rel_diff"] == max(abs(r) for _, r in res["rel_diff_per_eval"]) < 0.05
+    saved = [f for f in os.listdir(tmp_path) if f.startswith("precision-quality-")]
+    assert sorted(os.path.splitext(f)[1] for f in saved) == [".json", ".png"]
+    # runs without a common validation step cannot be compared
+    bad = {"a": {"ampfuse": {"val_curve": [[1, 1.0]]}}, "b": {"ampfuse": {"val_curve": [[2, 1.0]]}}}
+    with pytest.raises(ValueError, match="no validation step in common"):
+        precision_quality.compare(bad)

@@ -52,3 +52,21 @@ def test_demo_step_heavy_and_precision_options(tmp_path):
     assert len(a["val_curve"]) == 2 and len(a["fwd_bwd_seconds"]) == 6
     assert 0 < summary["median_rest_ms"]["ampfuse"] < summary["median_step_ms"]["ampfuse"]
     assert a["train_loss"][-1] < a["train_loss"][0]
+
+
+def test_demo_without_accumulation_steps_on_grad(tmp_path, monkeypatch):
+    """--accum 1: the ampfuse run uses the scaler and the optimizer on .grad (no accumulator, no
+    fp32 gradient buffers), and still tracks the torch run."""
+    import ampfuse
+
+    def refuse(*a, **k):
+        raise AssertionError("GradAccumulator used with --accum 1")
+
+    monkeypatch.setattr(ampfuse, "GradAccumulator", refuse)
+    summary = demo.main(["--steps", "6", "--accum", "1", "--batch", "4", "--context", "32", "--d-model", "32",
+                         "--layers", "1", "--corpus-bytes", "200000", "--eval-batches", "2", "--no-progress",
+                         "--out", str(tmp_path / "direct")])
+    a, t = summary["ampfuse"], summary["torch"]
+    assert len(a["train_loss"]) == 6 and a["skipped"] == [False] * 6 == t["skipped"]
+    assert abs(a["val_loss"] - t["val_loss"]) < 0.05 * t["val_loss"]
+    assert a["train_loss"][-1] < a["train_loss"][0]

@@ -5,7 +5,8 @@
 
 * **ampfuse**: low-precision weights (bf16 on CPU, fp16 on CUDA) with fp32 master weights in
   ``ampfuse.optim.AdamW``, ``ampfuse.GradScaler`` (dynamic loss scaling), ``ampfuse.GradAccumulator``
-  (fp32 gradient accumulation, clipping fused into the step).
+  (fp32 gradient accumulation, clipping fused into the step); with ``--accum 1``, no accumulator:
+  ``scaler.unscale_and_clip_``, ``scaler.step``, ``scaler.update`` on ``.grad``.
 * **torch**: torch's best AMP recipe: fp32 weights, ``torch.autocast``, ``torch.amp.GradScaler``,
   ``torch.optim.AdamW(fused=True)`` and the hand-written accumulation loop with ``clip_grad_norm_``.
 
@@ -129,6 +130,9 @@ class TinyGPT(nn.Module):
 # ----------------------------------------------------------------------------------------------
 
 
+INIT_SCALE = 2.0**16  # both runs' initial loss scale
+
+
 @dataclass
 class Config:
     device: str = "cpu"
@@ -208,35 +212,55 @@ def run_ampfuse(init_state: dict, data: CharData, cfg: Config, bar) -> RunResult
     opt = ampfuse.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01,
                               master_weights="remainder" if cfg.master_weights == "remainder" else True,
                               state_dtype=torch.bfloat16 if cfg.state_dtype == "bf16" else torch.float32)
-    scaler = ampfuse.GradScaler(torch.device(cfg.device).type, init_scale=2.0**16, growth_interval=50)
-    acc = ampfuse.GradAccumulator(model, opt, scaler, steps=cfg.accum, max_grad_norm=cfg.max_grad_norm)
+    scaler = ampfuse.GradScaler(torch.device(cfg.device).type, init_scale=INIT_SCALE, growth_interval=50)
+    # With accumulation, GradAccumulator (fp32 sums, clipping fused into the step); without, the
+    # scaler and the optimizer on .grad directly, as one writes a plain training step.
+    direct = cfg.accum == 1
+    acc = None if direct else ampfuse.GradAccumulator(model, opt, scaler, steps=cfg.accum,
+                                                       max_grad_norm=cfg.max_grad_norm)
     res = RunResult("ampfuse")
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     losses: list[torch.Tensor] = []
     fb = 0.0
+    steps = 0
     t0 = time.perf_counter()
-    while acc.windows < cfg.steps:
+    while steps < cfg.steps:
         x, y = (t.to(cfg.device) for t in data.batch("train", cfg.batch, gen))
-        with acc.accumulate():
+        if direct:
             f0 = time.perf_counter()
             logits = model(x)
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
-            acc.backward(loss)
+            scaler.scale(loss).backward()
             _sync(cfg.device)
             fb += time.perf_counter() - f0
+            scaler.unscale_and_clip_(opt, cfg.max_grad_norm)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            ended, skipped = True, scaler.last_found_inf
+        else:
+            with acc.accumulate():
+                f0 = time.perf_counter()
+                logits = model(x)
+                loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+                acc.backward(loss)
+                _sync(cfg.device)
+                fb += time.perf_counter() - f0
+            ended, skipped = acc.window_ended, acc.last_window_skipped
         losses.append(loss.detach())
-        if acc.window_ended:
+        if ended:
             _sync(cfg.device)
             t1 = time.perf_counter()
+            steps += 1
             res.step_seconds.append(t1 - t0)
             res.fwd_bwd_seconds.append(fb)
             res.train_loss.append(torch.stack(losses).mean().item())
             res.scale.append(scaler.get_scale())
-            res.skipped.append(bool(acc.last_window_skipped.item()))
+            res.skipped.append(bool(skipped.item()))
             losses.clear()
             bar.update(1)
-            if cfg.val_every and acc.windows % cfg.val_every == 0:
-                res.val_curve.append((acc.windows, evaluate(model, data, cfg, lp)))
+            if cfg.val_every and steps % cfg.val_every == 0:
+                res.val_curve.append((steps, evaluate(model, data, cfg, lp)))
             fb = 0.0
             t0 = time.perf_counter()
     res.val_loss = evaluate(model, data, cfg, lp)
@@ -252,7 +276,7 @@ def run_torch(init_state: dict, data: CharData, cfg: Config, bar) -> RunResult:
     model.load_state_dict(init_state)
     model.to(cfg.device)  # fp32 weights; autocast casts them to fp16/bf16 in every forward
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, fused=True)
-    scaler = torch.amp.GradScaler(dev_type, init_scale=2.0**16, growth_interval=50)
+    scaler = torch.amp.GradScaler(dev_type, init_scale=INIT_SCALE, growth_interval=50)
     res = RunResult("torch")
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     for step in range(cfg.steps):
@@ -271,7 +295,6 @@ def run_torch(init_state: dict, data: CharData, cfg: Config, bar) -> RunResult:
             losses.append(loss.detach())
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        scale_before = scaler.get_scale()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -279,8 +302,10 @@ def run_torch(init_state: dict, data: CharData, cfg: Config, bar) -> RunResult:
         res.step_seconds.append(time.perf_counter() - t0)
         res.fwd_bwd_seconds.append(fb)
         res.train_loss.append(torch.stack(losses).mean().item())
+        # read after the timed step (no host read inside it): a skipped step backs the scale off
+        scale_before = res.scale[-1] if res.scale else INIT_SCALE
         res.scale.append(scaler.get_scale())
-        res.skipped.append(scaler.get_scale() < scale_before)
+        res.skipped.append(res.scale[-1] < scale_before)
         bar.update(1)
         if cfg.val_every and (step + 1) % cfg.val_every == 0:
             res.val_curve.append((step + 1, evaluate(model, data, cfg, None)))
