@@ -70,3 +70,16 @@ def test_demo_without_accumulation_steps_on_grad(tmp_path, monkeypatch):
     assert len(a["train_loss"]) == 6 and a["skipped"] == [False] * 6 == t["skipped"]
     assert abs(a["val_loss"] - t["val_loss"]) < 0.05 * t["val_loss"]
     assert a["train_loss"][-1] < a["train_loss"][0]
+
+
+def test_config_auto_picks_small_without_native_low_precision_matmul(monkeypatch):
+    monkeypatch.setattr(demo, "native_low_precision_matmul", lambda device, dtype: False)
+    cfg, native = demo.parse_config([])
+    assert not native and cfg.preset == "small" and (cfg.d_model, cfg.layers, cfg.context, cfg.accum) == (64, 2, 64, 1)
+    cfg, _ = demo.parse_config(["--d-model=96"])  # sizes given: the default preset with them
+    assert cfg.preset == "default" and (cfg.d_model, cfg.layers, cfg.accum) == (96, 4, 4)
+    cfg, _ = demo.parse_config(["--config", "step-heavy", "--batch", "2"])
+    assert cfg.embed_rows == 65536 and cfg.batch == 2 and cfg.accum == 1
+    monkeypatch.setattr(demo, "native_low_precision_matmul", lambda device, dtype: True)
+    cfg, native = demo.parse_config([])
+    assert native and cfg.preset == "default" and (cfg.d_model, cfg.layers, cfg.context, cfg.accum) == (128, 4, 128, 4)

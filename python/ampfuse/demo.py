@@ -18,8 +18,11 @@ marked) and ``demo.json`` into ``--out``.
 
 ``--config step-heavy`` trains a model where the optimizer step is a large share of the time, as
 in models with a large embedding table and small batches: a 65,536-row token embedding (most rows
-unused by the data, all of them stepped), batch 4, no accumulation. ``--master-weights remainder``
-and ``--state-dtype bf16`` run ampfuse with 16-bit master remainders and bf16 moments.
+unused by the data, all of them stepped), batch 4, no accumulation. ``--config small`` (d-model 64,
+2 layers, context 64, no accumulation) is what ``--config auto``, the default, runs on a CPU where
+torch has no native bf16 matmul (there both runs' forward and backward are far slower); elsewhere
+auto is the default sizes. ``--master-weights remainder`` and ``--state-dtype bf16`` run ampfuse
+with 16-bit master remainders and bf16 moments.
 """
 
 from __future__ import annotations
@@ -155,6 +158,7 @@ class Config:
     seed: int = 0
     out: str = "demo_out"
     progress: bool = True
+    preset: str = "default"
 
     def low_precision(self) -> torch.dtype:
         if self.dtype == "auto":
@@ -394,6 +398,13 @@ def plot(a: RunResult, t: RunResult, path: str) -> None:
     plt.close(fig)
 
 
+#: --config presets (options given on the command line win)
+PRESETS: dict[str, dict[str, int]] = {
+    "small": {"d_model": 64, "layers": 2, "context": 64, "accum": 1},
+    "step-heavy": {"embed_rows": 65536, "batch": 4, "accum": 1, "context": 64, "d_model": 256, "layers": 2},
+}
+
+
 def native_low_precision_matmul(device: str, dtype: torch.dtype) -> bool:
     """Whether torch multiplies ``dtype`` matrices natively on ``device``. On a CPU without
     oneDNN support for the type (no AVX-512 BF16/FP16 or AMX), torch's bf16/fp16 matmuls take
@@ -408,7 +419,10 @@ def native_low_precision_matmul(device: str, dtype: torch.dtype) -> bool:
         return True  # cannot tell: say nothing
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_config(argv: list[str] | None = None) -> tuple[Config, bool]:
+    """The run's configuration from the command line, and whether torch multiplies its
+    low-precision dtype natively on the device (``--config auto`` picks ``small`` where it does
+    not, unless sizes are given)."""
     p = argparse.ArgumentParser(prog="python -m ampfuse.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = Config()
     p.add_argument("--device", default=d.device, help="cpu (default) or cuda")
@@ -428,25 +442,36 @@ def main(argv: list[str] | None = None) -> dict:
                    help="ampfuse masters: fp32 (true) or 16-bit remainders (bf16 weights)")
     p.add_argument("--state-dtype", default=d.state_dtype, choices=["fp32", "bf16"], help="ampfuse AdamW moments")
     p.add_argument("--val-every", type=int, default=0, help="evaluate every N steps (the validation curves)")
-    p.add_argument("--config", default="default", choices=["default", "step-heavy"],
-                   help="step-heavy: 65,536-row embedding, batch 4, no accumulation (the optimizer step dominates)")
+    p.add_argument("--config", default="auto", choices=["auto", "default", "small", "step-heavy"],
+                   help="auto (default): 'default' where torch multiplies the low-precision dtype natively, "
+                        "else 'small' (unless sizes are given); default: the sizes above; small: d-model 64, "
+                        "2 layers, context 64, no accumulation; step-heavy: 65,536-row embedding, batch 4, "
+                        "no accumulation (the optimizer step dominates)")
     p.add_argument("--out", default=d.out, help="directory for demo.png and demo.json")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
-    if a.config == "step-heavy":
-        explicit = set(argv if argv is not None else sys.argv[1:])
-        a.embed_rows = a.embed_rows if "--embed-rows" in explicit else 65536
-        a.batch = a.batch if "--batch" in explicit else 4
-        a.accum = a.accum if "--accum" in explicit else 1
-        a.context = a.context if "--context" in explicit else 64
-        a.d_model = a.d_model if "--d-model" in explicit else 256
-        a.layers = a.layers if "--layers" in explicit else 2
+    explicit = {arg.split("=", 1)[0] for arg in (argv if argv is not None else sys.argv[1:])}
+    lp = Config(device=a.device, dtype=a.dtype).low_precision()
+    native = native_low_precision_matmul(a.device, lp)
+    config = a.config
+    if config == "auto":
+        sized = explicit & {"--d-model", "--layers", "--context", "--batch", "--accum", "--embed-rows"}
+        config = "default" if native or sized else "small"
+    for key, value in PRESETS.get(config, {}).items():
+        if "--" + key.replace("_", "-") not in explicit:
+            setattr(a, key, value)
     cfg = Config(device=a.device, dtype=a.dtype, steps=a.steps, accum=a.accum, batch=a.batch, context=a.context,
                  d_model=a.d_model, layers=a.layers, lr=a.lr, corpus_bytes=a.corpus_bytes, embed_rows=a.embed_rows,
                  master_weights=a.master_weights, state_dtype=a.state_dtype, val_every=a.val_every,
-                 eval_batches=a.eval_batches, seed=a.seed, out=a.out, progress=not a.no_progress)
+                 eval_batches=a.eval_batches, seed=a.seed, out=a.out, progress=not a.no_progress, preset=config)
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda requested but CUDA is not available")
+    return cfg, native
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg, native = parse_config(argv)
+    lp = cfg.low_precision()
     os.makedirs(cfg.out, exist_ok=True)
 
     text = load_corpus(cfg.corpus_bytes)
@@ -457,10 +482,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"ampfuse demo: {n_params / 1e6:.2f}M-parameter character transformer on {len(text) / 1e6:.1f} MB of "
           f"Python stdlib source, {cfg.device}, {cfg.steps} optimizer steps x {cfg.accum} micro-batches of "
           f"{cfg.batch}x{cfg.context} tokens, {torch.get_num_threads()} threads")
-    if not native_low_precision_matmul(cfg.device, cfg.low_precision()):
-        print(f"note: torch has no native {cfg.low_precision()} matrix multiply on this CPU (no oneDNN support for it): "
-              "both runs' forward and backward are much slower than on a CPU with AVX-512 BF16/AMX or a GPU. "
-              "A quicker run: --d-model 64 --layers 2 --context 64 --accum 1")
+    if not native:
+        print(f"note: torch has no native {lp} matrix multiply on this CPU (no oneDNN support for it): both runs' "
+              "forward and backward are much slower than on a CPU with AVX-512 BF16/AMX or a GPU"
+              + ("; running --config small (--config default: the full model)." if cfg.preset == "small"
+                 else ". --config small is a quicker run."))
 
     from tqdm import tqdm
 
