@@ -28,21 +28,26 @@ def run(cmd, **kw):
 
 def gcov_lines(build_dir: str) -> dict[str, tuple[int, int, list[int]]]:
     """{source: (executed, executable, missed line numbers)} for csrc/cuda files."""
+    build_dir = os.path.abspath(build_dir)
     objs = glob.glob(os.path.join(build_dir, "CMakeFiles", "ampfuse_cuemu.dir", "**", "*.gcda"), recursive=True)
     out_dir = os.path.join(build_dir, "gcov")
     os.makedirs(out_dir, exist_ok=True)
-    for f in glob.glob(os.path.join(out_dir, "*.gcov")):
+    for f in glob.glob(os.path.join(out_dir, "*.gcov*")):
         os.remove(f)
     for gcda in objs:
-        # -p keeps the source path in the output name, so files with one name don't collide.
-        subprocess.run(["gcov", "-p", "-o", os.path.dirname(gcda), gcda], cwd=out_dir, check=True,
+        # Run where the compiler ran: the notes name headers relative to the build directory
+        # (../csrc/cuda/*.cuh), and gcov opens them from its working directory. -p keeps the
+        # source path in the output name, so files with one name don't collide.
+        subprocess.run(["gcov", "-p", "-o", os.path.dirname(gcda), gcda], cwd=build_dir, check=True,
                        stdout=subprocess.DEVNULL)
+        for f in glob.glob(os.path.join(build_dir, "*.gcov")):
+            os.replace(f, os.path.join(out_dir, os.path.basename(f) + f".{len(os.listdir(out_dir))}"))
     result: dict[str, list] = {}
-    for path in glob.glob(os.path.join(out_dir, "*.gcov")):
+    for path in glob.glob(os.path.join(out_dir, "*.gcov.*")):
         with open(path, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
         m = re.match(r"\s*-:\s*0:Source:(.*)", lines[0])
-        src = os.path.normpath(m.group(1)) if m else ""
+        src = os.path.normpath(os.path.join(build_dir, m.group(1))) if m else ""
         rel = os.path.relpath(src, ROOT) if src.startswith(ROOT) else src
         if not re.match(r"csrc/cuda/.*\.(cu|cuh)$", rel):
             continue
