@@ -248,7 +248,8 @@ def test_unscale_more_tensors_than_one_launch(norm_type, num_sms, capture):
     def make_finite():
         return [offset_tensor(randn(n, i, 50.0), torch.float32, i % 3) for i, n in enumerate(sizes)]
 
-    a, b = both(make_finite, _unscale_call("check_norm_", 0.25, norm_type), num_sms=num_sms)
+    with simulated_capture(capture):  # split: every launch's partials at its own offset
+        a, b = both(make_finite, _unscale_call("check_norm_", 0.25, norm_type, overwrite=capture), num_sms=num_sms)
     _compare_unscale(a, b, norm_type)
     ref = torch.linalg.vector_norm(torch.cat([t.double() for t in make_finite()]) * 0.25, norm_type)
     torch.testing.assert_close(b[1][2].double(), ref, rtol=1e-5, atol=0)
@@ -622,3 +623,19 @@ def test_remainder_special_values_bit_for_bit():
     a, b = both(make, _optim_call("adam", ADAM_CONFIGS["adamw"], [(None, None, None, None), (0.0, 2.0, 0.5, None)]))
     for x, y, what in [(a[0][0][0], b[0][0][0], "params"), (a[0][2][0], b[0][2][0], "remainders")]:
         assert torch.equal(x.view(torch.int16), y.view(torch.int16)), what
+
+
+def test_mutation_list_matches_the_kernel_sources():
+    """`make cuda-mutants` injects each bug by replacing a text of the kernel sources: every such
+    text must still occur exactly once, or the mutant no longer tests anything."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("ampfuse_mutants", os.path.join(root, "tests", "cuemu", "mutants.py"))
+    mutants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutants)
+    assert len(mutants.MUTANTS) >= 8
+    for what, fname, old, new in mutants.MUTANTS:
+        with open(os.path.join(root, "csrc", "cuda", fname), encoding="utf-8") as f:
+            assert f.read().count(old) == 1, what
+        assert old != new, what

@@ -64,7 +64,7 @@ MUTANTS = [
      "  for (int32_t c = blockIdx.x; c < nchunks; c += gridDim.x + 1) {\n    const int t = find_tensor(meta, c);\n    const int64_t begin = static_cast<int64_t>(c - meta.chunk_start[t]) * kChunkSize;\n    const int64_t end = min(begin + kChunkSize, meta.numel[t]);\n    float* step"),
     ("optimizer quad path ignores the master's alignment",
      "optim_kernels.cu",
-     "(master == nullptr || aligned_quad<float>(master));",
+     "(master == nullptr || aligned_quad<MS>(master));",
      "true;"),
     ("skip path removed: a set found_inf still steps",
      "optim_kernels.cu",
@@ -72,12 +72,12 @@ MUTANTS = [
      ""),
     ("accumulate: non-finite grads of the vector path not flagged",
      "amp_kernels.cu",
-     "        bad |= !isfinite(f);\n        a[e / 4].v[e % 4] += f;",
-     "        a[e / 4].v[e % 4] += f;"),
+     "        bad |= !isfinite(sum);\n        a[e / 4].v[e % 4] = sum;",
+     "        a[e / 4].v[e % 4] = sum;"),
     ("shuffle reduction reads lanes outside the warp",
      "multi_tensor_apply.cuh",
-     "  for (int off = 16; off > 0; off >>= 1) {\n    const float o = __shfl_down_sync(0xffffffffu, v, off);\n    v = kMax ? ((o > v || o != o) ? o : v) : v + o;\n  }\n  if (lane == 0)",
-     "  for (int off = 32; off > 0; off >>= 1) {\n    const float o = __shfl_down_sync(0xffffffffu, v, off);\n    v = kMax ? ((o > v || o != o) ? o : v) : v + o;\n  }\n  if (lane == 0)"),
+     "  for (int off = 16; off > 0; off >>= 1) {\n    const T o = __shfl_down_sync(0xffffffffu, v, off);\n    v = kMax ? ((o > v || o != o) ? o : v) : v + o;\n  }\n  if (lane == 0)",
+     "  for (int off = 32; off > 0; off >>= 1) {\n    const T o = __shfl_down_sync(0xffffffffu, v, off);\n    v = kMax ? ((o > v || o != o) ? o : v) : v + o;\n  }\n  if (lane == 0)"),
 ]
 
 SUITES = ["tests/test_cuda_kernels.py", "tests/test_ops.py", "tests/test_optim.py", "tests/test_accumulation.py"]
