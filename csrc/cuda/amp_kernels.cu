@@ -206,16 +206,7 @@ __device__ AMPFUSE_NOINLINE void unscale_check_pass(const TableMeta<1>& meta, co
 template <NormKind kNorm, typename Acc>
 __global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
     unscale_check_kernel(const __grid_constant__ TensorListMeta<1> meta, CheckParams<Acc> a) {
-  TableMeta<1> view;
-  view.ptr = {&meta.ptr[0][0], TensorListMeta<1>::kMax};
-  view.numel = meta.numel;
-  view.chunk_start = meta.chunk_start;
-  view.index = meta.index;
-  view.dtype = meta.dtype;
-  view.count = meta.count;
-  view.block_offset = meta.block_offset;
-  view.total_blocks = meta.total_blocks;
-  unscale_check_pass<kNorm, Acc>(view, a);
+  unscale_check_pass<kNorm, Acc>(view_of(meta), a);
 }
 
 template <NormKind kNorm, typename Acc>
@@ -297,16 +288,7 @@ __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker, const
 }
 
 __global__ void clip_coef_kernel(ClipCoefArgs a) {
-  if (a.norm_fp64) {
-    const double norm = *static_cast<const double*>(a.total_norm);
-    *a.clip_coef = static_cast<float>(
-        a.max_norm_tensor ? clip_coefficient_div<double>(norm, *a.max_norm_tensor)
-                          : clip_coefficient<double>(norm, a.max_norm));
-  } else {
-    const float norm = *static_cast<const float*>(a.total_norm);
-    *a.clip_coef = a.max_norm_tensor ? clip_coefficient_div<float>(norm, *a.max_norm_tensor)
-                                     : clip_coefficient<float>(norm, static_cast<float>(a.max_norm));
-  }
+  *a.clip_coef = clip_coefficient_of(a.total_norm, a.norm_fp64, a.max_norm, a.max_norm_tensor);
 }
 
 constexpr size_t kCounterBytes = 16;  // the arrival counter and the bad-block flag

@@ -68,9 +68,24 @@ struct TableMeta {
   const int32_t* index;        // [count]
   const uint8_t* dtype;        // [count]
   int32_t count;
-  int32_t block_offset;  // always 0: one launch holds the whole pass
+  int32_t block_offset;  // blocks of all previous launches of the same pass (0 for a resident table)
   int32_t total_blocks;
 };
+
+// A TableMeta reading a by-value TensorListMeta in place: a kernel taking either runs one pass body.
+template <int N>
+__device__ __forceinline__ TableMeta<N> view_of(const TensorListMeta<N>& meta) {
+  TableMeta<N> view;
+  view.ptr = {&meta.ptr[0][0], TensorListMeta<N>::kMax};
+  view.numel = meta.numel;
+  view.chunk_start = meta.chunk_start;
+  view.index = meta.index;
+  view.dtype = meta.dtype;
+  view.count = meta.count;
+  view.block_offset = meta.block_offset;
+  view.total_blocks = meta.total_blocks;
+  return view;
+}
 
 // Host-side description of one tensor (N lists).
 template <int N>

@@ -249,18 +249,7 @@ template <typename T, typename G, class Kind, MasterKind MK, typename S>
 __global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
     optim_kernel(const __grid_constant__ TensorListMeta<kLists<Kind>> meta, ScaleArgs sa,
                  typename Kind::Hyper hyper) {
-  constexpr int N = kLists<Kind>;
-  using Meta = TensorListMeta<N>;
-  TableMeta<N> view;
-  view.ptr = {&meta.ptr[0][0], Meta::kMax};
-  view.numel = meta.numel;
-  view.chunk_start = meta.chunk_start;
-  view.index = meta.index;
-  view.dtype = meta.dtype;
-  view.count = meta.count;
-  view.block_offset = meta.block_offset;
-  view.total_blocks = meta.total_blocks;
-  optim_pass<T, G, Kind, MK, S>(view, sa, hyper);
+  optim_pass<T, G, Kind, MK, S>(view_of(meta), sa, hyper);
 }
 
 template <typename T, typename G, class Kind, MasterKind MK, typename S>

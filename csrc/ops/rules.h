@@ -107,6 +107,20 @@ AMPFUSE_HOST_DEVICE F clip_coefficient_div(F norm, F max_norm) {
   return coef > F(1) ? F(1) : coef;
 }
 
+// The clip_coef op: the coefficient of a norm already computed (fp32, or fp64 for fp64 gradients)
+// for a float max_norm or a max_norm tensor (`max_norm_tensor` non-null), written as fp32.
+AMPFUSE_HOST_DEVICE float clip_coefficient_of(const void* total_norm, bool norm_fp64, double max_norm,
+                                              const float* max_norm_tensor) {
+  if (norm_fp64) {
+    const double norm = *static_cast<const double*>(total_norm);
+    return static_cast<float>(max_norm_tensor ? clip_coefficient_div<double>(norm, *max_norm_tensor)
+                                              : clip_coefficient<double>(norm, max_norm));
+  }
+  const float norm = *static_cast<const float*>(total_norm);
+  return max_norm_tensor ? clip_coefficient_div<float>(norm, *max_norm_tensor)
+                         : clip_coefficient<float>(norm, static_cast<float>(max_norm));
+}
+
 // Where a step with an fp32 master starts: the master, unless the param no longer holds the master
 // rounded to its dtype -- it was edited since the last step (an in-place clamp, a
 // model.load_state_dict, a re-initialisation, param.data.copy_(...)); then the edit wins and the

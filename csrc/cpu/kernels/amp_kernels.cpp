@@ -310,16 +310,7 @@ int update_scale(const UpdateScaleArgs& a, const LaunchContext&) {
 }
 
 int clip_coef(const ClipCoefArgs& a, const LaunchContext&) {
-  if (a.norm_fp64) {
-    const double norm = *static_cast<const double*>(a.total_norm);
-    *a.clip_coef = static_cast<float>(
-        a.max_norm_tensor ? clip_coefficient_div<double>(norm, *a.max_norm_tensor)
-                          : clip_coefficient<double>(norm, a.max_norm));
-  } else {
-    const float norm = *static_cast<const float*>(a.total_norm);
-    *a.clip_coef = a.max_norm_tensor ? clip_coefficient_div<float>(norm, *a.max_norm_tensor)
-                                     : clip_coefficient<float>(norm, static_cast<float>(a.max_norm));
-  }
+  *a.clip_coef = clip_coefficient_of(a.total_norm, a.norm_fp64, a.max_norm, a.max_norm_tensor);
   return 0;
 }
 
