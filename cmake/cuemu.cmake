@@ -33,8 +33,10 @@ else()
 endif()
 
 set(_cuemu_shim "${PROJECT_SOURCE_DIR}/csrc/cuemu/include/cuemu/cuemu.h")
+# Frame pointers: the emulator identifies barriers and warp collectives by their call path
+# (runtime.cpp, call_chain), walking the frames of the fiber's stack.
 set(_cuemu_flags -include "${_cuemu_shim}" -ffp-contract=off -fno-strict-aliasing
-    -Wall -Wno-unknown-pragmas -Wno-unused-function)
+    -fno-omit-frame-pointer -Wall -Wno-unknown-pragmas -Wno-unused-function)
 
 # Each .cu is compiled through a generated .cpp that includes it, so the sources stay as they are
 # and gcov reports their own lines.
@@ -51,7 +53,7 @@ add_library(ampfuse_cuemu_runtime OBJECT csrc/cuemu/runtime.cpp)
 target_include_directories(ampfuse_cuemu_runtime PRIVATE csrc/cuemu/include
                            "${AMPFUSE_CUDA_RUNTIME_INCLUDE}" ${AMPFUSE_BOOST_CONTEXT_INCLUDE})
 target_compile_definitions(ampfuse_cuemu_runtime PRIVATE ${_cuemu_fiber_defs})
-target_compile_options(ampfuse_cuemu_runtime PRIVATE -include "${_cuemu_shim}" -Wall)
+target_compile_options(ampfuse_cuemu_runtime PRIVATE -include "${_cuemu_shim}" -fno-omit-frame-pointer -Wall)
 set_target_properties(ampfuse_cuemu_runtime PROPERTIES CXX_STANDARD 17 CXX_VISIBILITY_PRESET hidden)
 
 add_library(ampfuse_cuemu SHARED ${_cuemu_kernel_sources} csrc/cuemu/export.cpp
@@ -79,3 +81,20 @@ if(AMPFUSE_BUILD_TESTS)
   add_test(NAME cuemu_selftest COMMAND cuemu_selftest)
   set_tests_properties(cuemu_selftest PROPERTIES TIMEOUT 300)
 endif()
+
+# The same library built with AddressSanitizer and UndefinedBehaviorSanitizer, for
+# `make test-sanitize` only (not part of `all`, not installed): an out-of-bounds or misaligned
+# access of a kernel is reported at its source line. The runtime is compiled with it too, so its
+# fiber switches are announced to ASan (CUEMU_ASAN). Loaded through AMPFUSE_CUEMU_LIBRARY by a
+# python started with libasan preloaded.
+set(_cuemu_sanitize_flags -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g)
+add_library(ampfuse_cuemu_sanitized SHARED EXCLUDE_FROM_ALL ${_cuemu_kernel_sources} csrc/cuemu/export.cpp
+            csrc/cuemu/runtime.cpp)
+target_include_directories(ampfuse_cuemu_sanitized PRIVATE csrc csrc/cuemu/include "${AMPFUSE_CUDA_RUNTIME_INCLUDE}"
+                           ${AMPFUSE_BOOST_CONTEXT_INCLUDE})
+target_compile_definitions(ampfuse_cuemu_sanitized PRIVATE ${_cuemu_fiber_defs})
+target_compile_options(ampfuse_cuemu_sanitized PRIVATE ${_cuemu_flags} ${_cuemu_sanitize_flags})
+target_link_options(ampfuse_cuemu_sanitized PRIVATE -fsanitize=address,undefined "LINKER:-Bsymbolic")
+target_link_libraries(ampfuse_cuemu_sanitized PRIVATE ${_cuemu_fiber_libs} pthread dl)
+set_target_properties(ampfuse_cuemu_sanitized PROPERTIES CXX_STANDARD 17 CXX_VISIBILITY_PRESET hidden
+                      VISIBILITY_INLINES_HIDDEN ON)

@@ -159,14 +159,17 @@ __device__ AMPFUSE_NOINLINE void unscale_check_pass(const TableMeta<1>& meta, co
   // reduces the partial norms and writes the results. (Both conditions are uniform over the grid.)
   if (kNorm != NormKind::None || a.overwrite_found_inf) {
     constexpr bool kMax = kNorm == NormKind::Inf;
-    __shared__ Acc shared[kBlockSize / 32];
-    __shared__ bool is_last;
+    AMPFUSE_SHARED(Acc, shared, [kBlockSize / 32]);
+    AMPFUSE_SHARED(bool, is_last);
     const bool block_bad = a.overwrite_found_inf && __syncthreads_or(any_bad);
     Acc block_total = 0;
     if constexpr (kNorm != NormKind::None) block_total = block_reduce<kMax>(acc, shared);
     if (threadIdx.x == 0) {
-      if constexpr (kNorm != NormKind::None) a.partials[meta.block_offset + blockIdx.x] = block_total;
-      if (block_bad) *a.bad = 1u;
+      // Published for the last block (__stcg: through L2), then released by the fence.
+      if constexpr (kNorm != NormKind::None) {
+        __stcg(a.partials + meta.block_offset + blockIdx.x, block_total);
+      }
+      if (block_bad) __stcg(a.bad, 1u);
       __threadfence();
       const unsigned int ticket = atomicAdd(a.counter, 1u);
       is_last = ticket == static_cast<unsigned int>(meta.total_blocks - 1);

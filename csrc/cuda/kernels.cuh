@@ -25,6 +25,15 @@
 #define AMPFUSE_NOINLINE __noinline__
 #endif
 
+// Shared memory, `AMPFUSE_SHARED(float, slots, [8]);` for `__shared__ float slots[8];`. Under the
+// emulator every block finds it filled with 0xFF bytes (a GPU hands a block whatever the previous
+// block left), so that a read of a slot no thread of the block wrote shows in the results.
+#if defined(CUEMU)
+#define AMPFUSE_SHARED(type, name, ...) CUEMU_SHARED(type, name, __VA_ARGS__)
+#else
+#define AMPFUSE_SHARED(type, name, ...) __shared__ type name __VA_ARGS__
+#endif
+
 namespace ampfuse::cuda {
 
 using kernels::DType;

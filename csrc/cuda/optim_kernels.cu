@@ -221,7 +221,9 @@ __device__ AMPFUSE_NOINLINE void optim_pass(const TableMeta<kLists<Kind>>& meta,
     const int64_t begin = static_cast<int64_t>(c - meta.chunk_start[t]) * kChunkSize;
     const int64_t end = min(begin + kChunkSize, meta.numel[t]);
     float* step = static_cast<float*>(meta.ptr[kStep][t]);
-    const typename Kind::Scalars s = Kind::scalars(hyper, lr, *step);
+    // __ldcg: the step is read through L2, where the tensor's last block advances it (after the
+    // fence and ticket below, which order this read before that write).
+    const typename Kind::Scalars s = Kind::scalars(hyper, lr, __ldcg(step));
     S* state[NS];
 #pragma unroll
     for (int k = 0; k < NS; ++k) state[k] = static_cast<S*>(meta.ptr[3 + k][t]);

@@ -43,6 +43,7 @@ __thread uint3 threadIdx;
 __thread uint3 blockIdx;
 __thread uint3 blockDim;
 __thread uint3 gridDim;
+__thread unsigned cuemu_unfenced;
 
 namespace cuemu {
 namespace {
@@ -134,6 +135,7 @@ struct Fiber {
   enum State { kReady, kWaitBarrier, kWaitWarp, kDone } state = kReady;
   uint64_t result = 0;
   const char* wait_site = nullptr;
+  unsigned unfenced = 0;  // cuemu_unfenced while the fiber is switched out
 #if CUEMU_ASAN
   void* fake_stack = nullptr;
 #endif
@@ -143,6 +145,7 @@ struct WarpColl {
   unsigned mask = 0, arrived = 0;
   int op = 0;
   const char* site = nullptr;
+  uint64_t chain = 0;
   uint64_t in[32];
   int arg[32];
   int width[32];
@@ -161,7 +164,9 @@ struct BlockRunner {
   // __syncthreads in progress
   int bar_count = 0, bar_kind = -1, bar_acc = 0;
   const char* bar_site = nullptr;
+  uint64_t bar_chain = 0;
   std::vector<int> bar_waiters;
+  std::vector<const void*> shared_seen;  // CUEMU_SHARED variables this block has reached
   WarpColl warps[32];
   bool failed = false;
 
@@ -301,6 +306,7 @@ void BlockRunner::resume(int i) {
   current = i;
   Fiber& f = fibers[i];
   threadIdx = f.tid;
+  cuemu_unfenced = f.unfenced;
   ++switches;
 #if CUEMU_ASAN
   __sanitizer_start_switch_fiber(&sched_fake, f.stack_lo, f.stack_size);
@@ -314,6 +320,7 @@ void BlockRunner::resume(int i) {
 #if CUEMU_ASAN
   __sanitizer_finish_switch_fiber(sched_fake, nullptr, nullptr);
 #endif
+  f.unfenced = cuemu_unfenced;
   current = -1;
 }
 
@@ -381,6 +388,7 @@ void BlockRunner::run_block(uint3 bidx) {
   bar_acc = 0;
   bar_site = nullptr;
   bar_waiters.clear();
+  shared_seen.clear();
   for (auto& w : warps) w.arrived = 0;
   failed = false;
   std::vector<int> ids(static_cast<size_t>(n));
@@ -392,6 +400,7 @@ void BlockRunner::run_block(uint3 bidx) {
                   static_cast<unsigned>(i) / (blockDim.x * blockDim.y)};
     f.state = Fiber::kReady;
     f.result = 0;
+    f.unfenced = 0;
 #if CUEMU_FIBER_BOOST
     f.ctx = bc::make_fcontext(f.stack_lo + f.stack_size, f.stack_size, &fiber_entry);
 #else
@@ -445,6 +454,35 @@ void BlockRunner::run_block(uint3 bidx) {
 
 }  // namespace
 
+namespace {
+
+// The dynamic call site of an intrinsic: the return addresses of the frames on the fiber's stack
+// from the intrinsic up to the fiber's entry, hashed (the runtime and the kernels are compiled
+// with frame pointers; the walk stops at the first frame pointer outside the fiber's stack). Two
+// threads at the same source line reached through different calls (a helper's barrier called
+// from two branches, inlined twice or not) get different chains.
+__attribute__((noinline)) uint64_t call_chain(const Fiber& f) {
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(f.stack_lo);
+  const uintptr_t hi = lo + f.stack_size;
+  auto fp = reinterpret_cast<uintptr_t>(__builtin_frame_address(0));
+  uint64_t h = 1469598103934665603ull;
+  for (int depth = 0; depth < 32 && fp >= lo && fp + 2 * sizeof(void*) <= hi; ++depth) {
+    const auto* frame = reinterpret_cast<const uintptr_t*>(fp);
+    h = (h ^ frame[1]) * 1099511628211ull;  // the return address
+    if (frame[0] <= fp) break;              // callers' frames lie above
+    fp = frame[0];
+  }
+  return h;
+}
+
+std::string describe_call(const char* site, uint64_t chain) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, " (call path %016llx)", static_cast<unsigned long long>(chain));
+  return describe_site(site) + buf;
+}
+
+}  // namespace
+
 // ---- intrinsics called from kernels -------------------------------------------------------------
 int syncthreads_op(int pred, int kind, const char* site) {
   BlockRunner& r = runner();
@@ -453,13 +491,15 @@ int syncthreads_op(int pred, int kind, const char* site) {
     std::abort();
   }
   Fiber& f = r.fibers[r.current];
+  const uint64_t chain = call_chain(f);
   if (r.bar_count == 0) {
     r.bar_site = site;
+    r.bar_chain = chain;
     r.bar_kind = kind;
     r.bar_acc = kind == 1 ? 1 : 0;
-  } else if (std::strcmp(site, r.bar_site) != 0 || kind != r.bar_kind) {
-    r.fail("divergent __syncthreads: this thread waits at " + describe_site(site) +
-           " while other threads wait at " + describe_site(r.bar_site));
+  } else if (std::strcmp(site, r.bar_site) != 0 || chain != r.bar_chain || kind != r.bar_kind) {
+    r.fail("divergent __syncthreads: this thread waits at " + describe_call(site, chain) +
+           " while other threads wait at " + describe_call(r.bar_site, r.bar_chain));
     r.yield_to_scheduler();  // never resumed: the block is abandoned
   }
   switch (kind) {
@@ -509,18 +549,20 @@ uint64_t warp_collective(CollOp op, unsigned mask, uint64_t bits, int arg, int w
     r.yield_to_scheduler();
   }
   WarpColl& w = r.warps[warp];
+  const uint64_t chain = call_chain(f);
   if (w.arrived == 0) {
     w.mask = mask;
     w.op = op;
     w.site = site;
-  } else if (w.mask != mask || w.op != op || std::strcmp(w.site, site) != 0) {
+    w.chain = chain;
+  } else if (w.mask != mask || w.op != op || std::strcmp(w.site, site) != 0 || w.chain != chain) {
     std::snprintf(buf, sizeof buf,
                   "divergent warp collective: lane %d calls %s (mask 0x%08x) at ", lane,
                   op_name(op), mask);
-    std::string msg = buf + describe_site(site);
+    std::string msg = buf + describe_call(site, chain);
     std::snprintf(buf, sizeof buf, " while lanes 0x%08x wait in %s (mask 0x%08x) at ", w.arrived,
                   op_name(w.op), w.mask);
-    r.fail(msg + buf + describe_site(w.site));
+    r.fail(msg + buf + describe_call(w.site, w.chain));
     r.yield_to_scheduler();
   }
   // A lane of the mask that already exited can never arrive.
@@ -589,6 +631,28 @@ uint64_t warp_collective(CollOp op, unsigned mask, uint64_t bits, int arg, int w
   }
   r.yield_to_scheduler();
   return f.result;
+}
+
+void block_shared(void* p, size_t bytes) {
+  BlockRunner& r = runner();
+  if (r.current < 0) return;  // not in a kernel
+  if (std::find(r.shared_seen.begin(), r.shared_seen.end(), p) != r.shared_seen.end()) return;
+  r.shared_seen.push_back(p);
+  std::memset(p, 0xFF, bytes);
+}
+
+void unfenced_atomic(const char* what) {
+  BlockRunner& r = runner();
+  if (r.current < 0) return;
+  char buf[320];
+  std::snprintf(buf, sizeof buf,
+                "%s after %u __stcg/__ldcg accesses of this thread with no __threadfence() since "
+                "(a release fence is missing before an atomic that tells other blocks the data is "
+                "ready)",
+                what, cuemu_unfenced);
+  cuemu_unfenced = 0;
+  r.fail(buf);
+  r.yield_to_scheduler();  // never resumed: the block is abandoned
 }
 
 void report_error(const char* fmt, ...) {
@@ -792,6 +856,7 @@ cudaError_t cudaMemcpy(void* d, const void* s, size_t n, enum cudaMemcpyKind k) 
 cudaError_t cudaMalloc(void** p, size_t n) {
   *p = nullptr;
   if (posix_memalign(p, 256, n ? n : 1) != 0) return cudaErrorMemoryAllocation;
+  std::memset(*p, 0xFF, n);  // device memory starts as garbage, never as zeros
   return cudaSuccess;
 }
 cudaError_t cudaFree(void* p) {

@@ -86,8 +86,11 @@ void* CallResources::workspace(Kind kind, size_t bytes) {
   ctx_.workspace_zeroed = false;
   if (bytes == 0) return nullptr;
   if (capturing_) {
-    // The graph keeps this allocation; the kernels zero it on the stream at every replay.
+    // The graph keeps this allocation; the kernels zero it on the stream at every replay. On the
+    // CPU (the CPU tables and the emulated CUDA table) it is filled with 0xFF bytes first, so that
+    // a kernel relying on fresh workspace being zero fails in the tests instead of by luck.
     fresh_ = bytes_on(bytes, device_, /*zeroed=*/false);
+    if (device_.is_cpu()) std::memset(fresh_.data_ptr(), 0xFF, bytes);
     return fresh_.data_ptr();
   }
   std::lock_guard<std::mutex> lock(g_mutex);

@@ -13,6 +13,15 @@
 //     collectives (__shfl_*_sync, __ballot_sync, __syncwarp, ...), so code between two sync points
 //     runs thread after thread (CUEMU_THREAD_ORDER).
 //   * __shared__ is `static thread_local`: one instance per OS thread, i.e. per running block.
+//     Declared through CUEMU_SHARED (the kernels' AMPFUSE_SHARED), it is filled with 0xFF bytes
+//     (NaN, -1, an invalid bool) each time a block first reaches the declaration, as a GPU hands a
+//     block whatever the previous one left: a read of a slot no thread of the block wrote shows.
+//   * Barriers and warp collectives are identified by their dynamic call site: the source line
+//     and the chain of return addresses on the thread's fiber stack (kernels are compiled with
+//     frame pointers), so a barrier inside a helper reached from two branches is divergent.
+//   * Release fences: __stcg/__ldcg (the accesses other blocks' code relies on) count as unfenced
+//     until the thread's next __threadfence(); an atomic by a thread with unfenced accesses is
+//     reported (the release fence before a last-block ticket is missing).
 //   * Warp size 32; collectives compute their results when the last lane named in the mask
 //     arrives; a lane outside the mask, a source lane outside the mask, lanes at different call
 //     sites, a barrier reached from different sites or with exited threads, and deadlocks are
@@ -55,6 +64,9 @@
 #endif
 
 // ---- built-in variables -------------------------------------------------------------------------
+// This thread's __stcg/__ldcg accesses since its last __threadfence (saved and restored per fiber).
+extern __thread unsigned cuemu_unfenced;
+
 // Set by the scheduler before it resumes a fiber (a block never leaves its OS thread).
 extern __thread uint3 threadIdx;
 extern __thread uint3 blockIdx;
@@ -75,6 +87,11 @@ enum CollOp : int { kShflIdx, kShflUp, kShflDown, kShflXor, kBallot, kAny, kAll,
 uint64_t warp_collective(CollOp op, unsigned mask, uint64_t bits, int arg, int width,
                          const char* site);
 void report_error(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+// Called by every thread that reaches a CUEMU_SHARED declaration: the first of each block fills
+// the variable with 0xFF bytes.
+void block_shared(void* p, size_t bytes);
+// An atomic (`what`) by a thread whose __stcg/__ldcg accesses were not followed by a __threadfence.
+void unfenced_atomic(const char* what);
 
 // ---- launch -------------------------------------------------------------------------------------
 // Total parameter bytes as nvcc lays them out (each parameter at its alignment).
@@ -153,6 +170,12 @@ inline T from_bits(uint64_t b) {
 #define CUEMU_LAUNCH(grid, block, smem, stream, ...) \
   ::cuemu::launch_config(grid, block, smem, stream).kernel(__VA_ARGS__, #__VA_ARGS__)
 
+// `CUEMU_SHARED(float, slots, [8]);`: the emulator's spelling of `__shared__ float slots[8];`,
+// poisoned per block (see above). A plain `__shared__` variable works too, unpoisoned.
+#define CUEMU_SHARED(type, name, ...)       \
+  static thread_local type name __VA_ARGS__; \
+  ::cuemu::block_shared(&name, sizeof(name))
+
 // ---- synchronisation and warp collectives -------------------------------------------------------
 // Function-like macros, so that every call site passes its own source location: the emulator
 // checks that all threads of a barrier / all lanes of a collective wait at the same site (the host
@@ -188,25 +211,51 @@ inline void syncwarp(const char* site, unsigned mask = 0xffffffffu) {
 }
 }  // namespace cuemu
 
-inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void __threadfence() {
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  cuemu_unfenced = 0;
+}
+// Block scope: orders nothing for other blocks, so it releases no __stcg/__ldcg access.
 inline void __threadfence_block() { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
-inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void __threadfence_system() { __threadfence(); }
 inline unsigned __activemask() { return 0xffffffffu; }  // fibers run converged code only
 inline unsigned __lanemask_lt() { return (1u << (threadIdx.x & 31)) - 1u; }
 
 // ---- atomics (device scope, relaxed, as CUDA's atomic* functions) -------------------------------
+// Each checks for unfenced __stcg/__ldcg accesses of the calling thread first (see above).
+#define CUEMU_FENCED(what) (cuemu_unfenced ? ::cuemu::unfenced_atomic(what) : void())
 #define CUEMU_ATOMIC_INT(T)                                                                        \
-  inline T atomicAdd(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }            \
-  inline T atomicSub(T* p, T v) { return __atomic_fetch_sub(p, v, __ATOMIC_RELAXED); }            \
-  inline T atomicAnd(T* p, T v) { return __atomic_fetch_and(p, v, __ATOMIC_RELAXED); }            \
-  inline T atomicOr(T* p, T v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); }              \
-  inline T atomicXor(T* p, T v) { return __atomic_fetch_xor(p, v, __ATOMIC_RELAXED); }            \
-  inline T atomicExch(T* p, T v) { return __atomic_exchange_n(p, v, __ATOMIC_RELAXED); }          \
+  inline T atomicAdd(T* p, T v) {                                                                 \
+    CUEMU_FENCED("atomicAdd");                                                                    \
+    return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);                                            \
+  }                                                                                               \
+  inline T atomicSub(T* p, T v) {                                                                 \
+    CUEMU_FENCED("atomicSub");                                                                    \
+    return __atomic_fetch_sub(p, v, __ATOMIC_RELAXED);                                            \
+  }                                                                                               \
+  inline T atomicAnd(T* p, T v) {                                                                 \
+    CUEMU_FENCED("atomicAnd");                                                                    \
+    return __atomic_fetch_and(p, v, __ATOMIC_RELAXED);                                            \
+  }                                                                                               \
+  inline T atomicOr(T* p, T v) {                                                                  \
+    CUEMU_FENCED("atomicOr");                                                                     \
+    return __atomic_fetch_or(p, v, __ATOMIC_RELAXED);                                             \
+  }                                                                                               \
+  inline T atomicXor(T* p, T v) {                                                                 \
+    CUEMU_FENCED("atomicXor");                                                                    \
+    return __atomic_fetch_xor(p, v, __ATOMIC_RELAXED);                                            \
+  }                                                                                               \
+  inline T atomicExch(T* p, T v) {                                                                \
+    CUEMU_FENCED("atomicExch");                                                                   \
+    return __atomic_exchange_n(p, v, __ATOMIC_RELAXED);                                           \
+  }                                                                                               \
   inline T atomicCAS(T* p, T cmp, T v) {                                                          \
+    CUEMU_FENCED("atomicCAS");                                                                    \
     __atomic_compare_exchange_n(p, &cmp, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);           \
     return cmp;                                                                                   \
   }                                                                                               \
   inline T atomicMax(T* p, T v) {                                                                 \
+    CUEMU_FENCED("atomicMax");                                                                    \
     T old = __atomic_load_n(p, __ATOMIC_RELAXED);                                                 \
     while (old < v &&                                                                             \
            !__atomic_compare_exchange_n(p, &old, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {  \
@@ -214,6 +263,7 @@ inline unsigned __lanemask_lt() { return (1u << (threadIdx.x & 31)) - 1u; }
     return old;                                                                                   \
   }                                                                                               \
   inline T atomicMin(T* p, T v) {                                                                 \
+    CUEMU_FENCED("atomicMin");                                                                    \
     T old = __atomic_load_n(p, __ATOMIC_RELAXED);                                                 \
     while (old > v &&                                                                             \
            !__atomic_compare_exchange_n(p, &old, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {  \
@@ -228,6 +278,7 @@ CUEMU_ATOMIC_INT(long long)
 
 // ((old >= val) ? 0 : (old + 1)) and (((old == 0) || (old > val)) ? val : (old - 1)).
 inline unsigned int atomicInc(unsigned int* p, unsigned int val) {
+  CUEMU_FENCED("atomicInc");
   unsigned int old = __atomic_load_n(p, __ATOMIC_RELAXED);
   while (!__atomic_compare_exchange_n(p, &old, old >= val ? 0u : old + 1u, true, __ATOMIC_RELAXED,
                                       __ATOMIC_RELAXED)) {
@@ -235,6 +286,7 @@ inline unsigned int atomicInc(unsigned int* p, unsigned int val) {
   return old;
 }
 inline unsigned int atomicDec(unsigned int* p, unsigned int val) {
+  CUEMU_FENCED("atomicDec");
   unsigned int old = __atomic_load_n(p, __ATOMIC_RELAXED);
   while (!__atomic_compare_exchange_n(p, &old, (old == 0u || old > val) ? val : old - 1u, true,
                                       __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
@@ -243,6 +295,7 @@ inline unsigned int atomicDec(unsigned int* p, unsigned int val) {
 }
 template <class F>
 inline F cuemu_atomic_float_rmw(F* p, F v, int op) {  // op 0: add, 1: max, 2: min, 3: exch
+  CUEMU_FENCED(op == 0 ? "atomicAdd" : op == 1 ? "atomicMax" : op == 2 ? "atomicMin" : "atomicExch");
   using U = std::conditional_t<sizeof(F) == 4, uint32_t, uint64_t>;
   U* u = reinterpret_cast<U*>(p);
   U old_bits = __atomic_load_n(u, __ATOMIC_RELAXED);
@@ -265,13 +318,21 @@ inline float atomicMin(float* p, float v) { return cuemu_atomic_float_rmw(p, v, 
 inline float atomicExch(float* p, float v) { return cuemu_atomic_float_rmw(p, v, 3); }
 
 // ---- cache-hinted loads/stores: plain accesses on the host --------------------------------------
+// __ldcg/__stcg (cached in L2 only: how blocks read and publish data for other blocks) count as
+// unfenced accesses until the thread's next __threadfence().
 template <class T> inline T __ldg(const T* p) { return *p; }
-template <class T> inline T __ldcg(const T* p) { return *p; }
+template <class T> inline T __ldcg(const T* p) {
+  ++cuemu_unfenced;
+  return *p;
+}
 template <class T> inline T __ldca(const T* p) { return *p; }
 template <class T> inline T __ldcs(const T* p) { return *p; }
 template <class T> inline T __ldlu(const T* p) { return *p; }
 template <class T> inline T __ldcv(const T* p) { return *p; }
-template <class T> inline void __stcg(T* p, T v) { *p = v; }
+template <class T> inline void __stcg(T* p, T v) {
+  ++cuemu_unfenced;
+  *p = v;
+}
 template <class T> inline void __stcs(T* p, T v) { *p = v; }
 template <class T> inline void __stwb(T* p, T v) { *p = v; }
 template <class T> inline void __stwt(T* p, T v) { *p = v; }
