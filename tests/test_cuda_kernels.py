@@ -1,18 +1,23 @@
-"""The CUDA kernels (csrc/cuda/*.cu) run under the emulator, compared with the CPU kernels.
+"""The CUDA kernels (csrc/cuda/*.cu), compared case by case with the CPU kernels.
 
-`make test` builds the CUDA kernels for the host too (libampfuse_cuemu.so). Every test here runs the
-same op on the same inputs through the CPU kernel table and through the emulated CUDA table
-(switched in-process) and compares every output: bitwise where both follow the same rule (unscale,
-inf/NaN flags, accumulation, the scale update, the optimizer updates of rules.h: the CPU AVX2 and
-AVX-512 builds and the CUDA kernels use the same fused multiply-adds), norms within a stated
-tolerance (the two backends sum in different orders).
+The CUDA table under test is a parameter, AMPFUSE_KERNEL_TABLE:
+  * ``cuda-emulated`` (the default, every `make test`): the CUDA kernels compiled for the host
+    (libampfuse_cuemu.so) run CPU tensors under the emulator, switched in-process;
+  * ``cuda`` (the GPU check, benchmarks/gpu_check.sh): the real kernels on a GPU. Each case's inputs
+    are built on the CPU and copied to the GPU with the same storage offsets (so the misaligned
+    cases stay misaligned), the same calls run there, and the results are copied back.
+Every output is compared: bitwise where both follow the same rule (unscale, inf/NaN flags,
+accumulation, the scale update, the optimizer updates of rules.h: the CPU AVX2 and AVX-512 builds
+and the CUDA kernels use the same fused multiply-adds), norms within a stated tolerance (the two
+backends sum in different orders).
 
 The cases aim at the CUDA code's edges: every dtype; sizes 0, 1, chunk-1, chunk, chunk+1 and
 several chunks; data pointers 1 and 3 elements off a 16-byte boundary on each list of a multi-list
 op (the scalar paths); inf/NaN at chunk edges; more tensors than one launch holds (the metadata
 capacity), so that the norm's cross-launch partials and the per-tensor step counters are
-exercised; grids smaller than the chunk count; the skip path. The schedule (block and thread
-order) is the emulator's: `make test` runs this file under a forward and a seeded random one.
+exercised; grids smaller than the chunk count; the skip path. Under emulation the schedule (block
+and thread order) is the emulator's: `make test` runs this file under a forward and a seeded
+random one.
 """
 
 from __future__ import annotations
@@ -23,12 +28,19 @@ import os
 
 import pytest
 import torch
+from torch.utils._pytree import tree_flatten, tree_map
 
 import ampfuse
 from ampfuse import _library, ops
 from ampfuse._precision import split_master
 
-if _library.emulator() is None:
+TABLE = os.environ.get("AMPFUSE_KERNEL_TABLE", "cuda-emulated")
+if TABLE not in ("cuda-emulated", "cuda"):
+    raise ValueError(f"AMPFUSE_KERNEL_TABLE must be 'cuda-emulated' or 'cuda', got {TABLE!r}")
+ON_GPU = TABLE == "cuda"
+if ON_GPU:
+    pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="AMPFUSE_KERNEL_TABLE=cuda needs a GPU")
+elif _library.emulator() is None:
     if os.environ.get("AMPFUSE_REQUIRE_EMULATION") == "1":
         raise RuntimeError(f"the emulated CUDA kernels are required but {_library.emulator_path()} does not exist")
     pytest.skip("this build has no emulated CUDA kernels (AMPFUSE_CUDA_EMULATION=OFF)", allow_module_level=True)
@@ -74,15 +86,51 @@ def simulated_capture(on: bool):
         _library.simulate_capture(previous)
 
 
+@contextlib.contextmanager
+def cuda_table(num_sms: int = 1):
+    """The CUDA table under test, with grids sized for `num_sms` multiprocessors."""
+    if not ON_GPU:
+        with kernel_table("cuda-emulated", num_sms):
+            yield
+        return
+    previous = _library.limit_cuda_sms(num_sms)
+    try:
+        with torch.device("cuda"):  # tensors a call creates (found_inf, lr, ...) are made there
+            yield
+        torch.cuda.synchronize()
+    finally:
+        _library.limit_cuda_sms(previous)
+
+
+def _gpu_twin(t):
+    """A GPU copy of CPU tensor `t` with the same storage size, offset and strides."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    base = torch.empty(t.untyped_storage().nbytes() // t.element_size(), dtype=t.dtype, device="cuda")
+    return base.as_strided(t.shape, t.stride(), t.storage_offset()).copy_(t)
+
+
+def _on_cpu(x):
+    return x.cpu() if isinstance(x, torch.Tensor) else x
+
+
 def both(make, call, num_sms=1):
-    """call(make()) through the CPU kernels and through the emulated CUDA kernels; returns the two
-    input structures afterwards (make() must build the same inputs each time)."""
+    """call(make()) through the CPU kernels and through the CUDA table under test; returns the two
+    input structures afterwards (make() must build the same inputs each time, on the CPU)."""
     with kernel_table("native"):
         a = make()
         ra = call(a)
-    with kernel_table("cuda-emulated", num_sms):
-        b = make()
+    b = make()
+    if ON_GPU:
+        host = b
+        b = tree_map(_gpu_twin, host)
+    with cuda_table(num_sms):
         rb = call(b)
+    if ON_GPU:
+        for h, d in zip(tree_flatten(host)[0], tree_flatten(b)[0]):
+            if isinstance(h, torch.Tensor):
+                h.copy_(d)
+        b, rb = host, tree_map(_on_cpu, rb)
     return (a, ra), (b, rb)
 
 
@@ -98,17 +146,19 @@ def assert_all_same(xs, ys, what: str) -> None:
 
 def offset_tensor(values: torch.Tensor, dtype: torch.dtype, offset: int) -> torch.Tensor:
     """`values` as a contiguous tensor of `dtype` whose data starts `offset` elements past a
-    64-byte aligned allocation (offsets 1 and 3 break every vector alignment)."""
+    64-byte aligned allocation (offsets 1 and 3 break every vector alignment) and ends exactly where
+    the allocation ends, so that a read or write one element past the end leaves the allocation (the
+    sanitizer pass, `make test-sanitize`, reports it)."""
     n = values.numel()
-    base = torch.empty(n + offset + 1, dtype=dtype)
-    t = base[offset : offset + n]
+    base = torch.empty(n + offset, dtype=dtype)
+    t = base[offset:]
     t.copy_(values.reshape(-1))
     return t
 
 
 def randn(n: int, seed: int, scale: float = 1.0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, generator=g, dtype=torch.float64) * scale
+    return torch.randn(n, generator=g, dtype=torch.float64, device="cpu") * scale
 
 
 # ------------------------------------------------------------------------------------------------
@@ -200,11 +250,9 @@ def test_scale_reciprocal_is_torchs():
     that differs from the fp32 reciprocal."""
     scale = torch.tensor([3.0e-5 * 1.37], dtype=torch.float32)
     inv = scale.double().reciprocal().float()
-    x = [torch.linspace(-5, 5, 1001)]
-    with kernel_table("cuda-emulated"):
-        y = [x[0].clone()]
-        ops.unscale_check_(y, torch.zeros(1), scale=scale)
-    assert_same(y[0], x[0] * inv, "unscaled")
+    x = torch.linspace(-5, 5, 1001)
+    _, (y, _) = both(lambda: [x.clone()], lambda y: ops.unscale_check_(y, torch.zeros(1), scale=torch.full((1,), scale.item())))
+    assert_same(y[0], x * inv, "unscaled")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -580,6 +628,7 @@ def test_optim_skip_changes_nothing(kind):
     _compare_optim(a, b, True)
 
 
+@pytest.mark.skipif(ON_GPU, reason="the emulator's launch counter (on a GPU, tests/test_launches.py counts)")
 def test_emulator_counts_launches():
     """The emulator's launch counter sees the CUDA launch sequence of one call."""
     emu = _library.emulator()

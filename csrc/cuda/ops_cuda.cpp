@@ -4,6 +4,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <vector>
 
@@ -24,10 +26,15 @@ int num_sms(c10::DeviceIndex device) {
   return cache[device];
 }
 
+// For tests (0: no limit): size grids as if the device had at most this many multiprocessors, so
+// that the kernel-level suite runs grids smaller than the chunk count on a real GPU as well.
+std::atomic<int> g_sms_limit{0};
+
 LaunchContext context(const c10::Device& device) {
   LaunchContext ctx{};
   ctx.stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  ctx.num_sms = num_sms(device.index());
+  const int limit = g_sms_limit.load(std::memory_order_relaxed);
+  ctx.num_sms = limit > 0 ? std::min(limit, num_sms(device.index())) : num_sms(device.index());
   return ctx;
 }
 
@@ -41,6 +48,11 @@ constexpr ops::Backend kBackend{&kernel_table, &context, &capturing};
 
 }  // namespace
 }  // namespace ampfuse::cuda
+
+// For tests: see g_sms_limit. Returns the previous limit.
+extern "C" __attribute__((visibility("default"))) int ampfuse_limit_cuda_sms(int limit) {
+  return ampfuse::cuda::g_sms_limit.exchange(limit > 0 ? limit : 0);
+}
 
 TORCH_LIBRARY_IMPL(ampfuse, CUDA, m) { ampfuse::ops::register_kernels<ampfuse::cuda::kBackend>(m); }
 

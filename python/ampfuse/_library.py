@@ -136,6 +136,21 @@ def select_cpu_kernels(name: str, num_sms: int = 1) -> None:
         raise RuntimeError(err.decode())
 
 
+def limit_cuda_sms(limit: int) -> int:
+    """For tests: size CUDA grids as if the device had at most ``limit`` multiprocessors (0: no
+    limit), so that grids smaller than the chunk count run on a real GPU too. Returns the previous
+    limit. Needs a build with the CUDA kernels."""
+    import ctypes
+
+    try:
+        fn = _native().ampfuse_limit_cuda_sms
+    except AttributeError:
+        raise RuntimeError("limit_cuda_sms: this build of ampfuse has no CUDA kernels") from None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int]
+    return int(fn(int(limit)))
+
+
 def simulate_capture(on: bool) -> bool:
     """For tests: make every op call behave as under CUDA-graph capture (fresh workspace that the
     kernels zero themselves; metadata tables not uploaded, only found if already resident), so
