@@ -122,7 +122,7 @@ struct CheckParams {
 // The pass over every chunk of a launch (`meta` a TableMeta view) and, with a norm, the last
 // block's reduction. Not inlined: shared by the two kernels below.
 template <NormKind kNorm, typename Acc>
-__device__ AMPFUSE_NOINLINE void unscale_check_pass(const TableMeta<1>& meta, const CheckParams<Acc>& a) {
+__device__ AMPFUSE_PASS_BODY void unscale_check_pass(const TableMeta<1>& meta, const CheckParams<Acc>& a) {
   const float inv = a.inv_scale ? *a.inv_scale : static_cast<float>(1.0 / static_cast<double>(*a.scale));
   Acc acc = 0;
   bool any_bad = false;
@@ -206,14 +206,20 @@ __device__ AMPFUSE_NOINLINE void unscale_check_pass(const TableMeta<1>& meta, co
   }
 }
 
+// Resident blocks per multiprocessor the check kernels are compiled for and grids are sized by: a
+// norm accumulated in fp64 (an fp64 tensor in the list) needs more than the 64 registers of 4
+// blocks (ptxas spilled 54-82 bytes): 3 blocks, 80 registers. The workspace is sized for 4.
+template <typename Acc>
+constexpr int kCheckBlocksPerSM = sizeof(Acc) == sizeof(double) ? 3 : kBlocksPerSM;
+
 template <NormKind kNorm, typename Acc>
-__global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
+__global__ void __launch_bounds__(kBlockSize, kCheckBlocksPerSM<Acc>)
     unscale_check_kernel(const __grid_constant__ TensorListMeta<1> meta, CheckParams<Acc> a) {
   unscale_check_pass<kNorm, Acc>(view_of(meta), a);
 }
 
 template <NormKind kNorm, typename Acc>
-__global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
+__global__ void __launch_bounds__(kBlockSize, kCheckBlocksPerSM<Acc>)
     unscale_check_table_kernel(const __grid_constant__ TableMeta<1> meta, CheckParams<Acc> a) {
   unscale_check_pass<kNorm, Acc>(meta, a);
 }
@@ -325,7 +331,8 @@ int launch_unscale_check(const UnscaleCheckArgs& a, const std::vector<HostTensor
   p.clip_coef = a.clip_coef;
   p.has_max_norm = a.has_max_norm;
   p.max_norm = a.max_norm;
-  return multi_tensor_apply<1>(tensors, ctx.num_sms * kBlocksPerSM, ctx, [&](const auto& meta, int grid) {
+  constexpr int kPerSM = kCheckBlocksPerSM<Acc>;
+  return multi_tensor_apply<1>(tensors, ctx.num_sms * kPerSM, ctx, [&](const auto& meta, int grid) {
     constexpr bool kInline = std::is_same_v<std::decay_t<decltype(meta)>, TensorListMeta<1>>;
     auto go = [&](auto norm_tag) {
       constexpr NormKind kNorm = decltype(norm_tag)::value;

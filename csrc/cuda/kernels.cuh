@@ -16,13 +16,16 @@
 #define AMPFUSE_LAUNCH(grid, block, smem, stream, ...) __VA_ARGS__<<<grid, block, smem, stream>>>
 #endif
 
-// A device function compiled once and called (not inlined): kernels that differ only in how they
-// receive their metadata share one body. (The host compiler of the emulator spells it as GCC does:
-// a __noinline__ macro would break libstdc++'s __attribute__((__noinline__)).)
+// The body of a pass that two kernels share (they differ only in how they receive their
+// metadata). On the GPU it is inlined into each: a call would pass its arguments through local
+// memory and spill the caller's registers around it (ptxas -v: every such kernel had a stack frame
+// and 20-260 bytes of spills; tests/test_ptxas.py now allows none). The emulator compiles it once
+// and calls it, which only saves host compile time. (GCC's spelling there: a __noinline__ macro
+// would break libstdc++'s __attribute__((__noinline__)).)
 #if defined(CUEMU)
-#define AMPFUSE_NOINLINE __attribute__((noinline))
+#define AMPFUSE_PASS_BODY __attribute__((noinline))
 #else
-#define AMPFUSE_NOINLINE __noinline__
+#define AMPFUSE_PASS_BODY __forceinline__
 #endif
 
 // Shared memory, `AMPFUSE_SHARED(float, slots, [8]);` for `__shared__ float slots[8];`. Under the

@@ -77,6 +77,13 @@ struct AdamKind {
 template <class Kind>
 constexpr int kLists = 3 + Kind::kStates + 1;
 
+// Resident blocks per multiprocessor the kernels are compiled for (__launch_bounds__) and grids are
+// sized by. Adam's rows (two or three states besides param, grad and master) need more than the 64
+// registers that 4 blocks of 256 threads leave (ptxas spilled 4-20 bytes in 21 of its kernels):
+// 3 blocks, 80 registers, no spills. SGD keeps 4.
+template <class Kind>
+constexpr int kOptimBlocksPerSM = Kind::kStates >= 2 ? 3 : kBlocksPerSM;
+
 template <typename T>
 struct alignas(4 * sizeof(T)) Quad {
   T v[4];
@@ -120,7 +127,7 @@ struct Master {
 // Elements [begin, end) of one tensor, processed by the whole block. Not inlined: the two kernels
 // (metadata by value, metadata in a table) share one copy of each instantiation.
 template <typename T, typename G, class Kind, MasterKind MK, typename S>
-__device__ AMPFUSE_NOINLINE void process_chunk(T* param, const G* grad,
+__device__ AMPFUSE_PASS_BODY void process_chunk(T* param, const G* grad,
                                            typename Master<MK, T>::Storage* master,
                                            S* const* state, int64_t begin, int64_t end,
                                            const typename Kind::Scalars& s, bool divide,
@@ -205,7 +212,7 @@ __device__ AMPFUSE_NOINLINE void process_chunk(T* param, const G* grad,
 // The pass over every chunk of a launch; `meta` is a TableMeta view (of a table in device memory,
 // or of the by-value metadata).
 template <typename T, typename G, class Kind, MasterKind MK, typename S>
-__device__ AMPFUSE_NOINLINE void optim_pass(const TableMeta<kLists<Kind>>& meta, const ScaleArgs& sa,
+__device__ AMPFUSE_PASS_BODY void optim_pass(const TableMeta<kLists<Kind>>& meta, const ScaleArgs& sa,
                                         const typename Kind::Hyper& hyper) {
   constexpr int NS = Kind::kStates;
   constexpr int kStep = kLists<Kind> - 1;
@@ -248,14 +255,14 @@ __device__ AMPFUSE_NOINLINE void optim_pass(const TableMeta<kLists<Kind>>& meta,
 }
 
 template <typename T, typename G, class Kind, MasterKind MK, typename S>
-__global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
+__global__ void __launch_bounds__(kBlockSize, kOptimBlocksPerSM<Kind>)
     optim_kernel(const __grid_constant__ TensorListMeta<kLists<Kind>> meta, ScaleArgs sa,
                  typename Kind::Hyper hyper) {
   optim_pass<T, G, Kind, MK, S>(view_of(meta), sa, hyper);
 }
 
 template <typename T, typename G, class Kind, MasterKind MK, typename S>
-__global__ void __launch_bounds__(kBlockSize, kBlocksPerSM)
+__global__ void __launch_bounds__(kBlockSize, kOptimBlocksPerSM<Kind>)
     optim_table_kernel(const __grid_constant__ TableMeta<kLists<Kind>> meta, ScaleArgs sa,
                        typename Kind::Hyper hyper) {
   optim_pass<T, G, Kind, MK, S>(meta, sa, hyper);
@@ -294,7 +301,8 @@ int launch_optim(const OptimArgs& a, const typename Kind::Hyper& hyper, void* wo
   }
   const ScaleArgs sa{a.lr_tensor, a.grad_scale, a.found_inf, a.clip_coef,
                      static_cast<unsigned int*>(workspace)};
-  return multi_tensor_apply<N>(tensors, ctx.num_sms * kBlocksPerSM, ctx, [&](const auto& meta, int grid) {
+  constexpr int kPerSM = kOptimBlocksPerSM<Kind>;
+  return multi_tensor_apply<N>(tensors, ctx.num_sms * kPerSM, ctx, [&](const auto& meta, int grid) {
     if constexpr (std::is_same_v<std::decay_t<decltype(meta)>, TensorListMeta<N>>) {
       AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, optim_kernel<T, G, Kind, MK, S>)(meta, sa, hyper);
     } else {
