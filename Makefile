@@ -29,7 +29,8 @@ MAX_JOBS ?= $(shell nproc)
 # builds one) reuses the objects of the first.
 export CCACHE_BASEDIR := $(CURDIR)
 
-.PHONY: all venv sysdeps build test test-cpp test-py test-emulated demo bench clean cuda-coverage cuda-mutants
+.PHONY: all venv sysdeps build test test-cpp test-py test-emulated test-sanitize $(SANITIZED_LIB) demo bench clean \
+  cuda-coverage cuda-mutants
 
 all: build
 
@@ -76,38 +77,67 @@ build: $(BUILD_DIR)/build.ninja
 	cmake --install $(BUILD_DIR) > /dev/null
 
 # --- tests -------------------------------------------------------------------------------------------
-# The emulated runs repeat every suite with CPU tensors going through the CUDA kernels
-# (AMPFUSE_CPU_KERNELS=cuda-emulated): once in forward order, once in random block and thread order
-# with two worker threads and a fresh seed (printed; `make test-emulated CUEMU_SEED=N` replays it).
-# The package-consumer and packaging tests, the emulator's self-test, the demo and the benchmark
-# and GPU-check smoke tests, which test no kernel code of their own (the packaging test builds and
-# runs an installed wheel, never the emulated table), run only in the native pass.
+# Passes (their times, measured on the 2-core developers' machine, are in the README):
+#   test-cpp        ctest: the C++ API's gtests, the cross-language and consumer-package tests
+#   test-py         every Python suite on the CPU kernels (the kernel-level suite switches to the
+#                   emulated CUDA table in-process), pytest-xdist over both cores
+#   test-emulated   CPU tensors through the CUDA kernels under the emulator
+#                   (AMPFUSE_CPU_KERNELS=cuda-emulated): ctest and every suite that reaches a kernel,
+#                   in forward order; then ctest and the kernel-level, op and launch suites in a
+#                   seeded random block and thread order with two worker threads (printed;
+#                   `make test-emulated CUEMU_SEED=N` replays it)
+#   test-sanitize   the emulated CUDA table built with ASan + UBSan, the kernel-level and op suites
+#                   under both schedules; any report fails the run
+# The multi-process (torch.distributed), packaging, integration, demo, benchmark and GPU-check
+# suites test no kernel code of their own and run in the native pass only; the kernel-level suite
+# runs its emulated cases in the native pass already (forward order), so the forward emulated
+# pass skips it.
 ifndef CUEMU_SEED
 CUEMU_SEED := $(shell date +%s)
 endif
 PYTEST := AMPFUSE_CPP_BUILD_DIR=$(abspath $(BUILD_DIR)) AMPFUSE_REQUIRE_EMULATION=1 PYTHONPATH=python $(PY) -m pytest -q -p no:cacheprovider
+XDIST := -n $(MAX_JOBS) --dist loadfile
+XDIST_TESTS := -n $(MAX_JOBS) --dist load
 EMULATED := AMPFUSE_CPU_KERNELS=cuda-emulated
 NOT_EMULATED_CTEST := -E "ampfuse_cpp_consumer|cuemu_selftest"
-NOT_EMULATED_PYTEST := --ignore=tests/test_bench.py --ignore=tests/test_gpu_check.py --ignore=tests/test_packaging.py \
-  --ignore=tests/test_demo.py
+NATIVE_ONLY := --ignore=tests/test_bench.py --ignore=tests/test_gpu_check.py --ignore=tests/test_packaging.py \
+  --ignore=tests/test_demo.py --ignore=tests/integrations --ignore=tests/test_distributed.py \
+  --ignore=tests/test_distributed_mesh.py
+KERNEL_SUITES := tests/test_cuda_kernels.py tests/test_ops.py
+RANDOM_SUITES := $(KERNEL_SUITES) tests/test_launches.py
 FORWARD := CUEMU_BLOCK_ORDER=forward CUEMU_THREAD_ORDER=forward CUEMU_WORKERS=1
 RANDOM := CUEMU_BLOCK_ORDER=random CUEMU_THREAD_ORDER=random CUEMU_WORKERS=2 CUEMU_SEED=$(CUEMU_SEED)
+# ASan must be the first library of the process; libstdc++ is preloaded with it because python
+# itself does not link it and the sanitizer runtime's C++ interceptors need it at start-up.
+SANITIZED_LIB := $(abspath $(BUILD_DIR))/libampfuse_cuemu_sanitized.so
+SANITIZE := LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
+  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1 \
+  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 AMPFUSE_CUEMU_LIBRARY=$(SANITIZED_LIB)
 
 test-cpp: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(MAX_JOBS)
 
 test-py: build
-	$(PYTEST) tests
+	$(PYTEST) $(XDIST) tests
 
 test-emulated: build
 	@echo "== emulated CUDA kernels, forward schedule"
 	cd $(BUILD_DIR) && $(EMULATED) $(FORWARD) ctest --output-on-failure -j $(MAX_JOBS) $(NOT_EMULATED_CTEST)
-	$(EMULATED) $(FORWARD) $(PYTEST) $(NOT_EMULATED_PYTEST) tests
+	$(EMULATED) $(FORWARD) $(PYTEST) $(XDIST) $(NATIVE_ONLY) --ignore=tests/test_cuda_kernels.py tests
 	@echo "== emulated CUDA kernels, random schedule: CUEMU_SEED=$(CUEMU_SEED)"
 	cd $(BUILD_DIR) && $(EMULATED) $(RANDOM) ctest --output-on-failure -j $(MAX_JOBS) $(NOT_EMULATED_CTEST)
-	$(EMULATED) $(RANDOM) $(PYTEST) $(NOT_EMULATED_PYTEST) tests
+	$(EMULATED) $(RANDOM) $(PYTEST) $(RANDOM_SUITES)
 
-test: test-cpp test-py test-emulated
+$(SANITIZED_LIB): build
+	cmake --build $(BUILD_DIR) -j $(MAX_JOBS) --target ampfuse_cuemu_sanitized
+
+test-sanitize: $(SANITIZED_LIB)
+	@echo "== emulated CUDA kernels with ASan + UBSan, forward schedule"
+	$(SANITIZE) $(EMULATED) $(FORWARD) $(PYTEST) $(XDIST_TESTS) $(KERNEL_SUITES)
+	@echo "== emulated CUDA kernels with ASan + UBSan, random schedule: CUEMU_SEED=$(CUEMU_SEED)"
+	$(SANITIZE) $(EMULATED) $(RANDOM) $(PYTEST) $(XDIST_TESTS) $(KERNEL_SUITES)
+
+test: test-cpp test-py test-emulated test-sanitize
 
 # --- demo and benchmarks -----------------------------------------------------------------------------
 demo: build
