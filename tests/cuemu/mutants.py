@@ -24,7 +24,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# (what, file under csrc/cuda, original text (must occur once), mutated text)
+# (what, file under csrc/cuda, original text (must occur once), mutated text[, "sanitize"]). A mutant
+# marked "sanitize" is built with AddressSanitizer + UBSan (the build's ampfuse_cuemu_sanitized
+# flags) and run as `make test-sanitize` runs the suites: its bug (an access just past a tensor's
+# allocation) changes no result the plain suites compare.
 MUTANTS = [
     ("missing __syncthreads in block_reduce (shared partials read before all are written)",
      "multi_tensor_apply.cuh",
@@ -99,16 +102,21 @@ MUTANTS = [
      "optim_kernels.cu",
      "    if (threadIdx.x == 0) {\n      __threadfence();\n      unsigned int* counter",
      "    if (threadIdx.x == 0) {\n      unsigned int* counter"),
+    ("accumulate: one element past each tensor's end read and written (its last chunk)",
+     "amp_kernels.cu",
+     "    const int64_t end = min(begin + kChunkSize, meta.numel[t]);\n    float* acc",
+     "    const int64_t end = min(begin + kChunkSize, meta.numel[t] + 1);\n    float* acc",
+     "sanitize"),
 ]
 
 SUITES = ["tests/test_cuda_kernels.py", "tests/test_ops.py", "tests/test_optim.py", "tests/test_accumulation.py"]
 
 
-def compile_entries(build_dir: str) -> list[dict]:
+def compile_entries(build_dir: str, target: str = "ampfuse_cuemu") -> list[dict]:
     with open(os.path.join(build_dir, "compile_commands.json"), encoding="utf-8") as f:
         entries = json.load(f)
     wanted = [e for e in entries if "/cuemu/" in e["file"] and os.path.basename(e["file"]) != "runtime.cpp"
-              and "CMakeFiles/ampfuse_cuemu.dir" in e.get("output", e["command"])]
+              and f"CMakeFiles/{target}.dir" in e.get("output", e["command"])]
     if not wanted:
         sys.exit(f"no emulated-kernel entries in {build_dir}/compile_commands.json: run `make build` first")
     return wanted
@@ -122,7 +130,7 @@ def cache_value(build_dir: str, key: str) -> str:
     return ""
 
 
-def build_mutant(build_dir: str, work: str, entries: list[dict]) -> str:
+def build_mutant(build_dir: str, work: str, entries: list[dict], sanitize: bool = False) -> str:
     """Compile the emulated library from work/csrc with the main build's flags; returns its path."""
     src = os.path.join(ROOT, "csrc")
     objs = []
@@ -140,23 +148,41 @@ def build_mutant(build_dir: str, work: str, entries: list[dict]) -> str:
         if r.returncode:
             raise RuntimeError(f"compiling the mutant failed:\n{r.stderr[-3000:]}")
         objs.append(obj)
-    runtime = os.path.join(build_dir, "CMakeFiles", "ampfuse_cuemu_runtime.dir", "csrc", "cuemu", "runtime.cpp.o")
+    if sanitize:  # the sanitized target compiles the runtime itself (with ASan's fiber annotations)
+        runtime = os.path.join(build_dir, "CMakeFiles", "ampfuse_cuemu_sanitized.dir", "csrc", "cuemu", "runtime.cpp.o")
+        objs = [o for o in objs if not o.endswith("runtime.cpp.o")]
+    else:
+        runtime = os.path.join(build_dir, "CMakeFiles", "ampfuse_cuemu_runtime.dir", "csrc", "cuemu", "runtime.cpp.o")
     lib = os.path.join(work, "libampfuse_cuemu.so")
     boost = cache_value(build_dir, "AMPFUSE_BOOST_CONTEXT_LIBRARY")
     libs = [boost] if boost and not boost.endswith("NOTFOUND") else []
-    subprocess.run(["g++", "-shared", "-Wl,-Bsymbolic", "-Wl,--no-undefined", "-o", lib, *objs, runtime, *libs,
+    flags = ["-fsanitize=address,undefined"] if sanitize else ["-Wl,--no-undefined"]
+    subprocess.run(["g++", "-shared", "-Wl,-Bsymbolic", *flags, "-o", lib, *objs, runtime, *libs,
                     "-lpthread", "-ldl"], check=True)
     return lib
 
 
-def run_suites(lib: str, python: str, order: str) -> tuple[bool, str]:
+def sanitizer_env() -> dict[str, str]:
+    """What `make test-sanitize` sets: libasan first in the process (with libstdc++), stop at the
+    first report."""
+    def lib(name: str) -> str:
+        return subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True, text=True, check=True).stdout.strip()
+
+    return dict(LD_PRELOAD=f"{lib('libasan.so')} {lib('libstdc++.so')}",
+                ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:allocator_may_return_null=1",
+                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
+
+
+def run_suites(lib: str, python: str, order: str, sanitize: bool = False) -> tuple[bool, str]:
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), AMPFUSE_CPU_KERNELS="cuda-emulated",
                AMPFUSE_CUEMU_LIBRARY=lib, AMPFUSE_REQUIRE_EMULATION="1", CUEMU_QUIET="1",
-               CUEMU_BLOCK_ORDER=order, CUEMU_THREAD_ORDER=order, CUEMU_SEED="7")
+               CUEMU_BLOCK_ORDER=order, CUEMU_THREAD_ORDER=order, CUEMU_SEED="7",
+               **(sanitizer_env() if sanitize else {}))
     r = subprocess.run([python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *SUITES], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=1800)
     out = (r.stdout + r.stderr).splitlines()
-    first = next((l for l in out if l.startswith("FAILED") or l.startswith("ERROR") or "Fatal Python error" in l), "")
+    first = next((l for l in out if l.startswith("FAILED") or l.startswith("ERROR") or "Fatal Python error" in l
+                  or "ERROR: AddressSanitizer" in l or "runtime error:" in l), "")
     if not first and r.returncode:
         first = f"exit status {r.returncode}: " + (out[-1] if out else "")
     return r.returncode != 0, first
@@ -171,7 +197,8 @@ def main(argv=None) -> int:
     entries = compile_entries(args.build_dir)
     only = {int(x) for x in args.only.split(",") if x}
     caught = tried = 0
-    for k, (what, fname, old, new) in enumerate(MUTANTS):
+    for k, (what, fname, old, new, *mode) in enumerate(MUTANTS):
+        sanitize = mode == ["sanitize"]
         if only and k not in only:
             continue
         tried += 1
@@ -185,12 +212,15 @@ def main(argv=None) -> int:
                 return 2
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text.replace(old, new))
-            lib = build_mutant(args.build_dir, work, entries)
-            hit, detail = run_suites(lib, args.python, "forward")
-            schedule = "forward"
+            if sanitize:
+                lib = build_mutant(args.build_dir, work, compile_entries(args.build_dir, "ampfuse_cuemu_sanitized"), True)
+            else:
+                lib = build_mutant(args.build_dir, work, entries)
+            hit, detail = run_suites(lib, args.python, "forward", sanitize)
+            schedule = "forward" + (", sanitized" if sanitize else "")
             if not hit:
-                hit, detail = run_suites(lib, args.python, "random")
-                schedule = "random"
+                hit, detail = run_suites(lib, args.python, "random", sanitize)
+                schedule = "random" + (", sanitized" if sanitize else "")
         caught += hit
         verdict = f"CAUGHT ({schedule} schedule)" if hit else "MISSED"
         print(f"[{k}] {verdict:26s} {what}  ({time.time() - t0:.0f}s)\n      {detail[:200]}", flush=True)
