@@ -62,6 +62,7 @@ stage() {  # stage NAME COMMAND...: run under min(CAP[NAME], time left), log, re
   (( limit > left )) && limit=$left
   if (( limit < 5 )); then
     note "$name: skipped (deadline reached)"
+    FAILED+=("$name")
     return 124
   fi
   local t=$(date +%s)
@@ -69,14 +70,21 @@ stage() {  # stage NAME COMMAND...: run under min(CAP[NAME], time left), log, re
   timeout -k 5 "$limit" "$@" >"$LOGS/$name.log" 2>&1
   local rc=$?
   note "$name: rc=$rc ($(( $(date +%s) - t ))s of at most ${limit}s)"
+  (( rc == 0 )) || FAILED+=("$name")
   archive
   return $rc
 }
+FAILED=()
 finish() {
+  local rc=$?
   note "total: $(( $(date +%s) - T0 ))s"
+  note "failed stages: ${FAILED[*]:-none}"
   archive
   rm -rf "$LOGS"
   note "files: $(ls "$OUT" | tr '\n' ' ')"
+  # Exit status: non-zero when a stage failed (the dry run's test relies on it).
+  (( rc == 0 && ${#FAILED[@]} > 0 )) && rc=1
+  exit $rc
 }
 trap finish EXIT
 
