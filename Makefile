@@ -89,7 +89,7 @@ PYTEST := AMPFUSE_CPP_BUILD_DIR=$(abspath $(BUILD_DIR)) AMPFUSE_REQUIRE_EMULATIO
 EMULATED := AMPFUSE_CPU_KERNELS=cuda-emulated
 NOT_EMULATED_CTEST := -E "ampfuse_cpp_consumer|cuemu_selftest"
 NOT_EMULATED_PYTEST := --ignore=tests/test_bench.py --ignore=tests/test_gpu_check.py --ignore=tests/test_packaging.py \
-  --ignore=tests/test_demo.py
+  --ignore=tests/test_demo.py --ignore=tests/integrations
 FORWARD := CUEMU_BLOCK_ORDER=forward CUEMU_THREAD_ORDER=forward CUEMU_WORKERS=1
 RANDOM := CUEMU_BLOCK_ORDER=random CUEMU_THREAD_ORDER=random CUEMU_WORKERS=2 CUEMU_SEED=$(CUEMU_SEED)
 
