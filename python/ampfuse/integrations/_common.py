@@ -8,7 +8,7 @@ import importlib
 import math
 from collections import defaultdict
 from types import ModuleType
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -94,3 +94,31 @@ def scaled_clip_value_(scaler: torch.amp.GradScaler, optimizer: torch.optim.Opti
             b = bound.to(device, non_blocking=True)
             for g in gs:
                 torch.clamp_(g, min=-b, max=b)
+
+
+def unscale_into_fp32_copies_(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch.Tensor]:
+    """``scaler.unscale_(optimizer)`` that also handles fp16 gradients, which cannot be unscaled in
+    place without losing range (torch's ``unscale_`` refuses them): each is copied to fp32 and
+    the copy is unscaled instead (a transient 4 bytes per fp16 parameter). fp32/bf16 gradients are
+    unscaled in place. Returns the copies (empty without fp16 gradients); pass them to
+    ``scaler.step(optimizer, grads=...)`` so that the fused step reads them instead of ``.grad``
+    and does not divide by the scale again."""
+    fp32 = {p: p.grad.float() for p in params_with_grad(optimizer) if p.grad.dtype == torch.float16}
+    scaler.unscale_(optimizer, grads=fp32 or None)
+    return fp32
+
+
+def main_params_with_copies(optimizer: torch.optim.Optimizer,
+                            fp32: Mapping[torch.Tensor, torch.Tensor] | None) -> Iterator[torch.Tensor]:
+    """The params whose gradients the step reads, for a precision plugin's ``main_params``: a param
+    with an fp32 gradient copy is replaced by a stand-in tensor whose ``.grad`` is that copy, so
+    that torch's ``clip_grad_norm_``/``clip_grad_value_`` measure and clip what the step reads."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = fp32.get(p) if fp32 else None
+            if g is None:
+                yield p
+            else:
+                stand_in = g.view_as(g)
+                stand_in.grad = g
+                yield stand_in

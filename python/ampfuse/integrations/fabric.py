@@ -36,7 +36,14 @@ from typing import Any, Iterator, Literal
 import torch
 
 import ampfuse
-from ampfuse.integrations._common import is_fused, params_with_grad, require, scaler_enabled, unscale_stage_open
+from ampfuse.integrations._common import (
+    is_fused,
+    main_params_with_copies,
+    require,
+    scaler_enabled,
+    unscale_into_fp32_copies_,
+    unscale_stage_open,
+)
 
 require("lightning.fabric", "lightning", "lightning", "fabric")
 
@@ -72,8 +79,7 @@ class MixedPrecision(_FabricMixedPrecision):
             return super().unscale_gradients(optimizer) if not is_fused(optimizer) else None
         if not unscale_stage_open(self.scaler, optimizer):
             return None  # already unscaled in this iteration
-        fp32 = {p: p.grad.float() for p in params_with_grad(optimizer) if p.grad.dtype == torch.float16}
-        self.scaler.unscale_(optimizer, grads=fp32 or None)
+        fp32 = unscale_into_fp32_copies_(self.scaler, optimizer)
         if fp32:
             self._fp32_grads[id(optimizer)] = fp32
         return None
@@ -81,16 +87,7 @@ class MixedPrecision(_FabricMixedPrecision):
     def main_params(self, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         """The params whose ``.grad`` the step reads: for fp16 params with fp32 gradient copies, a
         stand-in tensor whose ``.grad`` is the copy (so that torch's clipping measures and clips it)."""
-        fp32 = self._fp32_grads.get(id(optimizer))
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                g = fp32.get(p) if fp32 else None
-                if g is None:
-                    yield p
-                else:
-                    stand_in = g.view_as(g)
-                    stand_in.grad = g
-                    yield stand_in
+        return main_params_with_copies(optimizer, self._fp32_grads.get(id(optimizer)))
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Fabric's AMP step; an ampfuse optimizer reads the fp32 copies made for clipping, if any."""

@@ -19,11 +19,22 @@ takes Lightning's own path unchanged):
   is taken in fp32 and no fp16 gradient is written back). With ``"bf16-mixed"`` (no scaler) the
   norm is taken by the same read-only pass and the coefficient handed to the step.
 * ``on_before_optimizer_step`` sees unscaled gradients, as Lightning promises, when the
-  LightningModule or a callback overrides it: the plugin then unscales them in place first
-  (:meth:`ampfuse.GradScaler.unscale_`: one extra read-write pass over the gradients, and clipping
-  then uses torch's ``clip_grad_norm_``). When nothing overrides the hook the gradients stay scaled
-  and the step is the fused one. fp16 gradients cannot be unscaled in place without losing range
-  (torch refuses it too): then the hook sees the scaled gradients and a warning says so once.
+  LightningModule or a callback overrides it (when nothing overrides it the gradients stay scaled
+  and the step is the fused one; nothing below is paid). The plugin then unscales first, with
+  :meth:`ampfuse.GradScaler.unscale_` (the public hand-off: the fused step then reads unscaled
+  gradients and does not divide by the scale again), and clipping uses torch's
+  ``clip_grad_norm_``/``clip_grad_value_`` on the unscaled gradients, as Lightning's own plugin.
+  fp32 and bf16 gradients are unscaled in place: a read-write pass where the fused path only
+  reads, and clipping by norm then adds torch's read pass and read-write pass where the fused path
+  folds the coefficient into the step. fp16 gradients cannot be unscaled in place without losing range (torch
+  refuses it), so they are copied to fp32 and the copies unscaled (a transient 4 bytes per fp16
+  parameter); the unscaled values are then written back into the fp16 ``.grad``, for the hook
+  only: the hook sees ``(scaled.float() / scale).half()`` (the unscaled gradient rounded to fp16;
+  magnitudes below fp16's smallest subnormal, 6e-8, read as 0). Clipping and the fused step use
+  the fp32 copies, never the rounded fp16 values, so training is the same as without the hook.
+  Cost per optimizer step with fp16 gradients: a copy pass (read 2, write 4 bytes per element),
+  the unscale pass over the copies (read and write 4), the write-back (read 4, write 2), and the
+  step reads 4 instead of 2 bytes per gradient element.
 * Skipped steps behave as with torch's scaler (Lightning counts them as optimizer steps and steps
   its LR schedulers; the params, masters and optimizer state are unchanged); checkpoints hold the
   optimizer state with its fp32 masters and the scaler state, and resume bit for bit.
@@ -34,20 +45,20 @@ works on the bf16 gradients and ``ampfuse.optim.AdamW`` keeps fp32 masters.
 
 from __future__ import annotations
 
-import warnings
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 
 import ampfuse
 from ampfuse.integrations._common import (
     is_fused,
+    main_params_with_copies,
     norm_and_coef,
-    params_with_grad,
     require,
     scaled_clip_norm_,
     scaled_clip_value_,
     scaler_enabled,
+    unscale_into_fp32_copies_,
     unscale_stage_open,
 )
 from ampfuse.optim import StepScaling
@@ -89,7 +100,8 @@ class MixedPrecision(_LightningMixedPrecision):
             scaler = ampfuse.GradScaler(device)
         super().__init__(precision, device, scaler)
         self._clip_coefs: dict[int, torch.Tensor] = {}
-        self._warned_fp16_hook = False
+        # per optimizer: the unscaled fp32 copies of its fp16 gradients, for this step
+        self._fp32_grads: dict[int, dict[torch.Tensor, torch.Tensor]] = {}
 
     def optimizer_step(  # type: ignore[override]
         self,
@@ -102,25 +114,19 @@ class MixedPrecision(_LightningMixedPrecision):
         if not is_fused(optimizer):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         self._clip_coefs.pop(id(optimizer), None)
+        self._fp32_grads.pop(id(optimizer), None)
         closure_result = closure()
         skip = closure_result is None and model.automatic_optimization
         scaler = self.scaler if scaler_enabled(self.scaler) else None
         if scaler is not None and not skip and _hook_overridden(model.trainer, model):
-            if any(p.grad.dtype == torch.float16 for p in params_with_grad(optimizer)):
-                if not self._warned_fp16_hook:
-                    self._warned_fp16_hook = True
-                    warnings.warn("ampfuse MixedPrecision: on_before_optimizer_step sees fp16 gradients still "
-                                  "multiplied by the loss scale (unscaling them in place would lose range); "
-                                  "divide by trainer.precision_plugin.scaler.get_scale() to inspect them.",
-                                  UserWarning, stacklevel=2)
-            else:
-                scaler.unscale_(optimizer)  # one read-write pass, so that the hook sees unscaled grads
+            self._unscale_for_hook(scaler, optimizer)
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clip_gradients
+        fp32 = self._fp32_grads.pop(id(optimizer), None)
         if skip:
             return closure_result
         coef = self._clip_coefs.pop(id(optimizer), None)
         if scaler is not None:
-            out = scaler.step(optimizer, **kwargs)
+            out = scaler.step(optimizer, grads=fp32, **kwargs) if fp32 else scaler.step(optimizer, **kwargs)
             scaler.update()
             return out
         if coef is not None:
@@ -128,6 +134,22 @@ class MixedPrecision(_LightningMixedPrecision):
         else:
             optimizer.step(**kwargs)
         return closure_result
+
+    def _unscale_for_hook(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale so that ``on_before_optimizer_step`` sees unscaled gradients (see the module
+        doc): fp32/bf16 in place; fp16 into fp32 copies (what clipping and the step use), whose
+        values are written back, rounded, into the fp16 ``.grad`` for the hook."""
+        fp32 = unscale_into_fp32_copies_(scaler, optimizer)
+        if fp32:
+            with torch.no_grad():
+                for p, g in fp32.items():
+                    p.grad.copy_(g)
+            self._fp32_grads[id(optimizer)] = fp32
+
+    def main_params(self, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+        """The params Lightning's clipping works on: for fp16 params unscaled into fp32 copies
+        (for the hook), stand-ins whose ``.grad`` is the copy the step will read."""
+        return main_params_with_copies(optimizer, self._fp32_grads.get(id(optimizer)))
 
     def clip_gradients(
         self,
@@ -140,7 +162,7 @@ class MixedPrecision(_LightningMixedPrecision):
             return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
         by_norm = gradient_clip_algorithm == GradClipAlgorithmType.NORM
         if scaler_enabled(self.scaler):
-            if not unscale_stage_open(self.scaler, optimizer):  # unscaled in place for the hook
+            if not unscale_stage_open(self.scaler, optimizer):  # unscaled for the hook
                 return _LightningPrecision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
             if by_norm:
                 scaled_clip_norm_(self.scaler, optimizer, float(clip_val), 2.0)
