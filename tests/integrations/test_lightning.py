@@ -332,3 +332,66 @@ def test_fabric_alone_refuses_clipping_with_ampfuse_optimizers():
     fabric.backward(model(torch.randn(2, 8)).float().sum())
     with pytest.raises(NotImplementedError, match="not implemented for optimizers handling the unscaling"):
         fabric.clip_gradients(model, opt, max_norm=1.0)
+
+
+# ---- GradAccumulator inside a LightningModule (manual optimization) ------------------------------
+
+
+class AccumModule(pl.LightningModule):
+    """Manual optimization with ampfuse.GradAccumulator and its own ampfuse.GradScaler (Lightning's
+    precision stays "32-true": the accumulator scales, unscales and steps)."""
+
+    def __init__(self, raw: bool = False) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = make_model()
+        self.raw = raw
+
+    def configure_optimizers(self):
+        return ampfuse.optim.AdamW(self.parameters(), lr=LR)
+
+    def on_train_start(self):
+        opt = self.optimizers()
+        self.acc = ampfuse.GradAccumulator(self, opt.optimizer if self.raw else opt,
+                                           ampfuse.GradScaler("cpu", **SCALER_KWARGS), steps=ACCUM, max_grad_norm=MAX_NORM)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        with self.acc.accumulate():
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(self.net(x), y)
+            self.acc.backward(loss)
+
+
+def _accum_loop() -> torch.nn.Module:
+    """The same accumulation outside Lightning."""
+    model = make_model()
+    opt = ampfuse.optim.AdamW(model.parameters(), lr=LR)
+    acc = ampfuse.GradAccumulator(model, opt, ampfuse.GradScaler("cpu", **SCALER_KWARGS), steps=ACCUM, max_grad_norm=MAX_NORM)
+    for x, y in make_data(EPOCH):
+        with acc.accumulate():
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(x), y)
+            acc.backward(loss)
+    return model
+
+
+def test_grad_accumulator_in_lightning_module_counts_global_step():
+    """With ``self.optimizers()`` (the LightningOptimizer) Lightning counts every window's step in
+    ``global_step`` (skipped windows too, as with its own AMP plugin) and the training equals the
+    same loop outside Lightning bit for bit."""
+    module = AccumModule()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, _loader())
+    assert trainer.global_step == module.acc.windows == EPOCH // ACCUM
+    assert_bitwise(module.net.state_dict(), _accum_loop().state_dict())
+
+
+def test_grad_accumulator_refuses_the_raw_optimizer_of_a_lightning_module():
+    """With the raw optimizer (``self.optimizers().optimizer``) Lightning would never see a step
+    (``global_step`` stays 0, ``max_steps`` never ends the run): refused, naming what to pass."""
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(TypeError, match=r"self\.optimizers\(\)"):
+        trainer.fit(AccumModule(raw=True), _loader())
