@@ -87,13 +87,34 @@ def _is_fsdp2(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def _framework_wrapper_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any | None:
+    """The wrapper a training framework steps in place of ``optimizer``, when ``model`` says there
+    is one; duck-typed, nothing is imported. Lightning: a LightningModule's ``optimizers()``
+    returns ``LightningOptimizer`` wrappers (``.optimizer`` is the raw one), and Lightning counts
+    ``global_step`` only from the wrapper's ``step()``."""
+    get = getattr(model, "optimizers", None)
+    if not callable(get) or not hasattr(model, "automatic_optimization"):
+        return None
+    try:
+        wrapped = get()
+    except Exception:  # not attached to a trainer, or not Lightning's optimizers()
+        return None
+    for w in wrapped if isinstance(wrapped, (list, tuple)) else [wrapped]:
+        if w is not optimizer and getattr(w, "optimizer", None) is optimizer:
+            return w
+    return None
+
+
 class GradAccumulator:
     """Accumulate ``steps`` micro-batches per optimizer step, correctly under loss scaling.
 
     Args:
         model: the module being trained (``DistributedDataParallel`` supported).
         optimizer: an ``ampfuse.optim`` optimizer (fused; reads the fp32 buffers directly) or any
-            ``torch.optim.Optimizer`` (correct, not fused).
+            ``torch.optim.Optimizer`` (correct, not fused). Inside a LightningModule (manual
+            optimization), ``self.optimizers()``: Lightning counts ``global_step`` from that
+            wrapper's ``step()``; its raw ``.optimizer`` is refused (``TypeError``) when ``model`` is
+            the LightningModule.
         scaler: an ``ampfuse.GradScaler`` or ``torch.amp.GradScaler``, or ``None`` (bf16/fp32).
         steps: micro-batches per optimizer step (>= 1).
         max_grad_norm: clip the global gradient norm at each step (``None``: no clipping).
@@ -121,6 +142,12 @@ class GradAccumulator:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+        if _framework_wrapper_of(model, optimizer) is not None:
+            raise TypeError(
+                "GradAccumulator got the raw optimizer of a LightningModule: pass self.optimizers() (the "
+                "LightningOptimizer) instead of self.optimizers().optimizer, or Lightning never sees a step "
+                "(global_step stays 0 and max_steps never ends the run)."
+            )
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"scaler must be a torch.amp.GradScaler (ampfuse.GradScaler included) or None, got {type(scaler).__name__}.")
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:

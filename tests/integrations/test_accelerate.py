@@ -1,0 +1,210 @@
+"""ampfuse.integrations.accelerate: a real Accelerate training run on CPU (fp16 autocast, loss
+scaling that overflows on some steps, gradient accumulation, clipping that bites, an LR schedule)
+with ampfuse's scaler + AdamW against torch's scaler + AdamW, fp16 params with masters, and
+save_state/load_state resume; plus the failures of Accelerate alone as regressions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("accelerate")
+
+import ampfuse  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState  # noqa: E402
+
+from ampfuse.integrations import accelerate as af_accelerate  # noqa: E402
+
+from integ_helpers import (  # noqa: E402
+    ACCUM, ATOL, LR, MAX_NORM, MICRO_BATCHES, RTOL, SCALER_KWARGS, assert_bitwise, lr_lambda, make_data,
+    make_model, masters_of, max_abs_diff, torch_fp16_with_masters,
+)
+
+
+def _accelerator(kind: str, accum: int = ACCUM) -> Accelerator:
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc = Accelerator(cpu=True, mixed_precision="fp16", gradient_accumulation_steps=accum)
+    if kind == "ampfuse":
+        af_accelerate.enable(acc, **SCALER_KWARGS)
+    elif kind == "torch":
+        # what Accelerate does for fp16 on a GPU (on a CPU it silently trains in fp32), by hand
+        acc.scaler = torch.amp.GradScaler("cpu", **SCALER_KWARGS)
+        acc.native_amp = True
+    return acc
+
+
+def run(kind: str, dtype=torch.float32, stop_at: int | None = None, save_dir=None, load_dir=None, max_norm=MAX_NORM,
+        accum: int = ACCUM):
+    """Train; returns (model, optimizer, per-step records). ``stop_at``/``save_dir``: save after
+    that many micro-batches and stop; ``load_dir``: resume from there."""
+    acc = _accelerator(kind, accum)
+    model = make_model().to(dtype)
+    opt_cls = ampfuse.optim.AdamW if kind == "ampfuse" else torch.optim.AdamW
+    opt = opt_cls(model.parameters(), lr=LR)
+    steps = MICRO_BATCHES // accum
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(steps))
+    model, opt, sched = acc.prepare(model, opt, sched)
+    data = make_data()
+    start = 0
+    if load_dir is not None:
+        acc.load_state(load_dir)
+        start = stop_at
+    records = []
+    for i in range(start, MICRO_BATCHES):
+        x, y = data[i]
+        with acc.accumulate(model):
+            loss = F.mse_loss(model(x.to(dtype)).float(), y)
+            acc.backward(loss)
+            norm = None
+            if acc.sync_gradients:
+                norm = acc.clip_grad_norm_(model.parameters(), max_norm)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            if acc.sync_gradients:
+                records.append(dict(skipped=acc.optimizer_step_was_skipped, lr=sched.get_last_lr()[0],
+                                    scale=acc.scaler.get_scale(), norm=float(norm)))
+        if stop_at is not None and save_dir is not None and i + 1 == stop_at:
+            acc.save_state(save_dir)
+            break
+    return model, opt, records
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {"ampfuse": run("ampfuse"), "torch": run("torch")}
+
+
+def test_same_skips_lr_and_params_as_torch(runs):
+    (m_a, _, rec_a), (m_t, _, rec_t) = runs["ampfuse"], runs["torch"]
+    skipped = [r["skipped"] for r in rec_a]
+    assert skipped == [r["skipped"] for r in rec_t]
+    assert any(skipped) and not all(skipped), skipped
+    assert [r["lr"] for r in rec_a] == [r["lr"] for r in rec_t]
+    assert [r["scale"] for r in rec_a] == [r["scale"] for r in rec_t]
+    # the schedule advanced once per step taken
+    assert rec_a[-1]["lr"] == pytest.approx(LR * (1 - sum(not s for s in skipped) / (MICRO_BATCHES // ACCUM)))
+    finite = [(a["norm"], t["norm"]) for a, t in zip(rec_a, rec_t) if not a["skipped"]]
+    assert any(a > MAX_NORM for a, _ in finite)  # clipping bit
+    for a, t in finite:
+        assert a == pytest.approx(t, rel=1e-5)
+    sa, st = m_a.state_dict(), m_t.state_dict()
+    assert max_abs_diff(sa, st) < ATOL + RTOL, max_abs_diff(sa, st)
+    for k in sa:
+        torch.testing.assert_close(sa[k], st[k], atol=ATOL, rtol=RTOL)
+
+
+def test_fp16_params_with_masters_equal_torch_by_hand():
+    """fp16 params + fp32 masters through Accelerate against torch's own path for fp16 params with
+    fp32 masters, written by hand (integ_helpers.torch_fp16_with_masters: masters stepped by
+    torch.optim.AdamW, torch's scaler, clipping on the fp32 copies of the gradients, the LR advanced
+    on steps taken). The same computation, so the fp32 tolerance (ATOL, RTOL) applies: the masters
+    differ only by AdamW's arithmetic and the clip norm's summation order (measured 3e-8). An fp32
+    params run is not this computation: it starts from weights not rounded to fp16 and stays up
+    to 3e-4 away. Without accumulation: fp16 params sum micro-batch gradients in fp16 (inf past
+    65504), where the reference sums none."""
+    m16, opt16, rec16 = run("ampfuse", dtype=torch.float16, accum=1)
+    _, ref_masters, ref_rec = torch_fp16_with_masters(make_data(), lr_steps=MICRO_BATCHES)
+    assert [r["scale"] for r in rec16] == [r["scale"] for r in ref_rec]
+    assert [r["lr"] for r in rec16] == [r["lr"] for r in ref_rec]
+    assert any(r["skipped"] for r in rec16) and not all(r["skipped"] for r in rec16)
+    masters = masters_of(m16, opt16)  # fp32, and the params are the masters rounded
+    for k, m in ref_masters.items():
+        torch.testing.assert_close(masters[k], m, atol=ATOL, rtol=RTOL)
+
+
+def test_resume_equals_uninterrupted(runs, tmp_path):
+    m_full, _, rec_full = runs["ampfuse"]
+    stop = 6  # mid-run, after a skipped step
+    run("ampfuse", stop_at=stop, save_dir=str(tmp_path))
+    m_res, _, rec_res = run("ampfuse", stop_at=stop, load_dir=str(tmp_path))
+    assert rec_res == rec_full[stop // ACCUM:]
+    assert_bitwise(m_res.state_dict(), m_full.state_dict())
+
+
+def test_clip_grad_value_and_bf16(tmp_path):
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc = af_accelerate.enable(Accelerator(cpu=True, mixed_precision="bf16"))
+    model = make_model().to(torch.bfloat16)
+    opt = ampfuse.optim.AdamW(model.parameters(), lr=LR)
+    model, opt = acc.prepare(model, opt)
+    x, y = make_data(1)[0]
+    acc.backward(F.mse_loss(model(x.bfloat16()).float(), y))
+    grads = [p.grad.float().clone() for p in model.parameters()]
+    norm = acc.clip_grad_norm_(model.parameters(), MAX_NORM)
+    expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+    torch.testing.assert_close(norm, expected, rtol=1e-5, atol=0)
+    assert float(norm) > MAX_NORM
+    opt.step()
+    assert not acc.optimizer_step_was_skipped
+    # the step used the clipped gradient: compare with a manual clipped step
+    ref_model = make_model().to(torch.bfloat16)
+    ref = ampfuse.optim.AdamW(ref_model.parameters(), lr=LR)
+    for p, g in zip(ref_model.parameters(), grads):
+        p.grad = (g * min(1.0, MAX_NORM / (float(expected) + 1e-6))).bfloat16()
+    ref.step()
+    masters = masters_of(model, opt)
+    ref_masters = masters_of(ref_model, ref)
+    for k in masters:
+        torch.testing.assert_close(masters[k], ref_masters[k], atol=1e-6, rtol=1e-5)
+
+
+def test_clip_grad_value_fp16():
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc = af_accelerate.enable(Accelerator(cpu=True, mixed_precision="fp16"), init_scale=16.0)  # no overflow
+    model = make_model().half()
+    opt = ampfuse.optim.SGD(model.parameters(), lr=1.0)
+    model, opt = acc.prepare(model, opt)
+    x, y = make_data(1)[0]
+    acc.backward(F.mse_loss(model(x.half()).float(), y))
+    unscaled = [p.grad.float() / 16 for p in model.parameters()]
+    before = [p.detach().float().clone() for p in model.parameters()]
+    acc.clip_grad_value_(model.parameters(), 0.01)
+    opt.step()
+    assert not acc.optimizer_step_was_skipped
+    for p, b, g in zip(model.parameters(), before, unscaled):
+        # the bound is clip_value * scale rounded to fp16 (0.16 -> 0.16003): 2.1e-6 off after unscaling
+        torch.testing.assert_close(opt.state[p]["master_param"], b - g.clamp(-0.01, 0.01), atol=3e-6, rtol=0)
+
+
+# ---- the failures of Accelerate alone (regressions) -------------------------------------------
+
+
+def test_skipped_steps_are_reported_and_read_lazily():
+    """Accelerate alone: an ampfuse optimizer's step is always "called", so step_was_skipped was
+    always False and the scheduler advanced on overflowed steps."""
+    acc = _accelerator("ampfuse")
+    model = make_model().half()
+    opt = ampfuse.optim.AdamW(model.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(8))
+    model, opt, sched = acc.prepare(model, opt, sched)
+    assert isinstance(acc.scaler, ampfuse.GradScaler)
+    x, y = make_data(1)[0]
+    acc.backward(F.mse_loss(model(x.half()).float(), y))  # scale 2**20: overflows
+    opt.step()
+    assert opt._ampfuse_skip_flag is not None  # nothing read yet
+    sched.step()  # reads the flag once
+    assert opt._ampfuse_skip_flag is None
+    assert opt.step_was_skipped and acc.optimizer_step_was_skipped
+    assert sched.get_last_lr()[0] == LR  # did not advance
+
+
+def test_enable_after_prepare_is_refused():
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc = Accelerator(cpu=True)
+    acc.prepare(ampfuse.optim.AdamW(make_model().parameters()))
+    with pytest.raises(RuntimeError, match="before accelerator.prepare"):
+        af_accelerate.enable(acc)
+
+
+def test_cpu_fp16_is_real_after_enable():
+    acc = _accelerator("ampfuse")
+    model = acc.prepare(make_model())
+    out = model(torch.randn(2, 8))
+    assert acc.native_amp and isinstance(acc.scaler, ampfuse.GradScaler)
+    # autocast ran the Linear in fp16 (the output is converted back to fp32 by Accelerate)
+    with acc.autocast():
+        assert make_model()(torch.randn(2, 8)).dtype == torch.float16
+    assert out.dtype == torch.float32

@@ -1,0 +1,397 @@
+"""ampfuse.integrations.lightning (Trainer) and .fabric: real runs on CPU with fp16 autocast, a
+scale that overflows on some steps, gradient accumulation, clipping that bites and a per-step LR
+schedule; ampfuse's scaler + AdamW against Lightning's own plugin with torch's scaler + AdamW;
+fp16 params with masters; checkpoint resume; and the failures of Lightning alone as regressions."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("lightning")
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.fabric import Fabric  # noqa: E402
+from lightning.fabric.plugins.precision import MixedPrecision as FabricAMP  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision as LightningAMP  # noqa: E402
+
+import ampfuse  # noqa: E402
+from ampfuse.integrations import fabric as af_fabric  # noqa: E402
+from ampfuse.integrations import lightning as af_lightning  # noqa: E402
+
+from integ_helpers import (  # noqa: E402
+    ACCUM, ATOL, LR, MAX_NORM, MICRO_BATCHES, RTOL, SCALER_KWARGS, assert_bitwise, lr_lambda, make_data,
+    make_model, masters_of, max_abs_diff,
+)
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+EPOCH = MICRO_BATCHES // 2  # two epochs; checkpoints are taken at the epoch boundary
+STEPS = MICRO_BATCHES // ACCUM
+
+
+class Module(pl.LightningModule):
+    def __init__(self, kind: str, dtype=torch.float32, fp16_init: bool = False) -> None:
+        super().__init__()
+        self.kind, self.dtype_ = kind, dtype
+        self.net = make_model(fp16_init=fp16_init).to(dtype)
+        self.records: list[dict] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x.to(self.dtype_)).float(), y)
+
+    def configure_optimizers(self):
+        cls = ampfuse.optim.AdamW if self.kind == "ampfuse" else torch.optim.AdamW
+        opt = cls(self.parameters(), lr=LR)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(STEPS))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:
+            self.records.append(dict(lr=self.trainer.optimizers[0].param_groups[0]["lr"],
+                                     scale=self.trainer.precision_plugin.scaler.get_scale()))
+
+
+def _plugin(kind: str, scaler_kwargs=SCALER_KWARGS):
+    if kind == "ampfuse":
+        return af_lightning.MixedPrecision("16-mixed", "cpu", ampfuse.GradScaler("cpu", **scaler_kwargs))
+    return LightningAMP("16-mixed", "cpu", torch.amp.GradScaler("cpu", **scaler_kwargs))
+
+
+def _trainer(kind: str, epochs: int, scaler_kwargs=SCALER_KWARGS, **kw) -> pl.Trainer:
+    kw.setdefault("accumulate_grad_batches", ACCUM)
+    return pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, plugins=[_plugin(kind, scaler_kwargs)], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      **{"gradient_clip_val": MAX_NORM, **kw})
+
+
+def _loader():
+    return torch.utils.data.DataLoader(make_data(EPOCH), batch_size=None)
+
+
+def fit(kind: str, dtype=torch.float32, epochs: int = 2, ckpt=None, save=None, fp16_init=False, **kw) -> Module:
+    module = Module(kind, dtype, fp16_init)
+    trainer = _trainer(kind, epochs, **kw)
+    trainer.fit(module, _loader(), ckpt_path=ckpt)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return module
+
+
+@pytest.fixture(scope="module")
+def lightning_runs():
+    return {"ampfuse": fit("ampfuse"), "torch": fit("torch")}
+
+
+def test_lightning_same_skips_lr_and_params_as_torch(lightning_runs):
+    a, t = lightning_runs["ampfuse"], lightning_runs["torch"]
+    assert [r["scale"] for r in a.records] == [r["scale"] for r in t.records]
+    scales = [SCALER_KWARGS["init_scale"]] + [r["scale"] for r in a.records]
+    skipped = [after < before for before, after in zip(scales, scales[1:])]
+    assert any(skipped) and not all(skipped), skipped
+    assert [r["lr"] for r in a.records] == [r["lr"] for r in t.records]
+    sa, st = a.net.state_dict(), t.net.state_dict()
+    assert max_abs_diff(sa, st) < ATOL + RTOL
+    for k in sa:
+        torch.testing.assert_close(sa[k], st[k], atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_lightning_fp16_params_with_masters_follow_the_fp32_run(lightning_runs, algorithm):
+    """fp16 params + ampfuse's fp32 masters against Lightning's plugin with torch's scaler + AdamW
+    on fp32 params started from the same weights rounded to fp16 (``fp16_init``): on this model
+    (Linear, Tanh under fp16 autocast) that is the same computation -- every op runs in fp16 on
+    the same fp16 weights either way -- so the fp32 tolerance (ATOL, RTOL) applies. Measured: 7e-9
+    by norm; 1.5e-7 (relative 4e-6) by value, where the bound ``clip_val * scale`` is rounded to
+    fp16 for fp16 gradients. (From unrounded fp32 weights the runs differ by that rounding, up
+    to 2.9e-4.) Without accumulation: fp16 params sum micro-batch gradients in fp16 (inf past
+    65504)."""
+    kw = dict(accumulate_grad_batches=1, epochs=1)
+    if algorithm == "value":
+        kw.update(gradient_clip_algorithm="value", gradient_clip_val=0.01)
+    m16, ref = fit("ampfuse", torch.float16, **kw), fit("torch", fp16_init=True, **kw)
+    assert [r["scale"] for r in m16.records] == [r["scale"] for r in ref.records]
+    assert [r["lr"] for r in m16.records] == [r["lr"] for r in ref.records]
+    masters = masters_of(m16.net, m16.trainer.optimizers[0])  # fp32, params are the masters rounded
+    for k, p in ref.net.named_parameters():
+        torch.testing.assert_close(masters[k], p.detach(), atol=ATOL, rtol=RTOL)
+
+
+def test_lightning_resume_equals_uninterrupted(lightning_runs, tmp_path):
+    full = lightning_runs["ampfuse"]
+    fit("ampfuse", epochs=1, save=str(tmp_path / "e1.ckpt"))
+    resumed = fit("ampfuse", epochs=2, ckpt=str(tmp_path / "e1.ckpt"))
+    assert resumed.records == full.records[len(full.records) - len(resumed.records):]
+    assert_bitwise(resumed.net.state_dict(), full.net.state_dict())
+
+
+def test_lightning_bf16_true_with_masters_clips():
+    """bf16-true (bf16 params, no autocast, no plugin needed): ampfuse AdamW keeps fp32 masters
+    and Lightning's clipping works on the bf16 gradients."""
+    module = Module("ampfuse", torch.bfloat16)
+    module.on_train_batch_end = lambda *a: None
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, precision="bf16-true", gradient_clip_val=MAX_NORM,
+                         accumulate_grad_batches=ACCUM, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    before = {k: v.clone() for k, v in module.net.state_dict().items()}
+    trainer.fit(module, _loader())
+    masters_of(module.net, trainer.optimizers[0])
+    assert max_abs_diff(before, module.net.state_dict()) > 0
+
+
+def test_lightning_bf16_mixed_clips_through_the_fused_pass():
+    module = Module("ampfuse")
+    module.on_train_batch_end = lambda *a: None
+    ref = Module("torch")
+    ref.on_train_batch_end = lambda *a: None
+    for m, plugin in ((module, af_lightning.MixedPrecision("bf16-mixed", "cpu")), (ref, LightningAMP("bf16-mixed", "cpu"))):
+        pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, plugins=[plugin], gradient_clip_val=MAX_NORM,
+                   accumulate_grad_batches=ACCUM, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False).fit(m, _loader())
+    for k, p in ref.net.state_dict().items():
+        torch.testing.assert_close(module.net.state_dict()[k], p, atol=ATOL, rtol=RTOL)
+
+
+class _GradProbe(pl.Callback):
+    """For each optimizer step: the gradients after the backward that completes it (still scaled)
+    with the scale they were scaled by, and the gradients ``on_before_optimizer_step`` sees."""
+
+    def __init__(self) -> None:
+        self.scaled: list[list[torch.Tensor]] = []
+        self.scales: list[float] = []
+        self.seen: list[list[torch.Tensor]] = []
+        self._last: tuple[list[torch.Tensor], float] | None = None
+
+    def on_after_backward(self, trainer, pl_module):
+        self._last = ([p.grad.clone() for p in pl_module.parameters()], trainer.precision_plugin.scaler.get_scale())
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        assert self._last is not None
+        self.scaled.append(self._last[0])
+        self.scales.append(self._last[1])
+        self.seen.append([p.grad.clone() for p in pl_module.parameters()])
+
+    def norms(self) -> list[float]:
+        return [float(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in gs]))) for gs in self.seen]
+
+
+#: a first scale that overflows on the first step only, then grows every 2 clean steps and
+#: overflows again: overflowed and clean steps within one epoch (with SCALER_KWARGS' 2**20 the
+#: first four steps of an epoch overflow, and a probe over one epoch saw only inf/NaN)
+PROBE_SCALER = dict(init_scale=2.0**15, growth_interval=2)
+
+
+def test_lightning_on_before_optimizer_step_sees_unscaled_grads():
+    """fp32 params: the hook sees what it sees with Lightning's own plugin and torch's scaler (the
+    gradients unscaled in place), and the fused step does not divide by the scale again (a
+    second division would change every clipped Adam step by about 1%, far outside ATOL)."""
+    probes, nets = {}, {}
+    for kind in ("ampfuse", "torch"):
+        probes[kind] = probe = _GradProbe()
+        module = Module(kind)
+        module.on_train_batch_end = lambda *a: None
+        _trainer(kind, 1, scaler_kwargs=PROBE_SCALER, callbacks=[probe]).fit(module, _loader())
+        nets[kind] = module.net
+    a, t = probes["ampfuse"].norms(), probes["torch"].norms()
+    assert len(a) == len(t) == EPOCH // ACCUM
+    finite = [math.isfinite(n) for n in t]
+    assert any(finite) and not all(finite), t
+    for na, nt, ok in zip(a, t, finite):
+        assert math.isfinite(na) == ok
+        if ok:
+            assert na == pytest.approx(nt, rel=1e-6) and na < 1e3  # unscaled (the scale is >= 2**14 here)
+    for k, p in nets["torch"].state_dict().items():
+        torch.testing.assert_close(nets["ampfuse"].state_dict()[k], p, atol=ATOL, rtol=RTOL)
+
+
+def test_lightning_on_before_optimizer_step_fp16_params():
+    """fp16 params: the hook sees exactly ``(scaled.float() / scale).half()`` in ``.grad`` (the
+    unscaled gradient rounded to fp16; inf/NaN on overflowed steps), while clipping and the step
+    use the unscaled fp32 copies: the run equals the one without the hook (ATOL, RTOL: clipped by
+    torch's clip_grad_norm_ on the copies instead of the fused norm pass)."""
+    kw = dict(accumulate_grad_batches=1, epochs=1)
+    probe = _GradProbe()
+    hooked = fit("ampfuse", torch.float16, callbacks=[probe], scaler_kwargs=PROBE_SCALER, **kw)
+    plain = fit("ampfuse", torch.float16, scaler_kwargs=PROBE_SCALER, **kw)
+    assert len(probe.seen) == len(probe.scaled) == EPOCH
+    finite = [all(bool(torch.isfinite(g).all()) for g in gs) for gs in probe.seen]
+    assert any(finite) and not all(finite), finite
+    for seen, scaled, scale in zip(probe.seen, probe.scaled, probe.scales):
+        for g, s in zip(seen, scaled):
+            assert g.dtype == s.dtype == torch.float16
+            torch.testing.assert_close(g, (s.float() / scale).half(), atol=0, rtol=0, equal_nan=True)
+    assert max(n for n, ok in zip(probe.norms(), finite) if ok) < 1e3  # unscaled (the scale is >= 2**14)
+    assert [r["scale"] for r in hooked.records] == [r["scale"] for r in plain.records]
+    mh = masters_of(hooked.net, hooked.trainer.optimizers[0])
+    mp = masters_of(plain.net, plain.trainer.optimizers[0])
+    for k in mp:
+        torch.testing.assert_close(mh[k], mp[k], atol=ATOL, rtol=RTOL)
+
+
+def test_lightning_alone_refuses_clipping_with_ampfuse_optimizers():
+    """The failure the plugin fixes (kept as a regression: Lightning's own plugin refuses)."""
+    module = Module("ampfuse")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, plugins=[LightningAMP("16-mixed", "cpu")],
+                         gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        trainer.fit(module, _loader())
+
+
+# ---- Fabric -------------------------------------------------------------------------------------
+
+
+def fabric_run(kind: str, dtype=torch.float32, stop_at=None, save=None, load=None, value=False, accum=ACCUM,
+               fp16_init=False):
+    if kind == "ampfuse":
+        plugin = af_fabric.MixedPrecision("16-mixed", "cpu", ampfuse.GradScaler("cpu", **SCALER_KWARGS))
+    else:
+        plugin = FabricAMP("16-mixed", "cpu", torch.amp.GradScaler("cpu", **SCALER_KWARGS))
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = make_model(fp16_init=fp16_init).to(dtype)
+    cls = ampfuse.optim.AdamW if kind == "ampfuse" else torch.optim.AdamW
+    opt = cls(net.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(MICRO_BATCHES // accum))
+    model, opt = fabric.setup(net, opt)
+    state = {"model": model, "optimizer": opt, "sched": sched, "scaler": plugin.scaler}
+    start = 0
+    if load is not None:
+        fabric.load(load, state)
+        start = stop_at
+    records = []
+    data = make_data()
+    for i in range(start, MICRO_BATCHES):
+        x, y = data[i]
+        step = (i + 1) % accum == 0
+        with fabric.no_backward_sync(model, enabled=not step):
+            fabric.backward(F.mse_loss(model(x.to(dtype)).float(), y))
+        if step:
+            if value:
+                fabric.clip_gradients(model, opt, clip_val=0.01)
+                norm = None
+            else:
+                norm = float(fabric.clip_gradients(model, opt, max_norm=MAX_NORM, error_if_nonfinite=False))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            norm = norm if norm is None or math.isfinite(norm) else None  # nan != nan
+            records.append(dict(lr=sched.get_last_lr()[0], scale=plugin.scaler.get_scale(), norm=norm))
+        if save is not None and i + 1 == stop_at:
+            fabric.save(save, state)
+            break
+    return net, opt, records
+
+
+@pytest.fixture(scope="module")
+def fabric_runs():
+    return {"ampfuse": fabric_run("ampfuse"), "torch": fabric_run("torch")}
+
+
+def test_fabric_same_skips_lr_and_params_as_torch(fabric_runs):
+    (na, _, ra), (nt, _, rt) = fabric_runs["ampfuse"], fabric_runs["torch"]
+    assert [r["scale"] for r in ra] == [r["scale"] for r in rt]
+    assert [r["lr"] for r in ra] == [r["lr"] for r in rt]
+    finite = [(a["norm"], t["norm"]) for a, t in zip(ra, rt) if t["norm"] is not None]
+    assert finite and any(a > MAX_NORM for a, _ in finite)
+    for a, t in finite:
+        assert a == pytest.approx(t, rel=1e-6)
+    for k, v in nt.state_dict().items():
+        torch.testing.assert_close(na.state_dict()[k], v, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("value", [False, True], ids=["norm", "value"])
+def test_fabric_fp16_params_with_masters(fabric_runs, value):
+    """As the Lightning test above: against torch's path on fp32 params started from the weights
+    rounded to fp16 (the same computation on this model), so the fp32 tolerance applies. fp16
+    gradients are clipped on unscaled fp32 copies here, as torch clips the fp32 gradients. Without
+    accumulation: fp16 params sum micro-batch gradients in fp16 (inf past 65504)."""
+    n16, o16, r16 = fabric_run("ampfuse", torch.float16, value=value, accum=1)
+    n32, _, r32 = fabric_run("torch", value=value, accum=1, fp16_init=True)
+    assert [r["scale"] for r in r16] == [r["scale"] for r in r32]
+    assert [r["lr"] for r in r16] == [r["lr"] for r in r32]
+    masters = masters_of(n16, o16)  # fp32, and the params are the masters rounded
+    for k, p in n32.named_parameters():
+        torch.testing.assert_close(masters[k], p.detach(), atol=ATOL, rtol=RTOL)
+
+
+def test_fabric_resume_equals_uninterrupted(fabric_runs, tmp_path):
+    net_full, _, rec_full = fabric_runs["ampfuse"]
+    fabric_run("ampfuse", stop_at=6, save=str(tmp_path / "ckpt"))
+    net_res, _, rec_res = fabric_run("ampfuse", stop_at=6, load=str(tmp_path / "ckpt"))
+    assert rec_res == rec_full[6 // ACCUM:]
+    assert_bitwise(net_res.state_dict(), net_full.state_dict())
+
+
+def test_fabric_alone_refuses_clipping_with_ampfuse_optimizers():
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricAMP("16-mixed", "cpu")])
+    model, opt = fabric.setup(net := make_model(), ampfuse.optim.AdamW(net.parameters()))
+    fabric.backward(model(torch.randn(2, 8)).float().sum())
+    with pytest.raises(NotImplementedError, match="not implemented for optimizers handling the unscaling"):
+        fabric.clip_gradients(model, opt, max_norm=1.0)
+
+
+# ---- GradAccumulator inside a LightningModule (manual optimization) ------------------------------
+
+
+class AccumModule(pl.LightningModule):
+    """Manual optimization with ampfuse.GradAccumulator and its own ampfuse.GradScaler (Lightning's
+    precision stays "32-true": the accumulator scales, unscales and steps)."""
+
+    def __init__(self, raw: bool = False) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = make_model()
+        self.raw = raw
+
+    def configure_optimizers(self):
+        return ampfuse.optim.AdamW(self.parameters(), lr=LR)
+
+    def on_train_start(self):
+        opt = self.optimizers()
+        self.acc = ampfuse.GradAccumulator(self, opt.optimizer if self.raw else opt,
+                                           ampfuse.GradScaler("cpu", **SCALER_KWARGS), steps=ACCUM, max_grad_norm=MAX_NORM)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        with self.acc.accumulate():
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(self.net(x), y)
+            self.acc.backward(loss)
+
+
+def _accum_loop() -> torch.nn.Module:
+    """The same accumulation outside Lightning."""
+    model = make_model()
+    opt = ampfuse.optim.AdamW(model.parameters(), lr=LR)
+    acc = ampfuse.GradAccumulator(model, opt, ampfuse.GradScaler("cpu", **SCALER_KWARGS), steps=ACCUM, max_grad_norm=MAX_NORM)
+    for x, y in make_data(EPOCH):
+        with acc.accumulate():
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(x), y)
+            acc.backward(loss)
+    return model
+
+
+def test_grad_accumulator_in_lightning_module_counts_global_step():
+    """With ``self.optimizers()`` (the LightningOptimizer) Lightning counts every window's step in
+    ``global_step`` (skipped windows too, as with its own AMP plugin) and the training equals the
+    same loop outside Lightning bit for bit."""
+    module = AccumModule()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, _loader())
+    assert trainer.global_step == module.acc.windows == EPOCH // ACCUM
+    assert_bitwise(module.net.state_dict(), _accum_loop().state_dict())
+
+
+def test_grad_accumulator_refuses_the_raw_optimizer_of_a_lightning_module():
+    """With the raw optimizer (``self.optimizers().optimizer``) Lightning would never see a step
+    (``global_step`` stays 0, ``max_steps`` never ends the run): refused, naming what to pass."""
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(TypeError, match=r"self\.optimizers\(\)"):
+        trainer.fit(AccumModule(raw=True), _loader())
