@@ -206,11 +206,12 @@ __device__ AMPFUSE_PASS_BODY void unscale_check_pass(const TableMeta<1>& meta, c
   }
 }
 
-// Resident blocks per multiprocessor the check kernels are compiled for and grids are sized by: a
-// norm accumulated in fp64 (an fp64 tensor in the list) needs more than the 64 registers of 4
-// blocks (ptxas spilled 54-82 bytes): 3 blocks, 80 registers. The workspace is sized for 4.
+// Resident blocks per multiprocessor the check kernels are compiled for and grids are sized by: an
+// L2 norm accumulated in fp64 (an fp64 tensor in the list, a rare case) needs more than the 64
+// registers of 4 blocks and the 80 of 3 (ptxas spilled 54-82 bytes at 64, up to 70 at 80): 2
+// blocks, 128 registers. The workspace is sized for 4.
 template <typename Acc>
-constexpr int kCheckBlocksPerSM = sizeof(Acc) == sizeof(double) ? 3 : kBlocksPerSM;
+constexpr int kCheckBlocksPerSM = sizeof(Acc) == sizeof(double) ? 2 : kBlocksPerSM;
 
 template <NormKind kNorm, typename Acc>
 __global__ void __launch_bounds__(kBlockSize, kCheckBlocksPerSM<Acc>)
