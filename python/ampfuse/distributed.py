@@ -280,6 +280,9 @@ def _check_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         return None
     norms = buf[n_flags:]
     total = norms.amax() if inf else norms.sum().sqrt()
+    # a non-finite gradient anywhere in the mesh: the norm says so on every rank (a replica's inf
+    # may be outside the parts counted), as the norm of that gradient list would
+    total = torch.where((found > 0) & total.isfinite(), torch.full_like(total, float("inf")), total)
     if norm_dtype == torch.float32:
         total = total.to(torch.float32)
     if max_norm is not None:
