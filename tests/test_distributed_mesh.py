@@ -75,20 +75,21 @@ def _build(setup: str, dtype: torch.dtype = torch.float32, n: int | None = None)
 
     n = n or torch.distributed.get_world_size()
     shapes = {"tp": ((n,), ("tp",)), "sp": ((n,), ("tp",)), "fsdp": ((n,), ("dp",)),
-              "tpfsdp": ((n // 2, 2), ("dp", "tp")), "hsdp": ((2, n // 2), ("replicate", "shard"))}
+              "tpfsdp": ((n // 2, 2), ("dp", "tp")), "tpfsdp-sp": ((n // 2, 2), ("dp", "tp")),
+              "hsdp": ((2, n // 2), ("replicate", "shard"))}
     mesh = _mesh(*shapes[setup])
     if mesh.get_coordinate() is None:
         return None, mesh, 0, 1
-    model = _MLP(norm=setup == "sp").to(dtype)
+    model = _MLP(norm=setup.endswith("sp")).to(dtype)
+    plan = {"w1": ColwiseParallel(), "w2": RowwiseParallel()}
+    if setup.endswith("sp"):  # sequence parallel: the LayerNorm runs on sequence shards
+        plan = {"norm": SequenceParallel(), "w1": ColwiseParallel(input_layouts=Shard(1)),
+                "w2": RowwiseParallel(output_layouts=Replicate())}
     if setup in ("tp", "sp"):
-        plan = {"w1": ColwiseParallel(), "w2": RowwiseParallel()}
-        if setup == "sp":
-            plan = {"norm": SequenceParallel(), "w1": ColwiseParallel(input_layouts=Shard(1)),
-                    "w2": RowwiseParallel(output_layouts=Replicate())}
         parallelize_module(model, mesh, plan)
         return model, mesh, 0, 1
-    if setup == "tpfsdp":  # torchtitan's 2-D layout: TP inside, FSDP2 over the dp dimension
-        parallelize_module(model, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    if setup.startswith("tpfsdp"):  # torchtitan's 2-D layout: TP inside, FSDP2 over the dp dimension
+        parallelize_module(model, mesh["tp"], plan)
         dp_mesh = mesh["dp"]
         dp, ndp = mesh.get_local_rank(0), n // 2
     else:  # FSDP2 (1-D) or HSDP (2 replicas x n/2 shards)
@@ -134,7 +135,7 @@ def _train(setup: str, impl: str, steps: int, inf: tuple[int, int, str] | None =
     ref = _reference_model(model)
     log = []
     for step in range(steps):
-        seq = 8 if setup == "sp" else 0
+        seq = 8 if setup.endswith("sp") else 0
         x, y = _batch(step, seq)
         # the single-process norm of the current params on the whole batch
         with torch.no_grad():
@@ -143,12 +144,12 @@ def _train(setup: str, impl: str, steps: int, inf: tuple[int, int, str] | None =
         ref.zero_grad()
         torch.nn.functional.mse_loss(ref(x), y).backward()
         ref_norm = float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in ref.parameters()])))
-        if setup == "sp":  # each TP rank holds its part of the sequence
-            chunk = seq // mesh.size()
-            x = x[:, rank * chunk:(rank + 1) * chunk]
-        else:
-            per = BATCH // ndp
-            x, y = x[dp * per:(dp + 1) * per], y[dp * per:(dp + 1) * per]
+        per = x.shape[0] // ndp
+        x, y = x[dp * per:(dp + 1) * per], y[dp * per:(dp + 1) * per]
+        if seq:  # each TP rank holds its part of the sequence
+            tp = mesh.get_local_rank("tp")
+            chunk = seq // mesh["tp"].size()
+            x = x[:, tp * chunk:(tp + 1) * chunk]
         scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
         placements = {n: tuple(p.grad.placements) for n, p in model.named_parameters()}
         if inf is not None and inf[0] == step and rank == inf[1]:
@@ -349,6 +350,8 @@ def _scenarios(rank: int, world: int, ckpt: str) -> dict:
         "sp": ("sp", "ampfuse", 3, None),
         "sp-torch": ("sp", "torch", 3, None),
         "sp-inf": ("sp", "ampfuse", 3, (1, 2, "norm.weight")),
+        "tpfsdp-sp": ("tpfsdp-sp", "ampfuse", 2, None),
+        "tpfsdp-sp-torch": ("tpfsdp-sp", "torch", 2, None),
     }
     for name, (setup, impl, steps, inf) in runs.items():
         try:
@@ -449,6 +452,7 @@ def test_tp_inf_in_replicated_bias_on_one_rank_skips_every_rank(mesh_runs):
             assert torch.equal(x, y)
         assert repr([x["norm"] for x in r["log"]]) == repr([x["norm"] for x in res[0]["log"]])
         assert r["log"][0]["norm"] == pytest.approx(r["log"][0]["ref_norm"], rel=1e-5)
+        assert r["log"][1]["norm"] == math.inf  # rank 1's bias is not the copy counted, still not finite
 
 
 def test_hsdp_inf_in_one_replicas_shard_skips_every_rank(mesh_runs):
@@ -461,6 +465,7 @@ def test_hsdp_inf_in_one_replicas_shard_skips_every_rank(mesh_runs):
             assert torch.equal(x, y)  # the replicas stay identical
         for k in (0, 2):  # the replicated dimension counted once
             assert r["log"][k]["norm"] == pytest.approx(r["log"][k]["ref_norm"], rel=1e-5)
+        assert r["log"][1]["norm"] == math.inf  # the skipped step's norm is not finite on any rank
 
 
 def test_sequence_parallel_partial_gradients(mesh_runs):
@@ -476,6 +481,20 @@ def test_sequence_parallel_partial_gradients(mesh_runs):
         assert _skips(i["log"]) == [False, True, False]
         for x, y in zip(i["params"], _ok(four[0], "sp-inf")["params"]):
             assert torch.equal(x, y)
+
+
+def test_tp_fsdp2_with_sequence_parallel(mesh_runs):
+    """Under FSDP2 x TP, FSDP2 reduces the TP-partial norm gradients itself: they reach ampfuse
+    replicated over tp; the norm and params are torch's."""
+    four = mesh_runs
+    for rank in range(4):
+        a, t = _ok(four[rank], "tpfsdp-sp"), _ok(four[rank], "tpfsdp-sp-torch")
+        assert repr(a["log"][0]["placements"]["norm.weight"]) == "(Shard(dim=0), Replicate())"
+        for ra, rt in zip(a["log"], t["log"]):
+            assert ra["norm"] == pytest.approx(ra["ref_norm"], rel=1e-5)
+            assert ra["norm"] == pytest.approx(rt["norm"], rel=1e-5)
+        for x, y in zip(a["params"], t["params"]):
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
 
 
 def test_precision_helpers_on_dtensors(mesh_runs):
