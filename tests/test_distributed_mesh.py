@@ -155,7 +155,10 @@ def _train(setup: str, impl: str, steps: int, inf: tuple[int, int, str] | None =
         if inf is not None and inf[0] == step and rank == inf[1]:
             g = dict(model.named_parameters())[inf[2]].grad
             g._local_tensor.view(-1)[0] = math.inf
+        report = None
         if impl == "ampfuse":
+            if inf is not None and inf[0] == step:  # the per-tensor flags, agreed over the mesh
+                report = [name for _, _, name in scaler.overflow_report(opt, model)]
             norm = scaler.unscale_and_clip_(opt, MAX_NORM)
         else:
             scaler.unscale_(opt)
@@ -165,7 +168,7 @@ def _train(setup: str, impl: str, steps: int, inf: tuple[int, int, str] | None =
         scaler.update()
         opt.zero_grad(set_to_none=True)
         log.append({"norm": norm, "ref_norm": ref_norm, "scale": float(scaler.get_scale()),
-                    "skipped": scale_backed_off(log, scaler), "placements": placements})
+                    "skipped": scale_backed_off(log, scaler), "placements": placements, "overflows": report})
     return {"log": log, "params": [_full(p) for p in model.parameters()],
             "placements": [tuple(p.placements) for p in model.parameters()]}
 
@@ -386,6 +389,15 @@ def _ok(res: dict, name: str) -> dict:
 
 def _skips(log) -> list:
     return [r["skipped"] for r in log]
+
+
+@pytest.mark.parametrize("case", ["tpfsdp-inf", "tp-inf-bias", "hsdp-inf", "sp-inf"])
+def test_overflow_report_names_the_parameter_on_every_rank(mesh_runs, case):
+    """The per-tensor flags are agreed over the whole mesh too: every rank names the one
+    parameter whose gradient got the inf on one rank."""
+    want = {"tpfsdp-inf": "w1.weight", "tp-inf-bias": "w2.bias", "hsdp-inf": "w1.weight", "sp-inf": "norm.weight"}[case]
+    for rank in range(4):
+        assert _ok(mesh_runs[rank], case)["log"][1]["overflows"] == [want]
 
 
 # ---- the tests ------------------------------------------------------------------------------------

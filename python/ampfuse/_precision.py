@@ -12,9 +12,10 @@ value, and the master itself is exact.
 
 DTensors (FSDP2, tensor parallel): both helpers work elementwise, so they run on the local
 tensors and return DTensors with the arguments' mesh and placements (any ``Shard`` kind or
-``Replicate``). torch's integer ops on DTensors cannot be trusted for this (``x << 16`` on a
-DTensor returns ``x`` unshifted in the torch versions tried), hence the explicit local path.
-``Partial`` tensors are refused: a master cannot be split or joined before it is summed.
+``Replicate``). torch's integer ops on DTensors cannot be trusted for this: in torch 2.14
+``x << 16`` on a DTensor returns ``x`` unshifted (``torch.bitwise_left_shift`` shifts), hence the
+explicit local path. ``Partial`` tensors are refused: a master cannot be split or joined before
+it is summed.
 """
 
 from __future__ import annotations
