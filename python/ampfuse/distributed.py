@@ -9,7 +9,7 @@ dispatcher -- the mechanism torch uses for its own ``_amp_foreach_non_finite_che
 * the elementwise work runs on each rank's local tensors;
 * **found_inf** (and the per-tensor flags) is agreed over the *whole mesh* of the call -- every
   mesh dimension, sharded, replicated or partial alike -- by one small all-reduce per call (no host
-  sync). So an inf in one rank's copy of a replicated tensor (a TP bias, an HSDP replica) skips the
+  sync; one per mesh dimension when a multi-dimensional mesh covers only part of the world). So an inf in one rank's copy of a replicated tensor (a TP bias, an HSDP replica) skips the
   step on every rank, not only on the ranks that share a shard with it;
 * the **2-norm** adds the local sums of squares over exactly the mesh dimensions each tensor is
   sharded on (``Shard`` and ``_StridedShard`` -- FSDP2 over tensor parallelism places params
