@@ -178,6 +178,33 @@ def scale_backed_off(log: list, scaler) -> bool:
     return float(scaler.get_scale()) < before
 
 
+def _accumulate(setup: str) -> dict:
+    """GradAccumulator (2 micro-batches a window, clipping) for 2 windows; an inf put into rank 1's
+    w2.bias gradient on the second window's last micro-batch."""
+    import ampfuse
+
+    rank = torch.distributed.get_rank()
+    model, mesh, dp, ndp = _build(setup)
+    opt = ampfuse.optim.AdamW(model.parameters(), lr=LR)
+    acc = ampfuse.GradAccumulator(model, opt, ampfuse.GradScaler("cpu", init_scale=2.0**12), steps=2, max_grad_norm=MAX_NORM)
+    scales = []
+    for step in range(4):
+        seq = 8 if setup.endswith("sp") else 0
+        x, y = _batch(step, seq)
+        per = x.shape[0] // ndp
+        x, y = x[dp * per:(dp + 1) * per], y[dp * per:(dp + 1) * per]
+        if seq:
+            tp = mesh.get_local_rank("tp")
+            x = x[:, tp * 2:(tp + 1) * 2]
+        with acc.accumulate():
+            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+            if step == 3 and rank == 1:
+                model.w2.bias.grad._local_tensor.view(-1)[0] = math.inf
+        if step % 2:
+            scales.append(float(acc.scaler.get_scale()))
+    return {"scales": scales, "windows": acc.windows, "params": [_full(p) for p in model.parameters()]}
+
+
 # ---- DCP: save on 4 ranks, load on 2 ------------------------------------------------------------
 
 # one optimizer per layout with both master forms: w1 keeps fp32 masters, w2 int16 remainders
@@ -361,6 +388,11 @@ def _scenarios(rank: int, world: int, ckpt: str) -> dict:
             out[name] = _train(setup, impl, steps, inf)
         except Exception:  # noqa: BLE001 - reported per scenario; the other ranks fail the same way
             out[name] = {"error": traceback.format_exc()}
+    for setup in ("tpfsdp", "hsdp", "sp"):
+        try:
+            out[f"acc-{setup}"] = _accumulate(setup)
+        except Exception:  # noqa: BLE001
+            out[f"acc-{setup}"] = {"error": traceback.format_exc()}
     for setup in DCP_SETUPS:
         try:
             out[f"dcp-{setup}"] = _dcp_save(ckpt, setup)
@@ -507,6 +539,17 @@ def test_tp_fsdp2_with_sequence_parallel(mesh_runs):
             assert ra["norm"] == pytest.approx(rt["norm"], rel=1e-5)
         for x, y in zip(a["params"], t["params"]):
             torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("setup", ["tpfsdp", "hsdp", "sp"])
+def test_grad_accumulator_on_meshes(mesh_runs, setup):
+    """The accumulator's ops follow the same rule: an inf on one rank skips the window on all
+    ranks (FSDP2 x TP, HSDP, and sequence parallelism, whose Partial gradients it reduces)."""
+    res = [_ok(mesh_runs[r], f"acc-{setup}") for r in range(4)]
+    for r in res:
+        assert r["windows"] == 2 and r["scales"] == [2.0**12, 2.0**11]
+        for x, y in zip(r["params"], res[0]["params"]):
+            assert torch.equal(x, y)
 
 
 def test_precision_helpers_on_dtensors(mesh_runs):
