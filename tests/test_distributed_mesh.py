@@ -159,7 +159,18 @@ def _train(setup: str, impl: str, steps: int, inf: tuple[int, int, str] | None =
         if impl == "ampfuse":
             if inf is not None and inf[0] == step:  # the per-tensor flags, agreed over the mesh
                 report = [name for _, _, name in scaler.overflow_report(opt, model)]
-            norm = scaler.unscale_and_clip_(opt, MAX_NORM)
+            calls = []
+            real = torch.distributed.all_reduce
+
+            def counting(t, *args, **kwargs):
+                calls.append(t.numel())
+                return real(t, *args, **kwargs)
+
+            torch.distributed.all_reduce = counting  # what the check + norm costs in collectives
+            try:
+                norm = scaler.unscale_and_clip_(opt, MAX_NORM)
+            finally:
+                torch.distributed.all_reduce = real
         else:
             scaler.unscale_(opt)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -168,7 +179,8 @@ def _train(setup: str, impl: str, steps: int, inf: tuple[int, int, str] | None =
         scaler.update()
         opt.zero_grad(set_to_none=True)
         log.append({"norm": norm, "ref_norm": ref_norm, "scale": float(scaler.get_scale()),
-                    "skipped": scale_backed_off(log, scaler), "placements": placements, "overflows": report})
+                    "skipped": scale_backed_off(log, scaler), "placements": placements, "overflows": report,
+                    "all_reduces": calls if impl == "ampfuse" else None})
     return {"log": log, "params": [_full(p) for p in model.parameters()],
             "placements": [tuple(p.placements) for p in model.parameters()]}
 
@@ -468,6 +480,8 @@ def test_tp_fsdp2_norm_and_params_equal_torch(mesh_runs):
             assert ra["norm"] == pytest.approx(rt["norm"], rel=1e-5)  # torch's clip_grad_norm_
             assert ra["norm"] > MAX_NORM  # clipping is active
         assert _skips(a["log"]) == _skips(t["log"]) == [False] * 3
+        # found_inf and the norm agreed by one small all-reduce: [found_inf, 2 norm parts]
+        assert [r["all_reduces"] for r in a["log"]] == [[3]] * 3
         for x, y in zip(a["params"], t["params"]):
             torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
         for x, y in zip(a["params"], _ok(four[0], "tpfsdp")["params"]):
