@@ -120,8 +120,9 @@ def _reference_model(model) -> torch.nn.Module:
 def _train(setup: str, impl: str, steps: int, inf: tuple[int, int, str] | None = None):
     """`steps` steps of `setup`, driven by ampfuse (``impl="ampfuse"``) or torch; ``inf`` =
     (step, rank, param name): an inf put into that rank's local gradient after backward.
-    Returns per step: the clip norm, the single-process norm, skipped, scale, and the final full
-    params."""
+    Returns per step: the clip norm, the single-process norm, skipped, scale, the gradients'
+    placements, the overflow report of the inf step and the all-reduces of the check (ampfuse);
+    and the final full params."""
     import ampfuse
 
     rank = torch.distributed.get_rank()
@@ -179,13 +180,13 @@ def _train(setup: str, impl: str, steps: int, inf: tuple[int, int, str] | None =
         scaler.update()
         opt.zero_grad(set_to_none=True)
         log.append({"norm": norm, "ref_norm": ref_norm, "scale": float(scaler.get_scale()),
-                    "skipped": scale_backed_off(log, scaler), "placements": placements, "overflows": report,
+                    "skipped": _scale_backed_off(log, scaler), "placements": placements, "overflows": report,
                     "all_reduces": calls if impl == "ampfuse" else None})
     return {"log": log, "params": [_full(p) for p in model.parameters()],
             "placements": [tuple(p.placements) for p in model.parameters()]}
 
 
-def scale_backed_off(log: list, scaler) -> bool:
+def _scale_backed_off(log: list, scaler) -> bool:
     before = log[-1]["scale"] if log else 2.0**12
     return float(scaler.get_scale()) < before
 
