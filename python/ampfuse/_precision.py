@@ -9,9 +9,19 @@ Why ties away from zero: with round-half-even params an even param can hold 6553
 two ties included), one more than 16 bits can tell apart. So 1 master value in 65536 (an exact
 tie) gives a param one bf16 ulp away from ``master.to(torch.bfloat16)``; it is still a nearest
 value, and the master itself is exact.
+
+DTensors (FSDP2, tensor parallel): both helpers work elementwise, so they run on the local
+tensors and return DTensors with the arguments' mesh and placements (any ``Shard`` kind or
+``Replicate``). torch's integer ops on DTensors cannot be trusted for this: in torch 2.14
+``x << 16`` on a DTensor returns ``x`` unshifted (``torch.bitwise_left_shift`` shifts), hence the
+explicit local path. ``Partial`` tensors are refused: a master cannot be split or joined before
+it is summed.
 """
 
 from __future__ import annotations
+
+import sys
+from typing import Any, Callable
 
 import torch
 
@@ -29,6 +39,34 @@ def _from_uint32(u: torch.Tensor) -> torch.Tensor:
     return signed.to(torch.int32).view(torch.float32)
 
 
+def _is_dtensor(x: Any) -> bool:
+    mod = sys.modules.get("torch.distributed.tensor")  # not imported: nothing is a DTensor
+    return mod is not None and isinstance(x, mod.DTensor)
+
+
+def _on_local(fn: Callable[..., Any], name: str, *xs: torch.Tensor) -> Any:
+    """``fn`` on the local tensors of DTensor arguments (one mesh and placements, no Partial),
+    its tensor results wrapped back as DTensors of the same mesh, placements, shape and stride."""
+    from torch.distributed.tensor import DTensor
+
+    if not all(_is_dtensor(x) for x in xs):
+        raise TypeError(f"{name}: pass all tensors as DTensors or none (got a mix).")
+    first = xs[0]
+    for x in xs[1:]:
+        if x.placements != first.placements or x.device_mesh != first.device_mesh or x.shape != first.shape:
+            raise ValueError(f"{name}: the DTensors must have one shape, mesh and placements, got "
+                             f"{tuple(first.shape)} {first.placements} and {tuple(x.shape)} {x.placements}.")
+    if any(pl.is_partial() for pl in first.placements):
+        raise ValueError(f"{name}: a Partial DTensor ({first.placements}) must be reduced first.")
+    out = fn(*(x._local_tensor for x in xs))
+
+    def wrap(t: torch.Tensor) -> Any:
+        return DTensor.from_local(t, first.device_mesh, first.placements, run_check=False,
+                                  shape=first.shape, stride=first.stride())
+
+    return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)
+
+
 def join_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The fp32 master of bf16 ``param`` and int16 ``remainder`` (a new tensor).
 
@@ -37,6 +75,8 @@ def join_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """
     if param.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
         raise TypeError(f"join_master needs a torch.bfloat16 param and a torch.int16 remainder, got {param.dtype} and {remainder.dtype}.")
+    if _is_dtensor(param) or _is_dtensor(remainder):
+        return _on_local(join_master, "join_master", param, remainder)
     p = param.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
     r = remainder.contiguous().to(torch.int64)
     mag = p & 0x7FFF
@@ -50,6 +90,8 @@ def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     fp32 ``master`` bit for bit (NaN stays a quiet NaN with remainder 0)."""
     if master.dtype != torch.float32:
         raise TypeError(f"split_master needs a torch.float32 master, got {master.dtype}.")
+    if _is_dtensor(master):
+        return _on_local(split_master, "split_master", master)
     b = _as_uint32(master.contiguous())
     nan = (b & 0x7FFFFFFF) > 0x7F800000
     hi = (b + 0x8000) >> 16

@@ -1,27 +1,43 @@
-"""ampfuse on torch.distributed: DTensor (FSDP2, tensor parallel) support for every op.
+"""ampfuse on torch.distributed: DTensor (FSDP2, tensor parallel, HSDP, any device mesh) support for
+every op.
 
 Importing this module (``import ampfuse`` does it once ``torch.distributed.tensor`` is loaded, and
 every ampfuse op wrapper makes sure of it) registers a handler per ampfuse op with DTensor's op
 dispatcher -- the mechanism torch uses for its own ``_amp_foreach_non_finite_check_and_unscale_``
-(``found_inf_reduce_handler``) -- so the ops accept DTensor arguments:
+(``found_inf_reduce_handler``) -- so the ops accept DTensor arguments. The rule, for every op:
 
-* the elementwise work runs on each rank's local shards, in one fused call per
-  (mesh, placements) group of tensors;
-* what the ops reduce is combined across the mesh dimensions the tensors are sharded over, with
-  one all-reduce per kind (no host sync): ``found_inf`` and per-tensor flags by MAX, the 2-norm by
-  the SUM of squares, the inf-norm by MAX. Every rank of the mesh ends with the same found_inf,
-  norm and clip coefficient (computed from the global norm by the fused ops' one rule,
-  :func:`ampfuse.ops.clip_coef`), so scalers and optimizers stay identical on every rank;
-* fused optimizer steps run on the local shards of params, grads, masters and state (the step
+* the elementwise work runs on each rank's local tensors;
+* **found_inf** (and the per-tensor flags) is agreed over the *whole mesh* of the call -- every
+  mesh dimension, sharded, replicated or partial alike -- by one small all-reduce per call (no host
+  sync; one per mesh dimension when a multi-dimensional mesh covers only part of the world). So an inf in one rank's copy of a replicated tensor (a TP bias, an HSDP replica) skips the
+  step on every rank, not only on the ranks that share a shard with it;
+* the **2-norm** adds the local sums of squares over exactly the mesh dimensions each tensor is
+  sharded on (``Shard`` and ``_StridedShard`` -- FSDP2 over tensor parallelism places params
+  ``(_StridedShard(0, sf), Shard(0))``); along a dimension a tensor is replicated on, only the rank
+  at coordinate 0 contributes, so a replicated tensor is counted once. The inf-norm is the MAX over
+  the mesh. The flags travel in the norm's all-reduce (a SUM of 0/1 flags, then ``> 0``, which is
+  their MAX), so a check with a norm is still one collective; every rank ends with the same
+  found_inf, norm and clip coefficient (from the global norm, by the fused ops' one rule,
+  :func:`ampfuse.ops.clip_coef`);
+* a **``Partial``** tensor (e.g. a sequence-parallel gradient not yet reduced) is reduced in place
+  first -- one all-reduce over its ``Partial`` dimensions, after which it is ``Replicate`` there
+  with the same logical value -- and then treated like any replicated tensor: the flag and the norm
+  are those of the reduced (true) gradient, which is what the step uses too. (The norm of a sum is
+  not a function of the partials' norms, so reducing first is the only exact choice; it is also the
+  all-reduce the step would need anyway.)
+* fused optimizer steps run on the local tensors of params, grads, masters and state (the step
   counters and the scaler's scalars are plain tensors).
 
-A list mixing DTensors and plain tensors, tensors of one call on different meshes, or a gradient
-with a ``Partial`` placement (not yet reduced) is refused with a message naming the argument.
-Ranks whose local shards are empty still take part in every collective, as FSDP2 requires.
+Refused with a message naming the argument: a list mixing DTensors and plain tensors (a plain
+tensor carries no mesh, so whether it is the same on every rank or a per-rank value cannot be
+known; torch refuses such lists too), tensors of one call on different meshes (call the op once
+per mesh), and a placement of a kind this module does not know. Ranks whose local shards are
+empty still take part in every collective, as FSDP2 requires.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,7 +100,10 @@ def _local_list(xs: Sequence[torch.Tensor], name: str, want_dtensor: bool | None
         raise RuntimeError(
             f"ampfuse: {name} mixes DTensors and plain tensors ({name}[0] is "
             f"{'a DTensor' if isinstance(xs[0], DTensor) else 'a torch.Tensor'}, {name}[{i}] is not); "
-            "pass all of them as DTensors (e.g. FSDP2 parameters and their gradients) or all as local tensors."
+            "pass all of them as DTensors (e.g. FSDP2 parameters and their gradients) or all as local tensors. "
+            "A plain tensor has no device mesh, so whether it is the same on every rank (to be counted once in "
+            "a norm) or a per-rank value cannot be told; make it a DTensor (e.g. DTensor.from_local(t, mesh, "
+            "[Replicate()] * mesh.ndim)) or step it with its own optimizer."
         )
     is_dt = bool(kinds) and kinds.pop()
     if want_dtensor is not None and xs and is_dt != want_dtensor:
@@ -92,41 +111,87 @@ def _local_list(xs: Sequence[torch.Tensor], name: str, want_dtensor: bool | None
     return ([x._local_tensor for x in xs] if is_dt else list(xs)), is_dt
 
 
-def _check_placements(xs: Sequence[Any], name: str) -> None:
-    from torch.distributed.tensor import Partial
+@functools.cache
+def _kind_bases() -> tuple[tuple[str, tuple[type, ...]], ...]:
+    """The placement base types of each kind, the C++ bases included where torch has them
+    (``_StridedShard`` is not a ``Shard`` subclass, and its ``is_shard()`` is False)."""
+    from torch.distributed.tensor import placement_types as pt
 
-    for i, x in enumerate(xs):
-        if any(isinstance(pl, Partial) for pl in x.placements):
-            raise RuntimeError(
-                f"ampfuse: {name}[{i}] has placements {x.placements}: a Partial (not yet reduced) tensor; "
-                "reduce it first (e.g. .redistribute(placements=[Replicate()]) or let FSDP/DDP reduce the gradients)."
-            )
+    c = getattr(torch._C, "_distributed", None)
+
+    def types(*names_py: str, c_names: tuple[str, ...]) -> tuple[type, ...]:
+        found = [getattr(pt, n, None) for n in names_py] + [getattr(c, n, None) for n in c_names]
+        return tuple(t for t in found if isinstance(t, type))
+
+    return (
+        ("partial", types("Partial", c_names=("Partial",))),
+        ("shard", types("Shard", "_StridedShard", c_names=("Shard", "StridedShard"))),
+        ("replicate", types("Replicate", c_names=("Replicate",))),
+    )
 
 
-def _groups(xs: Sequence[Any], name: str) -> dict[tuple, list[int]]:
-    """Indices of `xs` (DTensors) grouped by (mesh, placements); one mesh per call."""
-    _check_placements(xs, name)
-    first = xs[0].device_mesh if xs else None
-    groups: dict[tuple, list[int]] = {}
+def placement_kind(placement_type: type) -> str | None:
+    """``"shard"``, ``"replicate"`` or ``"partial"`` for a placement type (every ``Shard`` kind,
+    ``_StridedShard`` included, is ``"shard"``); None for a type this module does not know."""
+    for kind, bases in _kind_bases():
+        if issubclass(placement_type, bases):
+            return kind
+    return None
+
+
+def _kind(pl: Any, name: str) -> str:
+    kind = placement_kind(type(pl))
+    if kind is None:  # a placement type newer than this module: its own predicates, if they answer
+        kind = next((k for k, f in (("partial", "is_partial"), ("shard", "is_shard"), ("replicate", "is_replicate"))
+                     if callable(getattr(pl, f, None)) and getattr(pl, f)()), None)
+    if kind is None:
+        raise RuntimeError(f"ampfuse: {name} has placement {pl!r} of a kind ampfuse does not know (not a Shard, "
+                           "Replicate or Partial); redistribute it to one of those first.")
+    return kind
+
+
+def _one_mesh(xs: Sequence[Any], name: str) -> Any:
+    """The device mesh of all of `xs` (DTensors); tensors on different meshes are refused."""
+    first = xs[0].device_mesh
     for i, x in enumerate(xs):
         mesh = x.device_mesh
         if mesh is not first and mesh != first:  # equal meshes may be distinct objects (FSDP2)
             raise RuntimeError(f"ampfuse: {name}[{i}] is on device mesh {mesh} but {name}[0] is on {first}; "
                                "call the op once per mesh.")
-        groups.setdefault(tuple(x.placements), []).append(i)
-    return groups
+    return first
 
 
-def _sharded_dims(x: Any) -> list[int]:
-    """Mesh dimensions over which a DTensor's elements are split (a reduction must combine them)."""
-    from torch.distributed.tensor import Shard
+def _reduce_partials_(xs: Sequence[Any], name: str) -> None:
+    """Every ``Partial`` DTensor of `xs` reduced in place: its local tensor becomes the reduced
+    value and its placements ``Replicate`` on those mesh dims; its logical value is unchanged."""
+    from torch.distributed.tensor import Replicate
 
-    return [d for d, pl in enumerate(x.placements) if isinstance(pl, Shard)]
+    for i, x in enumerate(xs):
+        kinds = [_kind(pl, f"{name}[{i}]") for pl in x.placements]
+        if "partial" not in kinds:
+            continue
+        target = [Replicate() if k == "partial" else pl for k, pl in zip(kinds, x.placements)]
+        with torch.no_grad():
+            reduced = x.redistribute(x.device_mesh, target)
+            x._local_tensor.copy_(reduced._local_tensor)
+        x._spec = reduced._spec
 
 
-def _all_reduce(t: torch.Tensor, mesh: Any, dims: list[int], op: Any) -> None:
-    for d in dims:
-        dist.all_reduce(t, op=op, group=mesh.get_group(d))
+def _replicated_dims(x: Any, name: str) -> tuple[int, ...]:
+    """Mesh dimensions over which a (Partial-free) DTensor is replicated (its norm counts once there)."""
+    return tuple(d for d, pl in enumerate(x.placements) if _kind(pl, name) == "replicate")
+
+
+def _mesh_all_reduce(t: torch.Tensor, mesh: Any, op: Any) -> None:
+    """All-reduce over every rank of `mesh`: one collective when the mesh is 1-D or spans the
+    world, else one per mesh dimension (the same result)."""
+    if mesh.ndim == 1:
+        dist.all_reduce(t, op=op, group=mesh.get_group(0))
+    elif mesh.size() == dist.get_world_size():
+        dist.all_reduce(t, op=op)
+    else:
+        for d in range(mesh.ndim):
+            dist.all_reduce(t, op=op, group=mesh.get_group(d))
 
 
 # ---- handlers -------------------------------------------------------------------------------------
@@ -149,12 +214,15 @@ def _normalize(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str
 
 
 def _check_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-    """unscale_check_ / unscale_check_norm_ / check_norm_ on DTensors: local fused passes per
-    (mesh, placements) group, then found_inf, per-tensor flags and the norm combined across the
-    mesh; the clip coefficient from the global norm."""
+    """unscale_check_ / unscale_check_norm_ / check_norm_ on DTensors: Partial tensors reduced in
+    place, one local fused pass per set of replicated mesh dims, then one all-reduce over the
+    whole mesh of [found_inf, per-tensor flags, norm parts]; the clip coefficient from the
+    global norm."""
     a = _normalize(op, args, kwargs)
     tensors = a["tensors"]
-    local, is_dt = _local_list(tensors, "tensors")
+    _, is_dt = _local_list(tensors, "tensors")
+    if not is_dt:  # reached through a DTensor scalar only: run on the local values
+        return _local_handler(op, args, kwargs)
     found_inf = _local(a["found_inf"], "found_inf")
     inv_scale = _local(a.get("inv_scale"), "inv_scale")
     scale = _local(a.get("scale"), "scale")
@@ -163,62 +231,58 @@ def _check_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     norm_type = float(a.get("norm_type") or 2.0) if with_norm else 2.0
     max_norm = a.get("max_norm") if with_norm else None
     overwrite = bool(a.get("overwrite_found_inf", False))
-    if not is_dt:  # reached through a DTensor scalar only: run on the local values
-        return _local_handler(op, args, kwargs)
-    groups = _groups(tensors, "tensors")
+    mesh = _one_mesh(tensors, "tensors")
+    _reduce_partials_(tensors, "tensors")
+    local = [x._local_tensor for x in tensors]
     device = found_inf.device
     inf = norm_type == float("inf")
-    # per group: [found, flags...] (MAX) and the norm part (SUM of squares, or MAX)
-    flag_parts: list[torch.Tensor] = []
-    norm_parts: list[torch.Tensor] = []
+    # the norm counts a tensor on the ranks at coordinate 0 of the mesh dims it is replicated on
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, x in enumerate(tensors):
+        groups.setdefault(() if inf else _replicated_dims(x, f"tensors[{i}]"), []).append(i)
+    coord = mesh.get_coordinate() or ()
     norm_dtype = torch.float64 if any(t.dtype == torch.float64 for t in local) else torch.float32
-    group_list = list(groups.values())
-    for idx in group_list:
-        ts = [local[i] for i in idx]
+    founds: list[torch.Tensor] = []
+    flags = torch.zeros(len(tensors), dtype=torch.float32, device=device) if per_tensor is not None else None
+    norm_parts: list[torch.Tensor] = []
+    for rep, idx in groups.items():
         f = torch.empty((), dtype=torch.float32, device=device)
-        flags = torch.zeros(len(idx), dtype=torch.float32, device=device) if per_tensor is not None else None
+        part_flags = torch.zeros(len(idx), dtype=torch.float32, device=device) if flags is not None else None
         kw: dict[str, Any] = {"scale": scale, "overwrite_found_inf": True}
+        ts = [local[i] for i in idx]
         if with_norm:
-            kw.update(norm_type=norm_type, per_tensor_found_inf=flags)
+            kw.update(norm_type=norm_type, per_tensor_found_inf=part_flags)
             norm, _ = op(ts, f, inv_scale, **kw)
-            norm_parts.append(norm.to(norm_dtype) if inf else norm.to(norm_dtype).square())
+            part = norm.to(norm_dtype) if inf else norm.to(norm_dtype).square()
+            if not all(coord[d] == 0 for d in rep):
+                part = torch.zeros_like(part)
+            norm_parts.append(part.reshape(1))
         else:
             op(ts, f, inv_scale, **kw)
-        flag_parts.append(f.reshape(1) if flags is None else torch.cat([f.reshape(1), flags]))
-    # combine across the mesh: one all-reduce of the flags per mesh dim (MAX); one of the norms
-    mesh = tensors[0].device_mesh
-    sharded = sorted({d for idx in group_list for d in _sharded_dims(tensors[idx[0]])})
-    reduce_groups = [_sharded_dims(tensors[idx[0]]) for idx in group_list]
-    if len(set(map(tuple, reduce_groups))) == 1:
-        flat_flags = torch.cat(flag_parts)
-        _all_reduce(flat_flags, mesh, sharded, dist.ReduceOp.MAX)
-        offsets, o = [], 0
-        for part in flag_parts:
-            offsets.append(o)
-            o += part.numel()
-        flag_parts = [flat_flags[off: off + p.numel()] for off, p in zip(offsets, flag_parts)]
-        if norm_parts:
-            flat_norm = torch.stack(norm_parts)
-            _all_reduce(flat_norm, mesh, sharded, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
-            norm_parts = list(flat_norm.unbind())
-    else:  # groups sharded over different mesh dims: reduce each over its own
-        for k, dims in enumerate(reduce_groups):
-            _all_reduce(flag_parts[k], mesh, dims, dist.ReduceOp.MAX)
-            if norm_parts:
-                _all_reduce(norm_parts[k], mesh, dims, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
-    found = torch.stack([p[0] for p in flag_parts]).amax()
+        founds.append(f.reshape(1))
+        if flags is not None:
+            flags.index_copy_(0, torch.tensor(idx, device=device), part_flags)
+    # one all-reduce over the whole mesh: SUM with a 2-norm (0/1 flags summed, then > 0), else MAX
+    summed = with_norm and not inf
+    buf = torch.cat([torch.cat(founds).amax().reshape(1)] + ([flags] if flags is not None else []) + norm_parts)
+    buf = buf.to(norm_dtype)
+    _mesh_all_reduce(buf, mesh, dist.ReduceOp.SUM if summed else dist.ReduceOp.MAX)
+    n_flags = 1 + (len(tensors) if flags is not None else 0)
+    agreed = (buf[:n_flags] > 0).to(torch.float32)
+    found = agreed[0]
     if overwrite:
         found_inf.copy_(found.reshape(found_inf.shape))
     else:
         torch.maximum(found_inf, found.reshape(found_inf.shape), out=found_inf)
     if per_tensor is not None:
-        for idx, part in zip(group_list, flag_parts):
-            sel = torch.tensor(idx, device=per_tensor.device)
-            per_tensor.index_copy_(0, sel, torch.maximum(per_tensor.index_select(0, sel), part[1:]))
+        torch.maximum(per_tensor, agreed[1:].to(per_tensor.dtype).reshape(per_tensor.shape), out=per_tensor)
     if not with_norm:
         return None
-    total = torch.stack(norm_parts)
-    total = total.amax() if inf else total.sum().sqrt()
+    norms = buf[n_flags:]
+    total = norms.amax() if inf else norms.sum().sqrt()
+    # a non-finite gradient anywhere in the mesh: the norm says so on every rank (a replica's inf
+    # may be outside the parts counted), as the norm of that gradient list would
+    total = torch.where((found > 0) & total.isfinite(), torch.full_like(total, float("inf")), total)
     if norm_dtype == torch.float32:
         total = total.to(torch.float32)
     if max_norm is not None:
@@ -243,15 +307,16 @@ def _accumulate_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) ->
     found_inf = _local(a["found_inf"], "found_inf")
     if not grad_dt:
         return op(accs, grads, found_inf, zero_grads=a["zero_grads"])
+    mesh = _one_mesh(a["grads"], "grads")
+    _reduce_partials_(a["grads"], "grads")
+    grads = [g._local_tensor for g in a["grads"]]
     for i, (x, g) in enumerate(zip(a["accumulators"], a["grads"])):
         if x.placements != g.placements or (x.device_mesh is not g.device_mesh and x.device_mesh != g.device_mesh):
             raise RuntimeError(f"ampfuse.accumulate_grads_: accumulators[{i}] has placements {x.placements} but "
                                f"grads[{i}] has {g.placements}; they must match.")
-    groups = _groups(a["grads"], "grads")
     f = torch.zeros((), dtype=torch.float32, device=found_inf.device)
     op(accs, grads, f, zero_grads=a["zero_grads"])
-    dims = sorted({d for idx in groups.values() for d in _sharded_dims(a["grads"][idx[0]])})
-    _all_reduce(f, a["grads"][0].device_mesh, dims, dist.ReduceOp.MAX)
+    _mesh_all_reduce(f, mesh, dist.ReduceOp.MAX)
     torch.maximum(found_inf, f.reshape(found_inf.shape), out=found_inf)
     return None
 
@@ -260,12 +325,20 @@ _STEP_LISTS = ("params", "grads", "master_params", "momentum_buffers", "exp_avgs
 
 
 def _step_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
-    """sgd_step_ / adam_step_ on DTensors: the fused pass on every rank's local shards."""
+    """sgd_step_ / adam_step_ on DTensors: the fused pass on every rank's local shards (Partial
+    gradients reduced in place first)."""
     a = _normalize(op, args, kwargs)
     params = a["params"]
-    local_params, is_dt = _local_list(params, "params")
+    _, is_dt = _local_list(params, "params")
     if is_dt:
-        _groups(params, "params")  # one mesh, no Partial placements
+        _one_mesh(params, "params")
+        for i, p in enumerate(params):
+            if "partial" in (_kind(pl, f"params[{i}]") for pl in p.placements):
+                raise RuntimeError(f"ampfuse.{op._schema.name.split('::')[1]}: params[{i}] has placements "
+                                   f"{p.placements}; a parameter cannot be Partial.")
+        grads = a.get("grads") or []
+        if grads and _local_list(grads, "grads")[1]:
+            _reduce_partials_(grads, "grads")
     call: dict[str, Any] = {}
     for name, value in a.items():
         if name in _STEP_LISTS:
