@@ -11,6 +11,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "ampfuse/optim.h"
@@ -50,14 +51,41 @@ GradAccumulator::GradAccumulator(torch::optim::Optimizer& optimizer, GradScaler*
                 "norm_type must be 2.0 or inf to clip for an ampfuse optimizer without a "
                 "GradScaler, got ", options_.norm_type(), ".");
   }
-  if (!options_.fp32_accumulation()) return;
-  for (const auto& p : all_params()) {
-    if (is_low(p.scalar_type())) low_.push_back(p);
+  layout(wanted_low());
+}
+
+GradAccumulator::~GradAccumulator() = default;
+
+// Every param of the optimizer, frozen ones included: a param frozen inside a window still holds
+// that window's gradient (stepped once at the window end, then cleared, as zero_grad() would).
+std::vector<at::Tensor> GradAccumulator::all_params() const {
+  std::vector<at::Tensor> params;
+  for (const auto& group : optimizer_.param_groups()) {
+    for (const auto& p : group.params()) params.push_back(p);
   }
-  if (low_.empty()) return;
-  // One flat fp32 buffer per device; each param's buffer is a view into it.
+  return params;
+}
+
+// The params summed in fp32 buffers: the fp16/bf16 ones that require grad now.
+std::vector<at::Tensor> GradAccumulator::wanted_low() const {
+  std::vector<at::Tensor> low;
+  if (!options_.fp32_accumulation()) return low;
+  for (const auto& p : all_params()) {
+    if (is_low(p.scalar_type()) && p.requires_grad()) low.push_back(p);
+  }
+  return low;
+}
+
+// (Re)builds the fp32 buffers for `low` (one flat buffer per device, each param's buffer a view
+// into it), keeping the partial sums and has-gradient flags of the params it keeps. Decided again
+// at every window start, and widened inside a window when a param without a buffer gets a
+// gradient (a layer unfrozen mid-training is summed in fp32 too).
+void GradAccumulator::layout(const std::vector<at::Tensor>& low) {
+  bool same = low.size() == low_.size();
+  for (size_t k = 0; same && k < low.size(); ++k) same = low[k].is_same(low_[k]);
+  if (same) return;
   std::vector<std::pair<c10::Device, int64_t>> sizes;
-  for (const auto& p : low_) {
+  for (const auto& p : low) {
     bool found = false;
     for (auto& [d, n] : sizes) {
       if (d == p.device()) {
@@ -67,32 +95,38 @@ GradAccumulator::GradAccumulator(torch::optim::Optimizer& optimizer, GradScaler*
     }
     if (!found) sizes.emplace_back(p.device(), p.numel());
   }
+  std::vector<std::pair<c10::Device, at::Tensor>> flat;
   for (const auto& [device, numel] : sizes) {
     const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
-    flat_.emplace_back(device, at::zeros({numel}, f32));
-    found_inf_.emplace_back(device, at::zeros({}, f32));
+    flat.emplace_back(device, at::zeros({numel}, f32));
+    bool has_flag = false;
+    for (const auto& [d, f] : found_inf_) has_flag |= d == device;
+    if (!has_flag) found_inf_.emplace_back(device, at::zeros({}, f32));
   }
   std::vector<std::pair<c10::Device, int64_t>> offsets;
   for (const auto& [device, numel] : sizes) offsets.emplace_back(device, 0);
-  for (const auto& p : low_) {
+  std::unordered_map<const c10::TensorImpl*, size_t> old;
+  for (size_t k = 0; k < low_.size(); ++k) old.emplace(low_[k].unsafeGetTensorImpl(), k);
+  std::vector<at::Tensor> buffers;
+  std::vector<bool> has_grad;
+  at::NoGradGuard no_grad;
+  for (const auto& p : low) {
     int64_t& offset = on_device(offsets, p.device());
-    buffers_.push_back(
-        on_device(flat_, p.device()).slice(0, offset, offset + p.numel()).view(p.sizes()));
+    at::Tensor view = on_device(flat, p.device()).slice(0, offset, offset + p.numel()).view(p.sizes());
     offset += p.numel();
-  }
-  has_grad_.assign(low_.size(), false);
-}
-
-GradAccumulator::~GradAccumulator() = default;
-
-std::vector<at::Tensor> GradAccumulator::all_params() const {
-  std::vector<at::Tensor> params;
-  for (const auto& group : optimizer_.param_groups()) {
-    for (const auto& p : group.params()) {
-      if (p.requires_grad()) params.push_back(p);
+    bool had = false;
+    const auto it = old.find(p.unsafeGetTensorImpl());
+    if (it != old.end()) {
+      view.copy_(buffers_[it->second]);
+      had = has_grad_[it->second];
     }
+    buffers.push_back(view);
+    has_grad.push_back(had);
   }
-  return params;
+  low_ = low;
+  buffers_ = std::move(buffers);
+  has_grad_ = std::move(has_grad);
+  flat_ = std::move(flat);
 }
 
 void GradAccumulator::set_lr_scheduler(torch::optim::LRScheduler* scheduler) {
@@ -103,6 +137,7 @@ void GradAccumulator::set_lr_scheduler(torch::optim::LRScheduler* scheduler) {
 bool GradAccumulator::backward(const at::Tensor& loss) {
   TORCH_CHECK(loss.defined(), "GradAccumulator::backward: loss must be a defined tensor.");
   window_ended_ = false;
+  if (micro_step_ == 0) layout(wanted_low());  // a window starts: buffer what requires grad now
   at::Tensor scaled = loss / options_.steps();
   if (scaler_ != nullptr) scaled = scaler_->scale(scaled);
   scaled.backward();
@@ -123,6 +158,20 @@ bool GradAccumulator::flush() {
 // device, checking the sums for inf/NaN on the way), then .grad() undefined: a param that gets no
 // gradient in the window is not stepped.
 void GradAccumulator::collect() {
+  if (options_.fp32_accumulation()) {
+    // A param without a buffer that got a gradient (unfrozen inside the window): widen the
+    // layout, so that it is summed in fp32 from this micro-batch on.
+    std::vector<at::Tensor> low = low_;
+    std::unordered_set<const c10::TensorImpl*> buffered;
+    for (const auto& q : low_) buffered.insert(q.unsafeGetTensorImpl());
+    for (const auto& p : all_params()) {
+      if (is_low(p.scalar_type()) && p.grad().defined() &&
+          buffered.count(p.unsafeGetTensorImpl()) == 0) {
+        low.push_back(p);
+      }
+    }
+    if (low.size() != low_.size()) layout(low);
+  }
   if (low_.empty()) return;
   std::vector<size_t> taken;
   std::vector<std::pair<c10::Device, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>>>
@@ -332,6 +381,7 @@ void GradAccumulator::load(InputArchive& archive) {
   const int64_t micro_step = v.toInt();
   TORCH_CHECK(micro_step >= 0 && micro_step < options_.steps(),
               "micro_step in the checkpoint must be in [0, steps), got ", micro_step, ".");
+  if (micro_step == 0) layout(wanted_low());  // the sums are zeroed below
   std::vector<at::Tensor> buffers;
   std::vector<at::Tensor> found_infs;
   std::vector<bool> has_grad(low_.size(), false);
