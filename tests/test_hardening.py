@@ -366,14 +366,17 @@ def test_failed_step_leaves_the_scaler_picklable():
 
 def test_step_without_inf_checks_is_refused():
     """(14) After unscale_and_clip_, stepping an ampfuse optimizer whose params got no gradient
-    raises torch's "No inf checks were recorded for this optimizer." """
+    changes nothing and, as torch's scaler does for optimizers with _step_supports_amp_scaling,
+    update() raises "No inf checks were recorded prior to update." (issue #20)."""
     s = ampfuse.GradScaler("cpu")
     p = torch.zeros(2, requires_grad=True)
     opt = ampfuse.optim.AdamW([p], lr=0.1)
     s.scale(torch.ones(()))
     s.unscale_and_clip_(opt, 1.0)
-    with pytest.raises(AssertionError, match="No inf checks were recorded for this optimizer."):
-        s.step(opt)
+    assert s.step(opt) is None
+    assert torch.equal(p, torch.zeros(2)) and len(opt.state) == 0
+    with pytest.raises(AssertionError, match="No inf checks were recorded prior to update."):
+        s.update()
 
 
 def test_unscale_and_clip_accepts_a_tensor_max_norm():
