@@ -425,7 +425,7 @@ TEST(GradAccumulator, LayerUnfrozenLaterIsSummedInFp32) {
     for (int micro = 0; micro < 4; ++micro) {
       if (micro == unfreeze_at) p.set_requires_grad(true);
       at::Tensor loss = p.requires_grad() ? (p.to(at::kFloat) * coefs[micro]).sum()
-                                          : at::zeros({}, at::TensorOptions().requires_grad(true));
+                                          : at::zeros({}).set_requires_grad(true);
       if (p.requires_grad()) expected -= coefs[micro] / 4;
       acc.backward(loss);
     }
