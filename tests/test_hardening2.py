@@ -342,6 +342,62 @@ def test_accumulator_load_checks_everything_first():
     acc.load_state_dict(good)
 
 
+def test_mid_window_checkpoint_records_the_buffered_params():
+    """(2, checkpoints) A bf16 param unfrozen inside a window is buffered after the others; the
+    checkpoint records which params the buffers hold, so an accumulator built afterwards (which
+    would buffer them in param order) loads each sum into its own param."""
+    def run(checkpoint):
+        torch.manual_seed(5)
+        a = nn.Parameter(torch.randn(4).to(torch.bfloat16), requires_grad=False)
+        b = nn.Parameter(torch.randn(4).to(torch.bfloat16))
+        opt = ampfuse.optim.SGD([a, b], lr=0.5)
+        acc = ampfuse.GradAccumulator(nn.Module(), opt, None, steps=4)
+        for micro in range(4):
+            if micro == 1:
+                a.requires_grad_(True)
+            if micro == 2 and checkpoint:
+                sd = _roundtrip(acc.state_dict())
+                assert sd["buffered"] == [1, 0]
+                acc = ampfuse.GradAccumulator(nn.Module(), opt, None, steps=4)
+                acc.load_state_dict(sd)
+            with acc.accumulate():
+                loss = (b.float() * (micro + 5)).sum()
+                if a.requires_grad:
+                    loss = loss + (a.float() * (micro + 1) * 64).sum()
+                acc.backward(loss)
+        return [opt.state[x]["master_param"].clone() for x in (a, b)]
+
+    for r, g in zip(run(False), run(True)):
+        assert torch.equal(r, g)
+
+
+def test_mid_window_checkpoint_of_the_earlier_format_loads():
+    """A mid-window checkpoint saved before the buffered params were recorded indexes ``grads``
+    over the params that required grad: with a frozen param in front, grads[0] belongs to the
+    trainable one (not to the frozen one, which would then be stepped)."""
+    frozen = nn.Parameter(torch.randn(3), requires_grad=False)
+    g = nn.Parameter(torch.randn(3))
+    b = nn.Parameter(torch.randn(4).to(torch.bfloat16))
+    frozen0 = frozen.detach().clone()
+    opt = ampfuse.optim.SGD([frozen, g, b], lr=0.5)
+    acc = ampfuse.GradAccumulator(nn.Module(), opt, None, steps=2)
+    with acc.accumulate():
+        acc.backward((g * 2).sum() + (b.float() * 3).sum())
+    sd = _roundtrip(acc.state_dict())
+    assert sd["buffered"] == [2] and set(sd["grads"]) == {1}
+    old = {k: v for k, v in sd.items() if k != "buffered"}
+    old["grads"] = {0: sd["grads"][1]}  # the earlier format's index
+    g0 = g.detach().clone()
+    acc = ampfuse.GradAccumulator(nn.Module(), opt, None, steps=2)
+    acc.load_state_dict(old)
+    assert frozen.grad is None and torch.equal(g.grad, torch.full((3,), 1.0))
+    with acc.accumulate():
+        acc.backward((g * 2).sum() + (b.float() * 3).sum())
+    assert acc.window_ended
+    assert torch.equal(frozen, frozen0)
+    assert torch.equal(g.detach(), g0 - 1.0)
+
+
 # ------------------------------------------------------------------------------------------------
 # smaller items
 # ------------------------------------------------------------------------------------------------
@@ -397,7 +453,7 @@ class _Net(nn.Module):
 
 
 _MICRO = st.tuples(st.booleans(), st.sampled_from(["none", "freeze_a", "unfreeze_a", "freeze_b", "unfreeze_b"]),
-                   st.booleans(), st.booleans())
+                   st.booleans(), st.sampled_from([None, "same", "fresh"]))
 
 
 @_FAST
@@ -435,8 +491,11 @@ def test_accumulator_matches_torchs_loop(steps, low, scaled, fused, micro):
         # the accumulator
         with acc.accumulate():
             acc.backward(loss_of(mod))
-        if checkpoint and acc.micro_step != 0:
-            acc.load_state_dict(_roundtrip(acc.state_dict()))
+        if checkpoint and acc.micro_step != 0:  # into this accumulator, or a new one built now
+            sd = _roundtrip(acc.state_dict())
+            if checkpoint == "fresh":
+                acc = ampfuse.GradAccumulator(mod, opt, sc, steps=steps)
+            acc.load_state_dict(sd)
         if k == steps:
             if fused and not scaled:  # the fused step reads the fp32 sums
                 opt_ref.step(grads=dict(sums))

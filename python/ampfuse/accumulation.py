@@ -511,12 +511,17 @@ class GradAccumulator:
         low = self._wanted_low() if micro == 0 else self._low
         if micro != 0 and self._fsdp:
             raise ValueError("a mid-window GradAccumulator state cannot be loaded under FSDP2; load one saved at a window boundary.")
+        grad_params = params  # what the indices of the grads entry refer to
         if micro != 0 and "buffered" in state_dict:  # the params the saved buffers hold, in order
             idx = state_dict["buffered"]
-            if not (isinstance(idx, (list, tuple)) and len(set(idx)) == len(idx) and all(
-                    isinstance(i, int) and 0 <= i < len(params) and params[i].dtype in _LOW for i in idx)):
+            if not (isinstance(idx, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in idx)
+                    and len(set(idx)) == len(idx) and all(0 <= i < len(params) and params[i].dtype in _LOW for i in idx)):
                 raise ValueError(f"the state dict's buffered must list distinct indices of fp16/bf16 parameters of this accumulator's optimizer, got {idx!r}.")
             low = [params[i] for i in idx]
+        elif micro != 0:
+            # Saved before the buffered params were recorded: the buffers are those of the params
+            # buffered since construction, and grads is indexed over the params requiring grad.
+            grad_params = [p for p in params if p.requires_grad]
         has_grad = [False] * len(low)
         if micro != 0:
             sizes: dict[torch.device, int] = defaultdict(int)
@@ -534,9 +539,10 @@ class GradAccumulator:
             if len(has_grad) != len(low):
                 raise ValueError(f"the state dict's has_grad has {len(has_grad)} entries; this accumulator buffers {len(low)} parameters.")
             for i, g in dict(state_dict.get("grads", {})).items():
-                if not (isinstance(i, int) and 0 <= i < len(params) and isinstance(g, torch.Tensor) and g.shape == params[i].shape):
+                if not (isinstance(i, int) and 0 <= i < len(grad_params) and isinstance(g, torch.Tensor)
+                        and g.shape == grad_params[i].shape):
                     raise ValueError(f"the state dict's grads[{i!r}] does not match a parameter of this accumulator's optimizer.")
-                grads[i] = g
+                grads[id(grad_params[i])] = g
         if self._our_scaler and state_dict.get("scaler"):
             self.scaler._validate_state_dict(state_dict["scaler"])
         # apply
@@ -558,8 +564,9 @@ class GradAccumulator:
                     b.zero_()
             for d, f in self._found_inf.items():
                 f.copy_(found_infs[d].reshape(())) if d in found_infs else f.zero_()
-            for i, p in enumerate(params):
+            for p in params:
                 if id(p) not in buffered:
-                    p.grad = grads[i].to(device=p.device, dtype=p.dtype).clone() if i in grads else None
+                    g = grads.get(id(p))
+                    p.grad = g.to(device=p.device, dtype=p.dtype).clone() if g is not None else None
         self._has_grad = has_grad
         self.window_ended = False

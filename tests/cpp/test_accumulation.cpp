@@ -503,3 +503,93 @@ TEST(GradAccumulator, MatchesTorchsLoopOnRandomScenarios) {
     EXPECT_EQ(scaler.get_scale(), ref_scaler.get_scale()) << seed;
   }
 }
+
+namespace {
+
+std::string save_to_string(const ampfuse::GradAccumulator& acc) {
+  std::stringstream buf;
+  torch::serialize::OutputArchive out;
+  acc.save(out);
+  out.save_to(buf);
+  return buf.str();
+}
+
+void load_from_string(ampfuse::GradAccumulator& acc, const std::string& bytes) {
+  std::stringstream buf(bytes);
+  torch::serialize::InputArchive in;
+  in.load_from(buf);
+  acc.load(in);
+}
+
+}  // namespace
+
+// Issue #20 (2) and checkpoints: a bf16 param unfrozen inside a window is buffered from then on,
+// after the others (buffers in the order [b, a]); a checkpoint taken then records which params
+// the buffers hold, so an accumulator built afterwards (which would buffer [a, b]) loads the sums
+// into the right params.
+TEST(GradAccumulator, MidWindowCheckpointRecordsTheBufferedParams) {
+  auto run = [](bool checkpoint) {
+    at::manual_seed(5);
+    auto a = at::randn({4}).to(at::kBFloat16);
+    auto b = at::randn({4}).to(at::kBFloat16).set_requires_grad(true);
+    ampfuse::optim::SGD opt({a, b}, ampfuse::optim::SGDOptions(0.5));
+    auto acc = std::make_unique<ampfuse::GradAccumulator>(opt, nullptr, ampfuse::GradAccumulatorOptions(4));
+    for (int micro = 0; micro < 4; ++micro) {
+      if (micro == 1) a.set_requires_grad(true);
+      if (micro == 2 && checkpoint) {
+        const std::string bytes = save_to_string(*acc);
+        acc = std::make_unique<ampfuse::GradAccumulator>(opt, nullptr, ampfuse::GradAccumulatorOptions(4));
+        load_from_string(*acc, bytes);
+      }
+      at::Tensor loss = (b.to(at::kFloat) * (micro + 5)).sum();
+      if (a.requires_grad()) loss = loss + (a.to(at::kFloat) * (micro + 1) * 64).sum();
+      acc->backward(loss);
+    }
+    return std::vector<at::Tensor>{master_of(opt, a).clone(), master_of(opt, b).clone()};
+  };
+  const auto ref = run(false);
+  const auto got = run(true);
+  EXPECT_TRUE(bitwise_equal(ref[0], got[0]));
+  EXPECT_TRUE(bitwise_equal(ref[1], got[1]));
+}
+
+// A mid-window checkpoint written before the buffered params were recorded indexes grads/<i>
+// over the params that required grad: with a frozen fp32 param in front, grads/0 belongs to the
+// trainable one (not to the frozen one, which would then be stepped).
+TEST(GradAccumulator, MidWindowCheckpointOfTheEarlierFormatLoads) {
+  at::manual_seed(6);
+  auto frozen = at::randn({3});
+  auto g = at::randn({3}).set_requires_grad(true);
+  auto b = at::randn({4}).to(at::kBFloat16).set_requires_grad(true);
+  const at::Tensor frozen0 = frozen.clone();
+  ampfuse::optim::SGD opt({frozen, g, b}, ampfuse::optim::SGDOptions(0.5));
+  ampfuse::GradAccumulator acc(opt, nullptr, ampfuse::GradAccumulatorOptions(2));
+  // The earlier format, written by hand: one micro-batch of a window of two, d/dg = 2, d/db = 3.
+  std::stringstream buf;
+  {
+    torch::serialize::OutputArchive out;
+    out.write("steps", c10::IValue(int64_t{2}));
+    out.write("micro_step", c10::IValue(int64_t{1}));
+    out.write("windows", c10::IValue(int64_t{0}));
+    out.write("skipped_windows_host", c10::IValue(int64_t{0}));
+    torch::serialize::OutputArchive optimizer_archive(out.compilation_unit());
+    opt.save(optimizer_archive);
+    out.write("optimizer", optimizer_archive);
+    out.write("buffers/0", c10::IValue(at::full({4}, 1.5f)));
+    out.write("found_inf/0", c10::IValue(at::zeros({})));
+    out.write("has_grad", c10::IValue(at::ones({1}, at::kLong)));
+    out.write("grads/0", c10::IValue(at::full({3}, 1.0f)));
+    out.save_to(buf);
+  }
+  torch::serialize::InputArchive in;
+  in.load_from(buf);
+  acc.load(in);
+  EXPECT_FALSE(frozen.grad().defined());
+  ASSERT_TRUE(g.grad().defined());
+  EXPECT_TRUE(bitwise_equal(g.grad(), at::full({3}, 1.0f)));
+  const at::Tensor g0 = g.detach().clone();
+  acc.backward((g * 2).sum() + (b.to(at::kFloat) * 3).sum());
+  EXPECT_TRUE(acc.window_ended());
+  EXPECT_TRUE(bitwise_equal(frozen, frozen0));
+  EXPECT_TRUE(bitwise_equal(g.detach(), g0 - 0.5f * at::full({3}, 2.0f)));
+}
