@@ -426,7 +426,8 @@ def test_torch_cuda_amp_signature_drop_in():
     ampfuse.cuda.amp / ampfuse.cpu.amp.GradScaler take init_scale first, like torch's."""
     with pytest.raises(TypeError, match="first argument is the device type"):
         ampfuse.GradScaler(2.0**10)
-    s = ampfuse.cpu.amp.GradScaler(2.0**10, growth_interval=7)
+    with pytest.warns(FutureWarning, match="is deprecated"):  # as torch's deprecated class (issue #20)
+        s = ampfuse.cpu.amp.GradScaler(2.0**10, growth_interval=7)
     assert isinstance(s, torch.cpu.amp.GradScaler) and isinstance(s, ampfuse.GradScaler)
     s.scale(torch.ones(()))
     assert s.get_scale() == 1024.0 and s.get_growth_interval() == 7
