@@ -325,7 +325,7 @@ _opt_ctor_case("two-devices", ValueError, r"param_groups\[0\] has parameters on 
                lambda: [torch.zeros(2, requires_grad=True), torch.zeros(2, device="meta", requires_grad=True)])
 _opt_ctor_case("differentiable", ValueError, "differentiable=True is not supported", "AdamW", dict(differentiable=True))
 _opt_ctor_case("foreach-str", ValueError, "foreach must be None, True or False, got 'yes'", "SGD", dict(lr=0.1, foreach="yes"))
-_opt_ctor_case("betas-device-tensor", ValueError, r"betas\[0\] must be a number", "Adam", dict(betas=(torch.ones(2), 0.9)))
+_opt_ctor_case("betas-device-tensor", ValueError, r"betas\[0\] must be a number", "Adam", dict(betas=(torch.ones(2), torch.tensor(0.9))))
 
 
 def _stepped_optimizer(dtype=torch.bfloat16):

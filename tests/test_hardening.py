@@ -366,14 +366,17 @@ def test_failed_step_leaves_the_scaler_picklable():
 
 def test_step_without_inf_checks_is_refused():
     """(14) After unscale_and_clip_, stepping an ampfuse optimizer whose params got no gradient
-    raises torch's "No inf checks were recorded for this optimizer." """
+    changes nothing and, as torch's scaler does for optimizers with _step_supports_amp_scaling,
+    update() raises "No inf checks were recorded prior to update." (issue #20)."""
     s = ampfuse.GradScaler("cpu")
     p = torch.zeros(2, requires_grad=True)
     opt = ampfuse.optim.AdamW([p], lr=0.1)
     s.scale(torch.ones(()))
     s.unscale_and_clip_(opt, 1.0)
-    with pytest.raises(AssertionError, match="No inf checks were recorded for this optimizer."):
-        s.step(opt)
+    assert s.step(opt) is None
+    assert torch.equal(p, torch.zeros(2)) and len(opt.state) == 0
+    with pytest.raises(AssertionError, match="No inf checks were recorded prior to update."):
+        s.update()
 
 
 def test_unscale_and_clip_accepts_a_tensor_max_norm():
@@ -423,7 +426,8 @@ def test_torch_cuda_amp_signature_drop_in():
     ampfuse.cuda.amp / ampfuse.cpu.amp.GradScaler take init_scale first, like torch's."""
     with pytest.raises(TypeError, match="first argument is the device type"):
         ampfuse.GradScaler(2.0**10)
-    s = ampfuse.cpu.amp.GradScaler(2.0**10, growth_interval=7)
+    with pytest.warns(FutureWarning, match="is deprecated"):  # as torch's deprecated class (issue #20)
+        s = ampfuse.cpu.amp.GradScaler(2.0**10, growth_interval=7)
     assert isinstance(s, torch.cpu.amp.GradScaler) and isinstance(s, ampfuse.GradScaler)
     s.scale(torch.ones(()))
     assert s.get_scale() == 1024.0 and s.get_growth_interval() == 7

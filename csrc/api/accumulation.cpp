@@ -11,6 +11,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "ampfuse/optim.h"
@@ -26,6 +27,15 @@ bool is_low(c10::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
 template <typename T>
 T& on_device(std::vector<std::pair<c10::Device, T>>& per_device, const c10::Device& device) {
   for (auto& [d, v] : per_device) {
+    if (d == device) return v;
+  }
+  TORCH_INTERNAL_ASSERT(false, "no entry for device ", device);
+}
+
+template <typename T>
+const T& on_device(const std::vector<std::pair<c10::Device, T>>& per_device,
+                   const c10::Device& device) {
+  for (const auto& [d, v] : per_device) {
     if (d == device) return v;
   }
   TORCH_INTERNAL_ASSERT(false, "no entry for device ", device);
@@ -50,14 +60,41 @@ GradAccumulator::GradAccumulator(torch::optim::Optimizer& optimizer, GradScaler*
                 "norm_type must be 2.0 or inf to clip for an ampfuse optimizer without a "
                 "GradScaler, got ", options_.norm_type(), ".");
   }
-  if (!options_.fp32_accumulation()) return;
-  for (const auto& p : all_params()) {
-    if (is_low(p.scalar_type())) low_.push_back(p);
+  layout(wanted_low());
+}
+
+GradAccumulator::~GradAccumulator() = default;
+
+// Every param of the optimizer, frozen ones included: a param frozen inside a window still holds
+// that window's gradient (stepped once at the window end, then cleared, as zero_grad() would).
+std::vector<at::Tensor> GradAccumulator::all_params() const {
+  std::vector<at::Tensor> params;
+  for (const auto& group : optimizer_.param_groups()) {
+    for (const auto& p : group.params()) params.push_back(p);
   }
-  if (low_.empty()) return;
-  // One flat fp32 buffer per device; each param's buffer is a view into it.
+  return params;
+}
+
+// The params summed in fp32 buffers: the fp16/bf16 ones that require grad now.
+std::vector<at::Tensor> GradAccumulator::wanted_low() const {
+  std::vector<at::Tensor> low;
+  if (!options_.fp32_accumulation()) return low;
+  for (const auto& p : all_params()) {
+    if (is_low(p.scalar_type()) && p.requires_grad()) low.push_back(p);
+  }
+  return low;
+}
+
+// (Re)builds the fp32 buffers for `low` (one flat buffer per device, each param's buffer a view
+// into it), keeping the partial sums and has-gradient flags of the params it keeps. Decided again
+// at every window start, and widened inside a window when a param without a buffer gets a
+// gradient (a layer unfrozen mid-training is summed in fp32 too).
+void GradAccumulator::layout(const std::vector<at::Tensor>& low) {
+  bool same = low.size() == low_.size();
+  for (size_t k = 0; same && k < low.size(); ++k) same = low[k].is_same(low_[k]);
+  if (same) return;
   std::vector<std::pair<c10::Device, int64_t>> sizes;
-  for (const auto& p : low_) {
+  for (const auto& p : low) {
     bool found = false;
     for (auto& [d, n] : sizes) {
       if (d == p.device()) {
@@ -67,32 +104,38 @@ GradAccumulator::GradAccumulator(torch::optim::Optimizer& optimizer, GradScaler*
     }
     if (!found) sizes.emplace_back(p.device(), p.numel());
   }
+  std::vector<std::pair<c10::Device, at::Tensor>> flat;
   for (const auto& [device, numel] : sizes) {
     const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
-    flat_.emplace_back(device, at::zeros({numel}, f32));
-    found_inf_.emplace_back(device, at::zeros({}, f32));
+    flat.emplace_back(device, at::zeros({numel}, f32));
+    bool has_flag = false;
+    for (const auto& [d, f] : found_inf_) has_flag |= d == device;
+    if (!has_flag) found_inf_.emplace_back(device, at::zeros({}, f32));
   }
   std::vector<std::pair<c10::Device, int64_t>> offsets;
   for (const auto& [device, numel] : sizes) offsets.emplace_back(device, 0);
-  for (const auto& p : low_) {
+  std::unordered_map<const c10::TensorImpl*, size_t> old;
+  for (size_t k = 0; k < low_.size(); ++k) old.emplace(low_[k].unsafeGetTensorImpl(), k);
+  std::vector<at::Tensor> buffers;
+  std::vector<bool> has_grad;
+  at::NoGradGuard no_grad;
+  for (const auto& p : low) {
     int64_t& offset = on_device(offsets, p.device());
-    buffers_.push_back(
-        on_device(flat_, p.device()).slice(0, offset, offset + p.numel()).view(p.sizes()));
+    at::Tensor view = on_device(flat, p.device()).slice(0, offset, offset + p.numel()).view(p.sizes());
     offset += p.numel();
-  }
-  has_grad_.assign(low_.size(), false);
-}
-
-GradAccumulator::~GradAccumulator() = default;
-
-std::vector<at::Tensor> GradAccumulator::all_params() const {
-  std::vector<at::Tensor> params;
-  for (const auto& group : optimizer_.param_groups()) {
-    for (const auto& p : group.params()) {
-      if (p.requires_grad()) params.push_back(p);
+    bool had = false;
+    const auto it = old.find(p.unsafeGetTensorImpl());
+    if (it != old.end()) {
+      view.copy_(buffers_[it->second]);
+      had = has_grad_[it->second];
     }
+    buffers.push_back(view);
+    has_grad.push_back(had);
   }
-  return params;
+  low_ = low;
+  buffers_ = std::move(buffers);
+  has_grad_ = std::move(has_grad);
+  flat_ = std::move(flat);
 }
 
 void GradAccumulator::set_lr_scheduler(torch::optim::LRScheduler* scheduler) {
@@ -103,6 +146,7 @@ void GradAccumulator::set_lr_scheduler(torch::optim::LRScheduler* scheduler) {
 bool GradAccumulator::backward(const at::Tensor& loss) {
   TORCH_CHECK(loss.defined(), "GradAccumulator::backward: loss must be a defined tensor.");
   window_ended_ = false;
+  if (micro_step_ == 0) layout(wanted_low());  // a window starts: buffer what requires grad now
   at::Tensor scaled = loss / options_.steps();
   if (scaler_ != nullptr) scaled = scaler_->scale(scaled);
   scaled.backward();
@@ -123,6 +167,20 @@ bool GradAccumulator::flush() {
 // device, checking the sums for inf/NaN on the way), then .grad() undefined: a param that gets no
 // gradient in the window is not stepped.
 void GradAccumulator::collect() {
+  if (options_.fp32_accumulation()) {
+    // A param without a buffer that got a gradient (unfrozen inside the window): widen the
+    // layout, so that it is summed in fp32 from this micro-batch on.
+    std::vector<at::Tensor> low = low_;
+    std::unordered_set<const c10::TensorImpl*> buffered;
+    for (const auto& q : low_) buffered.insert(q.unsafeGetTensorImpl());
+    for (const auto& p : all_params()) {
+      if (is_low(p.scalar_type()) && p.grad().defined() &&
+          buffered.count(p.unsafeGetTensorImpl()) == 0) {
+        low.push_back(p);
+      }
+    }
+    if (low.size() != low_.size()) layout(low);
+  }
   if (low_.empty()) return;
   std::vector<size_t> taken;
   std::vector<std::pair<c10::Device, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>>>
@@ -291,6 +349,10 @@ const std::optional<at::Tensor>& GradAccumulator::last_window_skipped() const {
 }
 
 // ---- checkpoints --------------------------------------------------------------------------------
+// Inside a window the checkpoint also holds the partial sums: the flat fp32 buffers (one per
+// device, in the order of the params listed under "buffered", indices into every param of the
+// optimizer), their inf/NaN flags, which buffered params got a gradient, and the .grad() of the
+// other params (under "grads/<index>", same indices).
 void GradAccumulator::save(OutputArchive& archive) const {
   archive.write("steps", c10::IValue(options_.steps()));
   archive.write("micro_step", c10::IValue(micro_step_));
@@ -307,14 +369,22 @@ void GradAccumulator::save(OutputArchive& archive) const {
   if (micro_step_ != 0) {
     for (size_t i = 0; i < flat_.size(); ++i) {
       archive.write("buffers/" + std::to_string(i), c10::IValue(flat_[i].second.cpu()));
-      archive.write("found_inf/" + std::to_string(i), c10::IValue(found_inf_[i].second.cpu()));
+      archive.write("found_inf/" + std::to_string(i),
+                    c10::IValue(on_device(found_inf_, flat_[i].first).cpu()));
     }
     std::vector<int64_t> has_grad(has_grad_.begin(), has_grad_.end());
     archive.write("has_grad", c10::IValue(at::tensor(has_grad, at::kLong)));
+    const auto params = all_params();
+    std::unordered_map<const c10::TensorImpl*, int64_t> index;
+    for (size_t i = 0; i < params.size(); ++i) {
+      index.emplace(params[i].unsafeGetTensorImpl(), static_cast<int64_t>(i));
+    }
+    std::vector<int64_t> buffered_index;
+    for (const auto& p : low_) buffered_index.push_back(index.at(p.unsafeGetTensorImpl()));
+    archive.write("buffered", c10::IValue(at::tensor(buffered_index, at::kLong)));
     // The partial sums of the parameters that accumulate in .grad() (fp32 ones).
     std::unordered_set<const c10::TensorImpl*> buffered;
     for (const auto& p : low_) buffered.insert(p.unsafeGetTensorImpl());
-    const auto params = all_params();
     for (size_t i = 0; i < params.size(); ++i) {
       if (buffered.count(params[i].unsafeGetTensorImpl()) == 0 && params[i].grad().defined()) {
         archive.write("grads/" + std::to_string(i), c10::IValue(params[i].grad().cpu()));
@@ -323,46 +393,100 @@ void GradAccumulator::save(OutputArchive& archive) const {
   }
 }
 
+// Everything is read and checked before anything (optimizer, scaler, sums) is loaded.
 void GradAccumulator::load(InputArchive& archive) {
   c10::IValue v;
   archive.read("steps", v);
-  TORCH_CHECK(v.toInt() == options_.steps(), "The checkpoint was saved with steps=", v.toInt(),
-              ", this accumulator has steps=", options_.steps(), ".");
+  TORCH_CHECK(v.isInt() && v.toInt() == options_.steps(), "The checkpoint was saved with steps=",
+              v, ", this accumulator has steps=", options_.steps(), ".");
   archive.read("micro_step", v);
+  TORCH_CHECK(v.isInt(), "micro_step in the checkpoint must be an integer, got ", v, ".");
   const int64_t micro_step = v.toInt();
   TORCH_CHECK(micro_step >= 0 && micro_step < options_.steps(),
               "micro_step in the checkpoint must be in [0, steps), got ", micro_step, ".");
+  archive.read("windows", v);
+  TORCH_CHECK(v.isInt() && v.toInt() >= 0, "windows in the checkpoint must be an integer >= 0, got ",
+              v, ".");
+  const int64_t windows = v.toInt();
+  int64_t skipped = skipped_windows_host_;
+  if (archive.try_read("skipped_windows_host", v)) {
+    TORCH_CHECK(v.isInt() && v.toInt() >= 0,
+                "skipped_windows_host in the checkpoint must be an integer >= 0, got ", v, ".");
+    skipped = v.toInt();
+  }
+  const auto params = all_params();
+  // The params the saved buffers hold. At a window boundary: the ones this accumulator buffers
+  // now (the sums are zero). A checkpoint written before "buffered" was recorded holds the
+  // buffers of the params buffered since construction, and indexes grads/<i> over the params
+  // that required grad.
+  std::vector<at::Tensor> low = micro_step == 0 ? wanted_low() : low_;
+  std::vector<at::Tensor> grad_params = params;
+  if (micro_step != 0) {
+    if (archive.try_read("buffered", v)) {
+      TORCH_CHECK(v.isTensor() && v.toTensor().dim() == 1 && !v.toTensor().is_floating_point(),
+                  "buffered in the checkpoint must be a 1-d integer tensor.");
+      const at::Tensor idx = v.toTensor().to(at::kLong).contiguous();
+      std::unordered_set<int64_t> seen;
+      low.clear();
+      for (int64_t k = 0; k < idx.numel(); ++k) {
+        const int64_t i = idx.data_ptr<int64_t>()[k];
+        TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(params.size()) &&
+                        is_low(params[i].scalar_type()) && seen.insert(i).second,
+                    "buffered in the checkpoint must list distinct indices of fp16/bf16 parameters "
+                    "of this accumulator's optimizer, got ", i, ".");
+        low.push_back(params[i]);
+      }
+    } else {
+      grad_params.clear();
+      for (const auto& p : params) {
+        if (p.requires_grad()) grad_params.push_back(p);
+      }
+    }
+  }
+  // The flat buffers' sizes per device, in the order layout() gives them.
+  std::vector<std::pair<c10::Device, int64_t>> sizes;
+  for (const auto& p : low) {
+    bool found = false;
+    for (auto& [d, n] : sizes) {
+      if (d == p.device()) {
+        n += p.numel();
+        found = true;
+      }
+    }
+    if (!found) sizes.emplace_back(p.device(), p.numel());
+  }
   std::vector<at::Tensor> buffers;
   std::vector<at::Tensor> found_infs;
-  std::vector<bool> has_grad(low_.size(), false);
+  std::vector<bool> has_grad(low.size(), false);
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> grads;
   if (micro_step != 0) {
-    for (size_t i = 0; i < flat_.size(); ++i) {
+    for (size_t i = 0; i < sizes.size(); ++i) {
       archive.read("buffers/" + std::to_string(i), v);
-      at::Tensor b = v.toTensor();
-      TORCH_CHECK(b.sizes() == flat_[i].second.sizes(), "buffers/", i,
-                  " in the checkpoint has shape ", b.sizes(), " but this accumulator's has shape ",
-                  flat_[i].second.sizes(), ".");
-      buffers.push_back(b);
+      TORCH_CHECK(v.isTensor() && v.toTensor().scalar_type() == at::kFloat &&
+                      v.toTensor().sizes() == at::IntArrayRef{sizes[i].second},
+                  "buffers/", i, " in the checkpoint must be a float32 tensor of shape [",
+                  sizes[i].second, "].");
+      buffers.push_back(v.toTensor());
       archive.read("found_inf/" + std::to_string(i), v);
+      TORCH_CHECK(v.isTensor() && v.toTensor().numel() == 1, "found_inf/", i,
+                  " in the checkpoint must be a 1-element tensor.");
       found_infs.push_back(v.toTensor());
     }
     archive.read("has_grad", v);
+    TORCH_CHECK(v.isTensor(), "has_grad in the checkpoint must be a tensor.");
     const at::Tensor h = v.toTensor().to(at::kLong).contiguous();
-    TORCH_CHECK(h.numel() == static_cast<int64_t>(low_.size()), "has_grad in the checkpoint has ",
-                h.numel(), " entries but this accumulator buffers ", low_.size(), " parameters.");
-    for (size_t k = 0; k < low_.size(); ++k) has_grad[k] = h.data_ptr<int64_t>()[k] != 0;
-  }
-  std::unordered_set<const c10::TensorImpl*> buffered;
-  for (const auto& p : low_) buffered.insert(p.unsafeGetTensorImpl());
-  const auto params = all_params();
-  std::vector<at::Tensor> grads(params.size());
-  if (micro_step != 0) {
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (buffered.count(params[i].unsafeGetTensorImpl()) != 0) continue;
+    TORCH_CHECK(h.numel() == static_cast<int64_t>(low.size()), "has_grad in the checkpoint has ",
+                h.numel(), " entries but this accumulator buffers ", low.size(), " parameters.");
+    for (size_t k = 0; k < low.size(); ++k) has_grad[k] = h.data_ptr<int64_t>()[k] != 0;
+    std::unordered_set<const c10::TensorImpl*> buffered;
+    for (const auto& p : low) buffered.insert(p.unsafeGetTensorImpl());
+    for (size_t i = 0; i < grad_params.size(); ++i) {
+      const at::Tensor& p = grad_params[i];
+      if (buffered.count(p.unsafeGetTensorImpl()) != 0) continue;
       if (!archive.try_read("grads/" + std::to_string(i), v)) continue;
-      TORCH_CHECK(v.isTensor() && v.toTensor().sizes() == params[i].sizes(), "grads/", i,
-                  " in the checkpoint must be a tensor of shape ", params[i].sizes(), ".");
-      grads[i] = v.toTensor();
+      TORCH_CHECK(v.isTensor() && v.toTensor().sizes() == p.sizes(), "grads/", i,
+                  " in the checkpoint must be a tensor of shape ", p.sizes(), ".");
+      grads.emplace(p.unsafeGetTensorImpl(), v.toTensor());
     }
   }
   torch::serialize::InputArchive optimizer_archive;
@@ -373,23 +497,26 @@ void GradAccumulator::load(InputArchive& archive) {
     if (archive.try_read("scaler", scaler_archive)) scaler_->load(scaler_archive);
   }
   micro_step_ = micro_step;
-  archive.read("windows", v);
-  windows_ = v.toInt();
-  if (archive.try_read("skipped_windows_host", v)) skipped_windows_host_ = v.toInt();
+  windows_ = windows;
+  skipped_windows_host_ = skipped;
+  layout(low);
   at::NoGradGuard no_grad;
+  for (auto& [d, f] : found_inf_) f.zero_();
   for (size_t i = 0; i < flat_.size(); ++i) {
     if (micro_step != 0) {
       flat_[i].second.copy_(buffers[i]);
-      found_inf_[i].second.copy_(found_infs[i].reshape({}));
+      on_device(found_inf_, flat_[i].first).copy_(found_infs[i].reshape({}));
     } else {
       flat_[i].second.zero_();
-      found_inf_[i].second.zero_();
     }
   }
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (buffered.count(params[i].unsafeGetTensorImpl()) != 0) continue;
-    params[i].mutable_grad() =
-        grads[i].defined() ? grads[i].to(params[i].device(), params[i].scalar_type()) : at::Tensor();
+  std::unordered_set<const c10::TensorImpl*> buffered;
+  for (const auto& p : low_) buffered.insert(p.unsafeGetTensorImpl());
+  for (const auto& p : params) {
+    if (buffered.count(p.unsafeGetTensorImpl()) != 0) continue;
+    const auto it = grads.find(p.unsafeGetTensorImpl());
+    p.mutable_grad() =
+        it != grads.end() ? it->second.to(p.device(), p.scalar_type()) : at::Tensor();
   }
   has_grad_ = has_grad;
   window_ended_ = false;

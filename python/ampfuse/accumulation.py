@@ -65,7 +65,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -184,32 +184,15 @@ class GradAccumulator:
         self._backward_called = False
 
         params = self._all_params()
-        self._low = [p for p in params if p.dtype in _LOW] if fp32_accumulation else []
+        self._fp32_accumulation = fp32_accumulation
+        self._low: list[torch.Tensor] = []
         self._flat: dict[torch.device, torch.Tensor] = {}
         self._buffers: list[torch.Tensor] = []
         self._found_inf: dict[torch.device, torch.Tensor] = {}
-        if self._low and self._fsdp:
-            # one fp32 buffer per parameter, sharded like it (a DTensor over the local shard)
-            self._buffers = [torch.zeros_like(p, dtype=torch.float32) for p in self._low]
-            for p in self._low:
-                self._found_inf.setdefault(p.device, torch.zeros((), dtype=torch.float32, device=p.device))
-        elif self._low:
-            by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-            for p in self._low:
-                by_device[p.device].append(p)
-            buffers: dict[int, torch.Tensor] = {}
-            for device, ps in by_device.items():
-                flat = torch.zeros(sum(p.numel() for p in ps), dtype=torch.float32, device=device)
-                self._flat[device] = flat
-                self._found_inf[device] = torch.zeros((), dtype=torch.float32, device=device)
-                offset = 0
-                for p in ps:
-                    buffers[id(p)] = flat[offset : offset + p.numel()].view(p.shape)
-                    offset += p.numel()
-            self._buffers = [buffers[id(p)] for p in self._low]
+        self._has_grad: list[bool] = []
+        self._layout(self._wanted_low())
         if self._ddp and len({p.device for p in params}) > 1:
             raise ValueError("GradAccumulator under DDP supports one device per process (as DDP recommends).")
-        self._has_grad = [False] * len(self._low)
         # The gradients handed to the fused step (one dict, updated every window).
         self._step_grads: dict[torch.Tensor, torch.Tensor | None] = {}
 
@@ -222,6 +205,8 @@ class GradAccumulator:
         if self._in_context:
             raise RuntimeError("GradAccumulator.accumulate() contexts cannot be nested.")
         self.window_ended = False
+        if self.micro_step == 0:  # a window starts: buffer the params that require grad now
+            self._layout(self._wanted_low())
         last = self.micro_step == self.steps - 1
         sync = last and not self._low
         ctx = self.model.no_sync() if (self._ddp and not sync) else contextlib.nullcontext()
@@ -274,11 +259,59 @@ class GradAccumulator:
 
     # ---- internals ----------------------------------------------------------------------------
     def _all_params(self) -> list[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
+        """Every param of the optimizer, frozen ones included: a param frozen inside a window still
+        holds that window's gradient (stepped once, at the window end, then cleared as torch's
+        ``zero_grad()`` clears it)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _wanted_low(self) -> list[torch.Tensor]:
+        """The params summed in fp32 buffers: the fp16/bf16 ones that require grad now."""
+        if not self._fp32_accumulation:
+            return []
+        return [p for p in self._all_params() if p.dtype in _LOW and p.requires_grad]
+
+    def _layout(self, low: list[torch.Tensor]) -> None:
+        """(Re)builds the fp32 buffers for ``low``, keeping the partial sums and has-gradient flags
+        of the params it keeps. Which params are buffered is decided again at every window start
+        (a layer unfrozen later is summed in fp32 too; a frozen one gives its buffer back) and
+        widened inside a window when a param without a buffer gets a gradient."""
+        if [id(p) for p in low] == [id(p) for p in self._low]:
+            return
+        old = {id(p): (b, h) for p, b, h in zip(self._low, self._buffers, self._has_grad)}
+        flat_by_device: dict[torch.device, torch.Tensor] = {}
+        with torch.no_grad():
+            if self._fsdp:
+                # one fp32 buffer per parameter, sharded like it (a DTensor over the local shard)
+                buffers = [old[id(p)][0] if id(p) in old else torch.zeros_like(p, dtype=torch.float32) for p in low]
+            else:
+                by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+                for p in low:
+                    by_device[p.device].append(p)
+                views: dict[int, torch.Tensor] = {}
+                for device, ps in by_device.items():
+                    flat = torch.zeros(sum(p.numel() for p in ps), dtype=torch.float32, device=device)
+                    flat_by_device[device] = flat
+                    offset = 0
+                    for p in ps:
+                        views[id(p)] = v = flat[offset : offset + p.numel()].view(p.shape)
+                        if id(p) in old:
+                            v.copy_(old[id(p)][0])
+                        offset += p.numel()
+                buffers = [views[id(p)] for p in low]
+        for p in low:
+            if p.device not in self._found_inf:
+                self._found_inf[p.device] = torch.zeros((), dtype=torch.float32, device=p.device)
+        self._has_grad = [old[id(p)][1] if id(p) in old else False for p in low]
+        self._low, self._buffers, self._flat = list(low), buffers, flat_by_device
 
     def _collect(self) -> None:
         """After a micro-batch's backward: fp16/bf16 grads into the fp32 buffers (one fused pass
         per device, checking the sums for inf/NaN on the way), then ``.grad = None``."""
+        if self._fp32_accumulation:
+            buffered = {id(p) for p in self._low}
+            extra = [p for p in self._all_params() if p.dtype in _LOW and p.grad is not None and id(p) not in buffered]
+            if extra:  # unfrozen inside the window: summed in fp32 from this micro-batch on
+                self._layout(self._low + extra)
         if not self._low:
             return
         per_device: dict[torch.device, tuple[list, list]] = {}
@@ -475,6 +508,8 @@ class GradAccumulator:
             sd["buffers"] = {str(d): f.clone() for d, f in self._flat.items()}
             sd["found_inf"] = {str(d): f.clone() for d, f in self._found_inf.items()}
             sd["has_grad"] = list(self._has_grad)
+            index = {id(p): i for i, p in enumerate(self._all_params())}
+            sd["buffered"] = [index[id(p)] for p in self._low]  # which params the buffers hold
             buffered = {id(p) for p in self._low}
             sd["grads"] = {i: p.grad.detach().clone() for i, p in enumerate(self._all_params())
                            if id(p) not in buffered and p.grad is not None}
@@ -489,29 +524,52 @@ class GradAccumulator:
         if state_dict["steps"] != self.steps:
             raise ValueError(f"state_dict was saved with steps={state_dict['steps']}, this accumulator has steps={self.steps}.")
         micro = state_dict["micro_step"]
-        if not (isinstance(micro, int) and 0 <= micro < self.steps):
+        if not (isinstance(micro, int) and not isinstance(micro, bool) and 0 <= micro < self.steps):
             raise ValueError(f"the state dict's micro_step must be an integer in [0, {self.steps}), got {micro!r}.")
+        for key in ("windows", "skipped_windows_host"):
+            v = state_dict.get(key, 0)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+                raise ValueError(f"the state dict's {key} must be an integer >= 0, got {v!r}.")
+        sched = state_dict.get("lr_scheduler")
+        if self.lr_scheduler is not None and sched is not None and not isinstance(sched, Mapping):
+            raise ValueError(f"the state dict's lr_scheduler must be a scheduler's state dict (a dict) or None, got {type(sched).__name__}.")
         params = self._all_params()
         buffers, found_infs, grads = {}, {}, {}
-        has_grad = [False] * len(self._low)
+        low = self._wanted_low() if micro == 0 else self._low
         if micro != 0 and self._fsdp:
             raise ValueError("a mid-window GradAccumulator state cannot be loaded under FSDP2; load one saved at a window boundary.")
+        grad_params = params  # what the indices of the grads entry refer to
+        if micro != 0 and "buffered" in state_dict:  # the params the saved buffers hold, in order
+            idx = state_dict["buffered"]
+            if not (isinstance(idx, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in idx)
+                    and len(set(idx)) == len(idx) and all(0 <= i < len(params) and params[i].dtype in _LOW for i in idx)):
+                raise ValueError(f"the state dict's buffered must list distinct indices of fp16/bf16 parameters of this accumulator's optimizer, got {idx!r}.")
+            low = [params[i] for i in idx]
+        elif micro != 0:
+            # Saved before the buffered params were recorded: the buffers are those of the params
+            # buffered since construction, and grads is indexed over the params requiring grad.
+            grad_params = [p for p in params if p.requires_grad]
+        has_grad = [False] * len(low)
         if micro != 0:
-            for d, f in self._flat.items():
+            sizes: dict[torch.device, int] = defaultdict(int)
+            for p in low:
+                sizes[p.device] += p.numel()
+            for d, n in sizes.items():
                 b = state_dict.get("buffers", {}).get(str(d))
-                if not (isinstance(b, torch.Tensor) and b.shape == f.shape and b.dtype == torch.float32):
-                    raise ValueError(f"the state dict's buffers['{d}'] must be a float32 tensor of shape {tuple(f.shape)}, got {b!r}.")
+                if not (isinstance(b, torch.Tensor) and tuple(b.shape) == (n,) and b.dtype == torch.float32):
+                    raise ValueError(f"the state dict's buffers['{d}'] must be a float32 tensor of shape {(n,)}, got {b!r}.")
                 fi = state_dict.get("found_inf", {}).get(str(d))
                 if not (isinstance(fi, torch.Tensor) and fi.numel() == 1):
                     raise ValueError(f"the state dict's found_inf['{d}'] must be a 1-element tensor, got {fi!r}.")
                 buffers[d], found_infs[d] = b, fi
             has_grad = list(state_dict.get("has_grad", has_grad))
-            if len(has_grad) != len(self._low):
-                raise ValueError(f"the state dict's has_grad has {len(has_grad)} entries; this accumulator buffers {len(self._low)} parameters.")
+            if len(has_grad) != len(low):
+                raise ValueError(f"the state dict's has_grad has {len(has_grad)} entries; this accumulator buffers {len(low)} parameters.")
             for i, g in dict(state_dict.get("grads", {})).items():
-                if not (isinstance(i, int) and 0 <= i < len(params) and isinstance(g, torch.Tensor) and g.shape == params[i].shape):
+                if not (isinstance(i, int) and 0 <= i < len(grad_params) and isinstance(g, torch.Tensor)
+                        and g.shape == grad_params[i].shape):
                     raise ValueError(f"the state dict's grads[{i!r}] does not match a parameter of this accumulator's optimizer.")
-                grads[i] = g
+                grads[id(grad_params[i])] = g
         if self._our_scaler and state_dict.get("scaler"):
             self.scaler._validate_state_dict(state_dict["scaler"])
         # apply
@@ -523,6 +581,7 @@ class GradAccumulator:
         self.micro_step = micro
         self.windows = state_dict["windows"]
         self.skipped_windows_host = state_dict.get("skipped_windows_host", 0)
+        self._layout(low)
         buffered = {id(q) for q in self._low}
         with torch.no_grad():
             for d, f in self._flat.items():
@@ -532,8 +591,9 @@ class GradAccumulator:
                     b.zero_()
             for d, f in self._found_inf.items():
                 f.copy_(found_infs[d].reshape(())) if d in found_infs else f.zero_()
-            for i, p in enumerate(params):
+            for p in params:
                 if id(p) not in buffered:
-                    p.grad = grads[i].to(device=p.device, dtype=p.dtype).clone() if i in grads else None
+                    g = grads.get(id(p))
+                    p.grad = g.to(device=p.device, dtype=p.dtype).clone() if g is not None else None
         self._has_grad = has_grad
         self.window_ended = False

@@ -31,7 +31,7 @@ import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 
 from ampfuse import ops
-from ampfuse.optim import StepScaling, _FusedOptimizer
+from ampfuse.optim import StepScaling, _check_grads_keys, _FusedOptimizer
 
 __all__ = ["GradScaler", "OverflowReport"]
 
@@ -252,6 +252,8 @@ class GradScaler(torch.amp.GradScaler):
     def _grads_per_device(optimizer: torch.optim.Optimizer, allow_fp16: bool, grads: Grads | None = None) -> dict[torch.device, list[torch.Tensor]]:
         """The gradients the optimizer's step will read (``grads`` overrides ``.grad``), per device;
         sparse gradients as their coalesced values (torch's rule)."""
+        if grads is not None:  # a key that is not a param would silently leave its .grad checked
+            _check_grads_keys(optimizer.param_groups, grads)
         if grads is None and isinstance(optimizer, _FusedOptimizer):
             fast = _dense_grads_per_group_device(optimizer, allow_fp16)
             if fast is not None:
@@ -481,7 +483,12 @@ class GradScaler(torch.amp.GradScaler):
             optimizer_state["found_inf_per_device"] = self._unscale_from_scale_(optimizer, True, False, kwargs.get("grads"))
             optimizer_state["grads_still_scaled"] = True
         if len(optimizer_state["found_inf_per_device"]) == 0:
-            raise AssertionError("No inf checks were recorded for this optimizer.")
+            # No gradient to step (as torch's scaler does for an optimizer with
+            # _step_supports_amp_scaling): the step changes nothing, and update() raises
+            # "No inf checks were recorded prior to update."
+            retval = optimizer.step(*args, **kwargs)
+            optimizer_state["stage"] = OptState.STEPPED
+            return retval
         scale = self._get_scale_async()
         assert scale is not None
         found_infs = [t.to(scale.device, non_blocking=True) for t in optimizer_state["found_inf_per_device"].values()]
@@ -795,6 +802,14 @@ def _init_scale_first(device: str, torch_class: type, module: str) -> type:
             max_scale: float | None = None,
             on_min_scale: OnMinScale = "warn",
         ) -> None:
+            # torch's deprecated classes warn so (torch's test_grad_scaler_deprecated_warning
+            # matches the first sentence); the replacement named is ampfuse's.
+            warnings.warn(
+                f"`torch.{device}.amp.GradScaler(args...)` is deprecated (`{module}.GradScaler` mirrors it). "
+                f"Please use `ampfuse.GradScaler('{device}', args...)` instead.",
+                FutureWarning,
+                stacklevel=2,
+            )
             _AmpfuseGradScaler.__init__(
                 self, device, init_scale, growth_factor, backoff_factor, growth_interval, enabled,
                 hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale,

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import collections
 import math
+import numbers
 from collections.abc import Mapping
 from copy import deepcopy
 from itertools import chain
@@ -79,6 +80,7 @@ MasterWeights = Union[bool, Literal["auto", "remainder"]]
 _MASTER_WEIGHTS = (True, False, "auto", "remainder")
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+_PRECISION_OPTIONS = ("master_weights", "state_dtype")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -160,7 +162,7 @@ class _State(collections.defaultdict):
         super().__init__(None)
         self.generation = 0
         for key, value in (data or {}).items():
-            super().__setitem__(key, _ParamState(self, value))
+            super().__setitem__(key, _ParamState(self, value) if isinstance(value, Mapping) else value)
 
     def __missing__(self, key: Any) -> _ParamState:
         value = _ParamState(self)
@@ -169,7 +171,9 @@ class _State(collections.defaultdict):
         return value
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        if not (isinstance(value, _ParamState) and value._owner is self):
+        # Per-param dicts are tracked; anything else (torch allows e.g. ``state["flag"] = True``
+        # under a key that is not a param, from a hook) is kept as it is.
+        if isinstance(value, Mapping) and not (isinstance(value, _ParamState) and value._owner is self):
             value = _ParamState(self, value)
         super().__setitem__(key, value)
         self.generation += 1
@@ -202,7 +206,7 @@ class _State(collections.defaultdict):
             self[key] = value
 
     def __reduce__(self) -> Any:  # pickles as torch's defaultdict(dict) of plain dicts
-        return (_plain_state, ({k: dict(v) for k, v in self.items()},))
+        return (_plain_state, ({k: dict(v) if isinstance(v, Mapping) else v for k, v in self.items()},))
 
 
 def _plain_state(data: dict) -> collections.defaultdict:
@@ -225,14 +229,15 @@ class _Plan:
     the group's structural options and which params have a gradient of which dtype stay the same
     (checked at every step: O(1) for the state, one pass over the params for the rest)."""
 
-    __slots__ = ("params", "ids", "generation", "signature", "grad_dtypes", "buckets")
+    __slots__ = ("params", "ids", "generation", "signature", "grad_dtypes", "param_dtypes", "buckets")
 
-    def __init__(self, params, ids, generation, signature, grad_dtypes, buckets) -> None:
+    def __init__(self, params, ids, generation, signature, grad_dtypes, param_dtypes, buckets) -> None:
         self.params = params
         self.ids = ids
         self.generation = generation
         self.signature = signature
         self.grad_dtypes = grad_dtypes  # per param: its gradient's dtype, None without one
+        self.param_dtypes = param_dtypes  # per param: its dtype (a converted model makes the plan stale)
         self.buckets = buckets  # [(device, [index in group], {list name: [tensors]})]
 
 
@@ -250,6 +255,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {defaults.get('state_dtype')!r}.")
         self._param_dtypes: dict[int, torch.dtype] = {}
         self._plans: dict[int, _Plan] = {}
+        # params whose loaded fp32 master the next step reconciles with the param (ties)
+        self._reconcile: set[int] = set()
         super().__init__(params, defaults)
         self.state = _State(self.state)
 
@@ -270,11 +277,26 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 "Use the torch.optim optimizer for differentiable steps."
             )
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The dtypes the params had when the optimizer was built, by position: a copy (deepcopy,
+        # pickle) has new params, and keeps the check against converting the model afterwards.
+        state = super().__getstate__()
+        state["_param_dtypes_by_position"] = [
+            [self._param_dtypes.get(id(p)) for p in g["params"]] for g in self.param_groups
+        ]
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
+        by_position = state.pop("_param_dtypes_by_position", None)
         super().__setstate__(state)
-        self.__dict__.setdefault("_param_dtypes", {})
-        self.__dict__.setdefault("_plans", {})
+        self._param_dtypes = {}
+        if by_position is not None:
+            for g, dtypes in zip(self.param_groups, by_position):
+                for p, dtype in zip(g["params"], dtypes):
+                    if dtype is not None:
+                        self._param_dtypes[id(p)] = dtype
         self._plans = {}
+        self._reconcile = set()
         self.state = _State(self.state)
 
     # ---- parameters --------------------------------------------------------------------------
@@ -338,7 +360,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         return p.grad
 
     def _validate(self, grads: Mapping | None) -> None:
-        """Every check of a step, before anything (state creation included) is modified."""
+        """Every check of a step, before anything (state creation included) is modified: what
+        the kernels would refuse is refused here, for every group, before the first one steps."""
         for gi, group in enumerate(self.param_groups):
             self._check_group_options(gi, group)
             for i, p in enumerate(group["params"]):
@@ -358,20 +381,45 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     )
                 if g.dtype not in _SUPPORTED:
                     raise RuntimeError(f"{where} has a gradient of dtype {g.dtype}; expected torch.float16, torch.bfloat16 or torch.float32.")
+                if g.dtype != p.dtype and g.dtype != torch.float32:
+                    raise RuntimeError(
+                        f"{where} has dtype {p.dtype} but its gradient has dtype {g.dtype}; a gradient must have "
+                        "its param's dtype or be torch.float32 (e.g. an accumulator's fp32 sum)."
+                    )
                 if g.shape != p.shape:
                     raise RuntimeError(f"{where} has a gradient of shape {tuple(g.shape)} but the parameter has shape {tuple(p.shape)}.")
                 if g.device != p.device:
                     raise RuntimeError(f"{where} is on {p.device} but its gradient is on {g.device}.")
+                if _overlaps(g, p):
+                    raise RuntimeError(
+                        f"the gradient of {where} shares memory with the parameter (e.g. p.grad = p, or grads={{p: p}}); "
+                        "the step writes the parameter while it reads the gradient. Pass a separate tensor (e.g. .clone())."
+                    )
 
     def _check_group_options(self, gi: int, group: dict[str, Any]) -> None:
-        """Hyper-parameters of a group as the user may have edited them since construction."""
+        """Hyper-parameters of a group as the user may have edited them since construction: every
+        value the kernel would refuse is refused here, before any group steps."""
         self._check_precision_options(gi, group)
         lr = group["lr"]
         if isinstance(lr, torch.Tensor):
             if lr.numel() != 1:
                 raise ValueError(f"param_groups[{gi}]['lr'] must be a number or a 1-element tensor, got shape {tuple(lr.shape)}.")
-        elif not (isinstance(lr, (int, float)) and lr >= 0):
+        elif not _is_real(lr):
+            raise ValueError(f"param_groups[{gi}]['lr'] must be a number or a 1-element tensor, got {lr!r}.")
+        elif not lr >= 0:
             raise ValueError(f"param_groups[{gi}]['lr'] must be >= 0, got {lr!r}.")
+        self._check_hyper(gi, group)
+
+    def _check_hyper(self, gi: int, group: dict[str, Any]) -> None:
+        """Hook: the optimizer's own hyper-parameters of group ``gi`` (as the kernel checks them)."""
+
+    def _check_grads_arg(self, grads: Any) -> None:
+        """``step(grads=...)``: a mapping whose keys are this optimizer's params themselves."""
+        if grads is None:
+            return
+        if not isinstance(grads, Mapping):
+            raise TypeError(f"grads must be a mapping from parameters to gradients (or None), got {type(grads).__name__}.")
+        _check_grads_keys(self.param_groups, grads)
 
     # ---- state -------------------------------------------------------------------------------
     def _new_state(self, p: torch.Tensor, group: dict[str, Any], key: str) -> torch.Tensor:
@@ -393,15 +441,51 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 self._state_created(p, state, key)
             elif state[key].dtype != state_dtype:
                 state[key] = state[key].to(state_dtype)  # rounded to nearest even
-        kind = self._master_kind(p, group)
-        if kind == "float" and state.get("master_param") is None:
-            rem = state.pop("master_remainder", None)
-            master = torch.empty_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            state["master_param"] = master.copy_(join_master(p.detach(), rem) if rem is not None else p.detach())
-        elif kind == "remainder" and state.get("master_remainder") is None:
-            master = state.pop("master_param", None)
-            state["master_remainder"] = _remainder_for(p.detach(), master)
+        self._convert_master(p, group, state)
         return state
+
+    def _convert_master(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        """Brings ``p``'s master to the group's ``master_weights``: the fp32 master and the
+        (param, remainder) pair stand for the same master bit for bit in both directions, ties
+        included (the param is moved to the form's rounding of it: round-half-even for fp32
+        masters, ties away from zero for remainders). ``False`` drops the master, so that a later
+        switch back starts from the param instead of a stale master."""
+        kind = self._master_kind(p, group)
+        reconcile = id(p) in self._reconcile
+        self._reconcile.discard(id(p))
+        with torch.no_grad():
+            if kind is None:
+                for key in ("master_param", "master_remainder"):
+                    if key in state:
+                        del state[key]
+            elif kind == "float" and state.get("master_param") is None:
+                rem = state.pop("master_remainder", None)
+                master = torch.empty_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                if rem is None:
+                    state["master_param"] = master.copy_(p.detach())
+                else:
+                    state["master_param"] = master.copy_(join_master(p.detach(), rem))
+                    _round_param_half_even(p, master)
+                if "master_remainder" in state:
+                    del state["master_remainder"]
+            elif kind == "float" and reconcile:
+                _round_param_half_even(p, state["master_param"])
+            elif kind == "remainder" and state.get("master_remainder") is None:
+                master = state.pop("master_param", None)
+                state["master_remainder"] = _remainder_for(p, master)
+            if kind == "remainder" and "master_param" in state:
+                del state["master_param"]
+
+    def _convert_existing(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        """The state ``p`` already has, brought to the group's precision options (nothing created)."""
+        state = self.state[p]
+        state_dtype = group.get("state_dtype", torch.float32)
+        for key in self._state_keys_for(group):
+            v = state.get(key)
+            if isinstance(v, torch.Tensor) and v.dtype != state_dtype:
+                state[key] = v.to(state_dtype)
+        if any(k in state for k in ("master_param", "master_remainder")):
+            self._convert_master(p, group, state)
 
     def _state_created(self, p: torch.Tensor, state: dict[str, Any], key: str) -> None:
         """Hook: a state tensor was created for a param that may already have stepped."""
@@ -434,6 +518,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         keys = self._state_keys_for(group)
         for i, p in enumerate(group["params"]):
             if grad_dtypes[i] is None:
+                if p in self.state and isinstance(self.state[p], Mapping):  # options apply to all state
+                    self._convert_existing(p, group)
                 continue
             state = self._ensure_state(p, group)
             kind = self._master_kind(p, group)
@@ -446,7 +532,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             for key in keys:
                 lists[key].append(state[key])
         plan_buckets = [(key[0], idx, dict(lists)) for key, (idx, lists) in buckets.items()]
-        return _Plan(group["params"], ids, self.state.generation, self._signature(group), grad_dtypes, plan_buckets)
+        return _Plan(group["params"], ids, self.state.generation, self._signature(group), grad_dtypes,
+                     tuple(p.dtype for p in group["params"]), plan_buckets)
 
     def _run(self, group: dict[str, Any], lists: dict[str, list], grads: list, s: dict[str, Any]) -> None:
         raise NotImplementedError
@@ -473,7 +560,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if scaling is None:
-            scaling = StepScaling(getattr(self, "grad_scale", None), getattr(self, "found_inf", None), None)
+            scaling = StepScaling(_attribute_scalar(getattr(self, "grad_scale", None)),
+                                  _attribute_scalar(getattr(self, "found_inf", None)), None)
+        _check_scaling(scaling)
+        self._check_grads_arg(grads)
         if not isinstance(self.state, _State):  # replaced from outside (e.g. opt.state = ...)
             self.state = _State(self.state)
             self._plans.clear()
@@ -493,9 +583,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
             ids = tuple(map(id, params))
             plan = self._plans.get(gi)
             if (plan is None or plan.params is not params or plan.ids != ids or plan.generation != self.state.generation
-                    or plan.grad_dtypes != grad_dtypes or plan.signature != self._signature(group)):
+                    or plan.grad_dtypes != grad_dtypes or plan.signature != self._signature(group)
+                    or plan.param_dtypes != tuple(p.dtype for p in params)):
                 plan = None
                 stale = True
+            elif any(g is not None and (g.shape != p.shape or (g.data_ptr() == p.data_ptr() and p.numel() != 0))
+                     for p, g in zip(params, grad_list)):
+                stale = True  # _validate names the gradient the kernel would refuse
             work.append((gi, group, grad_list, grad_dtypes, ids, plan))
         if stale:
             self._validate(grads)  # before anything (state creation included) is modified
@@ -517,7 +611,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     "clip_coef": _scalar_on(scaling.clip_coef, device),
                 }
                 lr = group["lr"]
-                s["lr"] = _scalar_on(lr, device) if isinstance(lr, torch.Tensor) else lr
+                s["lr"] = _scalar_on(lr, device) if isinstance(lr, torch.Tensor) else float(lr)
                 self._run(group, lists, [grad_list[i] for i in idx], s)
         return loss
 
@@ -531,6 +625,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         out = {}
         for k, v in sd["state"].items():
+            if not isinstance(v, Mapping):  # torch allows other values under non-param keys
+                out[k] = v
+                continue
             st = dict(v)
             rem = st.pop("master_remainder", None)
             if rem is not None and isinstance(k, int) and k < len(params):
@@ -606,10 +703,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 new_group["param_names"] = group["param_names"]
             for key, value in group.items():  # a torch checkpoint lacks ampfuse's options
                 new_group.setdefault(key, value)
+            for key in _PRECISION_OPTIONS:  # the optimizer's own precision options win: state is converted
+                if key in group:
+                    new_group[key] = group[key]
             new_groups.append(new_group)
         self.param_groups[:] = new_groups
         self.state = _State(new_state)
         self._plans.clear()
+        # A loaded fp32 master may be a remainder form's (its param rounded ties away from zero).
+        self._reconcile = {id(p) for p, st in new_state.items() if isinstance(p, torch.Tensor) and "master_param" in st}
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -618,15 +720,111 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
 
 def _remainder_for(p: torch.Tensor, master: torch.Tensor | None) -> torch.Tensor:
-    """The int16 remainder that with bf16 param ``p`` stands for fp32 ``master``: where ``p`` is
-    not the master's upper half (the param was edited, or loaded from elsewhere) the param wins,
-    as with fp32 masters, and the remainder is 0."""
+    """The int16 remainder that with bf16 param ``p`` stands for fp32 ``master``, bit for bit.
+
+    ``p`` holds the master rounded either way a master form rounds it: ties away from zero (a
+    remainder form) or half to even (an fp32-master form, or ``master.to(torch.bfloat16)``); in
+    the second case an exact tie moves ``p`` one bf16 ulp to the split's param, so that no master
+    is lost. Where ``p`` is neither (it was edited, or loaded from elsewhere) the param wins, as
+    with fp32 masters, and the remainder is 0."""
     out = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.preserve_format)  # p's layout
     if master is None:
         return out
-    hi, rem = split_master(master.to(device=p.device, dtype=torch.float32))
-    same = hi.view(torch.int16) == p.contiguous().view(torch.int16)
-    return out.copy_(torch.where(same, rem, torch.zeros_like(rem)).reshape(p.shape))
+    master = master.detach().to(device=p.device, dtype=torch.float32)
+    hi, rem = split_master(master)
+    bits = p.detach().contiguous().view(torch.int16).reshape(p.shape)
+    hi_bits = hi.view(torch.int16)
+    rne_bits = master.to(torch.bfloat16).view(torch.int16)
+    same = (hi_bits == bits) | (rne_bits == bits)
+    with torch.no_grad():
+        moved = same & (hi_bits != bits)
+        p.copy_(torch.where(moved, hi, p.detach()))  # ties only
+    return out.copy_(torch.where(same, rem, torch.zeros_like(rem)))
+
+
+def _round_param_half_even(p: torch.Tensor, master: torch.Tensor) -> None:
+    """Where bf16 ``p`` is ``master`` rounded ties away from zero (a remainder form's param) and
+    that differs from round-half-even (an exact tie), move ``p`` to the round-half-even value, which
+    the fp32-master step expects of an unedited param; otherwise the step would take the param as
+    edited and restart the master from it."""
+    if p.dtype != torch.bfloat16:
+        return
+    master = master.detach()
+    hi, _ = split_master(master.to(torch.float32))
+    rne = master.to(torch.bfloat16)
+    bits = p.detach().view(torch.int16) if p.is_contiguous() else p.detach().contiguous().view(torch.int16)
+    move = (hi.view(torch.int16) == bits) & (rne.view(torch.int16) != bits) & ~torch.isnan(master)
+    with torch.no_grad():
+        p.copy_(torch.where(move, rne, p.detach()))
+
+
+def _is_real(value: Any) -> bool:
+    """A real number as torch takes one for a hyper-parameter: Python and numpy numbers, not bools."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share memory (their element spans intersect in one storage)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    try:
+        if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+            return False
+    except (RuntimeError, NotImplementedError):  # tensors without storage (fake, meta, subclasses)
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        lo = hi = 0
+        for size, stride in zip(t.shape, t.stride()):
+            extent = (size - 1) * stride
+            if extent < 0:
+                lo += extent
+            else:
+                hi += extent
+        base = t.data_ptr()
+        return base + lo * t.element_size(), base + (hi + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _check_grads_keys(param_groups: list[dict[str, Any]], grads: Mapping) -> None:
+    """Every key of ``grads`` must be one of the optimizer's params (the tensor itself: a tensor
+    key is found by identity, so ``p.detach()`` or a copy would silently be ignored)."""
+    if not grads:
+        return
+    ids = {id(p) for g in param_groups for p in g["params"]}
+    for key in grads:
+        if id(key) not in ids:
+            what = (f"a tensor of shape {tuple(key.shape)} and dtype {key.dtype}" if isinstance(key, torch.Tensor)
+                    else f"{type(key).__name__} {key!r}")
+            raise ValueError(
+                f"grads has a key that is not a parameter of this optimizer ({what}); its keys must be the "
+                "parameters themselves (not p.detach(), p.data or a copy)."
+            )
+
+
+def _check_scaling(scaling: Any) -> StepScaling:
+    """``step(scaling=...)``: each field None or a 1-element tensor, checked before anything changes."""
+    if not isinstance(scaling, StepScaling):
+        raise TypeError(f"scaling must be an ampfuse.optim.StepScaling or None, got {type(scaling).__name__}.")
+    for name, t in zip(StepScaling._fields, scaling):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"scaling.{name} must be a 1-element tensor or None, got {type(t).__name__} {t!r}.")
+        if t.numel() != 1:
+            raise ValueError(f"scaling.{name} must be a 1-element tensor or None, got a tensor of shape {tuple(t.shape)}.")
+        if not (t.is_floating_point() or t.dtype in (torch.int32, torch.int64)):
+            raise ValueError(f"scaling.{name} must be a floating-point tensor, got {t.dtype}.")
+    return scaling
+
+
+def _attribute_scalar(value: Any) -> torch.Tensor | None:
+    """torch's scaler sets ``found_inf`` to the Python number 0 when no gradient was checked."""
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    return torch.tensor(float(value), dtype=torch.float32)
 
 
 def _float_hyper(name: str, value: Any) -> float:
@@ -705,6 +903,17 @@ class SGD(_FusedOptimizer):
     def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
+    def _check_hyper(self, gi: int, group: dict[str, Any]) -> None:
+        for key in ("momentum", "dampening", "weight_decay"):
+            v = group[key]
+            if not _is_real(v):
+                raise ValueError(f"param_groups[{gi}]['{key}'] must be a number, got {v!r}.")
+        if not (group["momentum"] >= 0 and group["weight_decay"] >= 0):
+            key = "momentum" if not group["momentum"] >= 0 else "weight_decay"
+            raise ValueError(f"param_groups[{gi}]['{key}'] must be >= 0, got {group[key]!r}.")
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError(f"param_groups[{gi}]: nesterov momentum requires a momentum > 0 and zero dampening.")
+
     def _state_created(self, p: torch.Tensor, state: dict[str, Any], key: str) -> None:
         # momentum switched on mid-run (torch: the buffer is None): the next step taken starts it
         # from the gradient, which the kernel does when the step counter is 0.
@@ -723,7 +932,7 @@ class SGD(_FusedOptimizer):
         """torch's layout: a momentum buffer that was never initialised is saved as ``None``."""
         sd = super().state_dict()
         for k, st in list(sd["state"].items()):
-            if "momentum_buffer" in st and "step" in st and float(st["step"]) == 0.0:
+            if isinstance(st, Mapping) and "momentum_buffer" in st and "step" in st and float(st["step"]) == 0.0:
                 sd["state"][k] = dict(st, momentum_buffer=None)  # a copy: the live state stays
         return sd
 
@@ -776,6 +985,15 @@ class Adam(_FusedOptimizer):
         state_dtype: torch.dtype = torch.float32,
     ) -> None:
         self._check_torch_kwargs(foreach, fused, capturable, differentiable)
+        # torch's argument rules for tensor hyper-parameters, as strict as torch.optim.Adam (the
+        # fused step would handle each case, but code written for ampfuse must run on torch too)
+        if isinstance(lr, torch.Tensor) and foreach and not capturable:
+            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+        if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+            raise ValueError("betas must be either both floats or both Tensors")
+        for k in (0, 1):
+            if isinstance(betas[k], torch.Tensor) and foreach and not capturable:
+                raise ValueError(f"betas[{k}] as a Tensor is not supported for capturable=False and foreach=True")
         betas = (_float_hyper("betas[0]", betas[0]), _float_hyper("betas[1]", betas[1]))
         weight_decay = _float_hyper("weight_decay", weight_decay)
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
@@ -798,6 +1016,22 @@ class Adam(_FusedOptimizer):
 
     def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
+
+    def _check_hyper(self, gi: int, group: dict[str, Any]) -> None:
+        betas = group["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"param_groups[{gi}]['betas'] must be a pair of numbers, got {betas!r}.")
+        for k, b in enumerate(betas):
+            if not _is_real(b):
+                raise ValueError(f"param_groups[{gi}]['betas'][{k}] must be a number, got {b!r}.")
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"param_groups[{gi}]['betas'][{k}] must be in [0, 1), got {b!r}.")
+        for key in ("eps", "weight_decay"):
+            v = group[key]
+            if not _is_real(v):
+                raise ValueError(f"param_groups[{gi}]['{key}'] must be a number, got {v!r}.")
+            if not v >= 0:
+                raise ValueError(f"param_groups[{gi}]['{key}'] must be >= 0, got {v!r}.")
 
     def _run(self, group, lists, grads, s) -> None:
         beta1, beta2 = group["betas"]

@@ -6,6 +6,8 @@
 #include <torch/serialize.h>
 
 #include <limits>
+#include <memory>
+#include <random>
 #include <sstream>
 
 #include "ampfuse/accumulation.h"
@@ -385,3 +387,209 @@ TEST(GradAccumulator, MidWindowCheckpointKeepsFp32ParamSums) {
 }
 
 }  // namespace
+
+// Issue #20 (1): a param frozen inside a window is stepped once with that window's gradient,
+// then never again (torch's loop clears it with zero_grad() at the window end).
+TEST(GradAccumulator, ParamFrozenMidWindowIsSteppedOnce) {
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    at::manual_seed(0);
+    auto a = at::randn({4}).to(dtype).set_requires_grad(true);
+    auto b = at::randn({4}).to(dtype).set_requires_grad(true);
+    torch::optim::SGD opt({a, b}, torch::optim::SGDOptions(0.1));  // an ordinary optimizer reads .grad()
+    ampfuse::GradAccumulator acc(opt, nullptr, ampfuse::GradAccumulatorOptions(2));
+    std::vector<at::Tensor> history;
+    for (int window = 0; window < 3; ++window) {
+      for (int micro = 0; micro < 2; ++micro) {
+        at::Tensor loss = (b.to(at::kFloat) * 2).sum();
+        if (a.requires_grad()) loss = loss + (a.to(at::kFloat) * 3).sum();
+        acc.backward(loss);
+        if (window == 0 && micro == 0) a.set_requires_grad(false);
+      }
+      history.push_back(a.detach().clone());
+    }
+    EXPECT_FALSE(a.grad().defined());
+    EXPECT_TRUE(bitwise_equal(history[1], history[0])) << dtype;
+    EXPECT_TRUE(bitwise_equal(history[2], history[0])) << dtype;
+  }
+}
+
+// Issue #20 (2): a bf16 param frozen when the accumulator was built and unfrozen later (at a
+// window start or inside a window) is summed in fp32 like the others.
+TEST(GradAccumulator, LayerUnfrozenLaterIsSummedInFp32) {
+  for (int unfreeze_at = 0; unfreeze_at < 2; ++unfreeze_at) {
+    auto p = at::zeros({3}, at::kBFloat16);
+    ampfuse::optim::SGD opt({p}, ampfuse::optim::SGDOptions(1.0));
+    ampfuse::GradAccumulator acc(opt, nullptr, ampfuse::GradAccumulatorOptions(4));
+    const std::vector<double> coefs = {4.0, 4.0 / 512, 4.0 / 512, 4.0 / 512};
+    double expected = 0.0;
+    for (int micro = 0; micro < 4; ++micro) {
+      if (micro == unfreeze_at) p.set_requires_grad(true);
+      at::Tensor loss = p.requires_grad() ? (p.to(at::kFloat) * coefs[micro]).sum()
+                                          : at::zeros({}).set_requires_grad(true);
+      if (p.requires_grad()) expected -= coefs[micro] / 4;
+      acc.backward(loss);
+    }
+    EXPECT_TRUE(bitwise_equal(master_of(opt, p), at::full({3}, expected, at::kFloat))) << unfreeze_at;
+  }
+}
+
+// Issue #20, beyond the list: seeded random scenarios (window lengths, params frozen and
+// unfrozen at random micro-batches, a zero-size param, a param without gradients, overflowing
+// micro-batches, mid-window checkpoints) against torch's own loop with an ordinary optimizer and
+// fp32 sums kept by hand for the bf16 param.
+TEST(GradAccumulator, MatchesTorchsLoopOnRandomScenarios) {
+  for (int seed = 0; seed < 20; ++seed) {
+    std::mt19937 rng(seed);
+    auto coin = [&] { return (rng() & 1u) != 0; };
+    const int64_t steps = 1 + static_cast<int64_t>(rng() % 3);
+    at::manual_seed(seed);
+    std::vector<at::Tensor> ours = {at::randn({3}), at::randn({4}).to(at::kBFloat16), at::randn({0}),
+                                    at::randn({2})};
+    std::vector<at::Tensor> ref;
+    for (auto& t : ours) {
+      t.set_requires_grad(true);
+      ref.push_back(t.detach().clone().set_requires_grad(true));
+    }
+    torch::optim::SGD opt(ours, torch::optim::SGDOptions(0.05).momentum(0.5));
+    torch::optim::SGD ref_opt(ref, torch::optim::SGDOptions(0.05).momentum(0.5));
+    ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(4.0));
+    ampfuse::GradScaler ref_scaler(ampfuse::GradScalerOptions().init_scale(4.0));
+    auto acc = std::make_unique<ampfuse::GradAccumulator>(opt, &scaler, ampfuse::GradAccumulatorOptions(steps));
+    at::Tensor sum_b;  // the reference's fp32 sum of the bf16 param's gradients
+    int64_t micro = 0;
+    const int n = 1 + static_cast<int>(rng() % 9);
+    for (int k = 0; k < n; ++k) {
+      const int which = static_cast<int>(rng() % 2);  // a or b
+      if (coin()) {
+        const bool on = coin();
+        ours[which].set_requires_grad(on);
+        ref[which].set_requires_grad(on);
+      }
+      const bool overflow = rng() % 5 == 0;
+      auto loss_of = [&](const std::vector<at::Tensor>& ps) {
+        at::Tensor l = ps[2].sum();  // the zero-size param: always a (zero-size) gradient
+        if (ps[0].requires_grad()) l = l + ps[0].pow(2).sum();
+        if (ps[1].requires_grad()) l = l + (ps[1].to(at::kFloat) * 0.75).sum();
+        return overflow ? l * std::numeric_limits<float>::infinity() : l;
+      };
+      (ref_scaler.scale(loss_of(ref) / steps)).backward();
+      if (ref[1].grad().defined()) {
+        sum_b = sum_b.defined() ? sum_b + ref[1].grad().to(at::kFloat) : ref[1].grad().to(at::kFloat);
+        ref[1].mutable_grad() = at::Tensor();
+      }
+      acc->backward(loss_of(ours));
+      if (++micro == steps) {
+        micro = 0;
+        if (sum_b.defined()) ref[1].mutable_grad() = sum_b.to(at::kBFloat16);
+        sum_b = at::Tensor();
+        ref_scaler.step(ref_opt);
+        ref_scaler.update();
+        ref_opt.zero_grad();
+      } else if (coin()) {
+        std::stringstream stream;
+        {
+          torch::serialize::OutputArchive out;
+          acc->save(out);
+          out.save_to(stream);
+        }
+        torch::serialize::InputArchive in;
+        in.load_from(stream);
+        acc->load(in);
+      }
+      for (size_t i = 0; i < ours.size(); ++i) {
+        EXPECT_TRUE(bitwise_equal(ours[i].detach(), ref[i].detach())) << "seed " << seed << " k " << k << " i " << i;
+      }
+    }
+    EXPECT_EQ(scaler.get_scale(), ref_scaler.get_scale()) << seed;
+  }
+}
+
+namespace {
+
+std::string save_to_string(const ampfuse::GradAccumulator& acc) {
+  std::stringstream buf;
+  torch::serialize::OutputArchive out;
+  acc.save(out);
+  out.save_to(buf);
+  return buf.str();
+}
+
+void load_from_string(ampfuse::GradAccumulator& acc, const std::string& bytes) {
+  std::stringstream buf(bytes);
+  torch::serialize::InputArchive in;
+  in.load_from(buf);
+  acc.load(in);
+}
+
+}  // namespace
+
+// Issue #20 (2) and checkpoints: a bf16 param unfrozen inside a window is buffered from then on,
+// after the others (buffers in the order [b, a]); a checkpoint taken then records which params
+// the buffers hold, so an accumulator built afterwards (which would buffer [a, b]) loads the sums
+// into the right params.
+TEST(GradAccumulator, MidWindowCheckpointRecordsTheBufferedParams) {
+  auto run = [](bool checkpoint) {
+    at::manual_seed(5);
+    auto a = at::randn({4}).to(at::kBFloat16);
+    auto b = at::randn({4}).to(at::kBFloat16).set_requires_grad(true);
+    ampfuse::optim::SGD opt({a, b}, ampfuse::optim::SGDOptions(0.5));
+    auto acc = std::make_unique<ampfuse::GradAccumulator>(opt, nullptr, ampfuse::GradAccumulatorOptions(4));
+    for (int micro = 0; micro < 4; ++micro) {
+      if (micro == 1) a.set_requires_grad(true);
+      if (micro == 2 && checkpoint) {
+        const std::string bytes = save_to_string(*acc);
+        acc = std::make_unique<ampfuse::GradAccumulator>(opt, nullptr, ampfuse::GradAccumulatorOptions(4));
+        load_from_string(*acc, bytes);
+      }
+      at::Tensor loss = (b.to(at::kFloat) * (micro + 5)).sum();
+      if (a.requires_grad()) loss = loss + (a.to(at::kFloat) * (micro + 1) * 64).sum();
+      acc->backward(loss);
+    }
+    return std::vector<at::Tensor>{master_of(opt, a).clone(), master_of(opt, b).clone()};
+  };
+  const auto ref = run(false);
+  const auto got = run(true);
+  EXPECT_TRUE(bitwise_equal(ref[0], got[0]));
+  EXPECT_TRUE(bitwise_equal(ref[1], got[1]));
+}
+
+// A mid-window checkpoint written before the buffered params were recorded indexes grads/<i>
+// over the params that required grad: with a frozen fp32 param in front, grads/0 belongs to the
+// trainable one (not to the frozen one, which would then be stepped).
+TEST(GradAccumulator, MidWindowCheckpointOfTheEarlierFormatLoads) {
+  at::manual_seed(6);
+  auto frozen = at::randn({3});
+  auto g = at::randn({3}).set_requires_grad(true);
+  auto b = at::randn({4}).to(at::kBFloat16).set_requires_grad(true);
+  const at::Tensor frozen0 = frozen.clone();
+  ampfuse::optim::SGD opt({frozen, g, b}, ampfuse::optim::SGDOptions(0.5));
+  ampfuse::GradAccumulator acc(opt, nullptr, ampfuse::GradAccumulatorOptions(2));
+  // The earlier format, written by hand: one micro-batch of a window of two, d/dg = 2, d/db = 3.
+  std::stringstream buf;
+  {
+    torch::serialize::OutputArchive out;
+    out.write("steps", c10::IValue(int64_t{2}));
+    out.write("micro_step", c10::IValue(int64_t{1}));
+    out.write("windows", c10::IValue(int64_t{0}));
+    out.write("skipped_windows_host", c10::IValue(int64_t{0}));
+    torch::serialize::OutputArchive optimizer_archive(out.compilation_unit());
+    opt.save(optimizer_archive);
+    out.write("optimizer", optimizer_archive);
+    out.write("buffers/0", c10::IValue(at::full({4}, 1.5f)));
+    out.write("found_inf/0", c10::IValue(at::zeros({})));
+    out.write("has_grad", c10::IValue(at::ones({1}, at::kLong)));
+    out.write("grads/0", c10::IValue(at::full({3}, 1.0f)));
+    out.save_to(buf);
+  }
+  torch::serialize::InputArchive in;
+  in.load_from(buf);
+  acc.load(in);
+  EXPECT_FALSE(frozen.grad().defined());
+  ASSERT_TRUE(g.grad().defined());
+  EXPECT_TRUE(bitwise_equal(g.grad(), at::full({3}, 1.0f)));
+  const at::Tensor g0 = g.detach().clone();
+  acc.backward((g * 2).sum() + (b.to(at::kFloat) * 3).sum());
+  EXPECT_TRUE(acc.window_ended());
+  EXPECT_TRUE(bitwise_equal(frozen, frozen0));
+  EXPECT_TRUE(bitwise_equal(g.detach(), g0 - 0.5f * at::full({3}, 2.0f)));
+}

@@ -97,6 +97,8 @@ class GradAccumulator {
 
  private:
   std::vector<at::Tensor> all_params() const;
+  std::vector<at::Tensor> wanted_low() const;
+  void layout(const std::vector<at::Tensor>& low);
   void collect();
   void end_window(int64_t micro_batches);
   std::optional<at::Tensor> step_window();
