@@ -79,19 +79,20 @@ build: $(BUILD_DIR)/build.ninja
 # --- tests -------------------------------------------------------------------------------------------
 # Passes (their times, measured on the 2-core developers' machine, are in the README):
 #   test-cpp        ctest: the C++ API's gtests, the cross-language and consumer-package tests
-#   test-py         every Python suite on the CPU kernels (the kernel-level suite switches to the
-#                   emulated CUDA table in-process), pytest-xdist over both cores
+#   test-py         every Python suite on the CPU kernels but the kernel-level one (test-sanitize
+#                   runs it), pytest-xdist over both cores
 #   test-emulated   CPU tensors through the CUDA kernels under the emulator
-#                   (AMPFUSE_CPU_KERNELS=cuda-emulated): ctest and every suite that reaches a kernel,
-#                   in forward order; then ctest and the kernel-level, op and launch suites in a
-#                   seeded random block and thread order with two worker threads (printed;
+#                   (AMPFUSE_CPU_KERNELS=cuda-emulated): ctest and every suite that reaches a kernel
+#                   but the kernel-level and op suites, in forward order; then ctest and the launch
+#                   suite in a seeded random block and thread order with two worker threads (printed;
 #                   `make test-emulated CUEMU_SEED=N` replays it)
-#   test-sanitize   the emulated CUDA table built with ASan + UBSan, the kernel-level and op suites
-#                   under both schedules; any report fails the run
-# The multi-process (torch.distributed), packaging, integration, demo, benchmark and GPU-check
-# suites test no kernel code of their own and run in the native pass only; the kernel-level suite
-# runs its emulated cases in the native pass already (forward order), so the forward emulated
-# pass skips it.
+#   test-sanitize   the kernel-level suite (tests/test_cuda_kernels.py: the CUDA table against the
+#                   CPU table, case by case) and the op suite through the emulated CUDA table built
+#                   with ASan + UBSan, in forward and in the seeded random order; any report fails
+# Every suite that reaches a kernel thus runs natively and emulated, the kernel-level and op suites
+# under both schedules (with the sanitizers, which change no result, only add checks). The
+# multi-process (torch.distributed), packaging, integration, demo, benchmark and GPU-check suites
+# test no kernel code of their own and run in the native pass only.
 ifndef CUEMU_SEED
 CUEMU_SEED := $(shell date +%s)
 endif
@@ -102,9 +103,8 @@ EMULATED := AMPFUSE_CPU_KERNELS=cuda-emulated
 NOT_EMULATED_CTEST := -E "ampfuse_cpp_consumer|cuemu_selftest"
 NATIVE_ONLY := --ignore=tests/test_bench.py --ignore=tests/test_gpu_check.py --ignore=tests/test_packaging.py \
   --ignore=tests/test_demo.py --ignore=tests/integrations --ignore=tests/test_distributed.py \
-  --ignore=tests/test_distributed_mesh.py
+  --ignore=tests/test_distributed_mesh.py --ignore=tests/test_ptxas.py
 KERNEL_SUITES := tests/test_cuda_kernels.py tests/test_ops.py
-RANDOM_SUITES := $(KERNEL_SUITES) tests/test_launches.py
 FORWARD := CUEMU_BLOCK_ORDER=forward CUEMU_THREAD_ORDER=forward CUEMU_WORKERS=1
 RANDOM := CUEMU_BLOCK_ORDER=random CUEMU_THREAD_ORDER=random CUEMU_WORKERS=2 CUEMU_SEED=$(CUEMU_SEED)
 # ASan must be the first library of the process; libstdc++ is preloaded with it because python
@@ -118,15 +118,15 @@ test-cpp: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(MAX_JOBS)
 
 test-py: build
-	$(PYTEST) $(XDIST) tests
+	$(PYTEST) $(XDIST) --ignore=tests/test_cuda_kernels.py tests
 
 test-emulated: build
 	@echo "== emulated CUDA kernels, forward schedule"
 	cd $(BUILD_DIR) && $(EMULATED) $(FORWARD) ctest --output-on-failure -j $(MAX_JOBS) $(NOT_EMULATED_CTEST)
-	$(EMULATED) $(FORWARD) $(PYTEST) $(XDIST) $(NATIVE_ONLY) --ignore=tests/test_cuda_kernels.py tests
+	$(EMULATED) $(FORWARD) $(PYTEST) $(XDIST) $(NATIVE_ONLY) $(KERNEL_SUITES:%=--ignore=%) tests
 	@echo "== emulated CUDA kernels, random schedule: CUEMU_SEED=$(CUEMU_SEED)"
 	cd $(BUILD_DIR) && $(EMULATED) $(RANDOM) ctest --output-on-failure -j $(MAX_JOBS) $(NOT_EMULATED_CTEST)
-	$(EMULATED) $(RANDOM) $(PYTEST) $(RANDOM_SUITES)
+	$(EMULATED) $(RANDOM) $(PYTEST) tests/test_launches.py
 
 $(SANITIZED_LIB): build
 	cmake --build $(BUILD_DIR) -j $(MAX_JOBS) --target ampfuse_cuemu_sanitized
