@@ -6,6 +6,8 @@
 #                  replays one)
 #   make bench   - CPU benchmarks against torch (results under benchmarks/results/)
 #   make build   - configure + build the native library, install it into python/ampfuse
+#   make wheel   - dist/: an sdist and a binary wheel built from it (tools/build_wheel.py)
+#   make test-torch-matrix - CPU-only build + the Python suites against every supported torch
 #
 # The Python environment lives outside the clone in a cache keyed by requirements-dev.txt
 # (AMPFUSE_CACHE, default ~/.cache/ampfuse) and .venv links to it, so a second run (or a second
@@ -30,7 +32,7 @@ MAX_JOBS ?= $(shell nproc)
 export CCACHE_BASEDIR := $(CURDIR)
 
 .PHONY: all venv sysdeps build test test-cpp test-py test-emulated test-sanitize $(SANITIZED_LIB) demo bench clean \
-  cuda-coverage cuda-mutants
+  cuda-coverage cuda-mutants wheel test-torch-matrix test-oldest-torch
 
 all: build
 
@@ -75,6 +77,13 @@ $(BUILD_DIR)/build.ninja: CMakeLists.txt | venv sysdeps
 build: $(BUILD_DIR)/build.ninja
 	cmake --build $(BUILD_DIR) -j $(MAX_JOBS)
 	cmake --install $(BUILD_DIR) > /dev/null
+
+# --- release artifacts -------------------------------------------------------------------------------
+# dist/ampfuse-<version>.tar.gz and dist/ampfuse-<version>+torch<X.Y><cuda>-py3-none-manylinux_*.whl
+# for the development virtualenv's torch; CUDA kernels for CUDA_ARCHS. The wheel is built from the
+# sdist with the same compile flags as `make build` (ccache hits).
+wheel: | venv sysdeps
+	MAX_JOBS=$(MAX_JOBS) AMPFUSE_CUDA=$(AMPFUSE_CUDA) $(PY) tools/build_wheel.py --cuda-archs "$(CUDA_ARCHS)"
 
 # --- tests -------------------------------------------------------------------------------------------
 # Passes (their times, measured on the 2-core developers' machine, are in the README):
