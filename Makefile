@@ -85,6 +85,24 @@ build: $(BUILD_DIR)/build.ninja
 wheel: | venv sysdeps
 	MAX_JOBS=$(MAX_JOBS) AMPFUSE_CUDA=$(AMPFUSE_CUDA) $(PY) tools/build_wheel.py --cuda-archs "$(CUDA_ARCHS)"
 
+# --- supported torch range ---------------------------------------------------------------------------
+# CPU-only builds (AMPFUSE_CUDA=OFF) against every torch release the README lists as tested, each in
+# its own cached virtualenv and build directory (tools/test_torch.sh); "dev" is .venv's torch.
+# TORCH_OLDEST is the oldest supported release: `make test` runs the op, optimizer and scaler
+# suites against it.
+TORCH_OLDEST := 2.13.0+cpu
+TORCH_MATRIX := $(TORCH_OLDEST) dev
+MATRIX_IGNORE := --ignore=tests/integrations --ignore=tests/test_packaging.py --ignore=tests/test_ptxas.py \
+  --ignore=tests/test_gpu_check.py --ignore=tests/test_bench.py --ignore=tests/test_demo.py \
+  --ignore=tests/test_cpp_crosslang.py --ignore=tests/test_cuda_kernels.py
+OLDEST_SUITES := tests/test_ops.py tests/test_optim.py tests/test_grad_scaler.py
+
+test-oldest-torch: | sysdeps
+	MAX_JOBS=$(MAX_JOBS) tools/test_torch.sh $(TORCH_OLDEST) $(XDIST) $(OLDEST_SUITES)
+
+test-torch-matrix: | venv sysdeps
+	set -e; for v in $(TORCH_MATRIX); do MAX_JOBS=$(MAX_JOBS) tools/test_torch.sh $$v $(XDIST) $(MATRIX_IGNORE) tests; done
+
 # --- tests -------------------------------------------------------------------------------------------
 # Passes (their times, measured on the 2-core developers' machine, are in the README):
 #   test-cpp        ctest: the C++ API's gtests, the cross-language and consumer-package tests
@@ -146,7 +164,7 @@ test-sanitize: $(SANITIZED_LIB)
 	@echo "== emulated CUDA kernels with ASan + UBSan, random schedule: CUEMU_SEED=$(CUEMU_SEED)"
 	$(SANITIZE) $(EMULATED) $(RANDOM) $(PYTEST) $(XDIST_TESTS) $(KERNEL_SUITES)
 
-test: test-cpp test-py test-emulated test-sanitize
+test: test-cpp test-py test-emulated test-sanitize test-oldest-torch
 
 # --- demo and benchmarks -----------------------------------------------------------------------------
 demo: build
