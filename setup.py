@@ -10,8 +10,10 @@ inside setuptools' build_temp). ninja and ccache are used when available.
 
 Version and requirements: the version is python/ampfuse/_version.py's. A wheel holds a library
 compiled against one torch release, whose C++ ABI the next release does not keep, so a wheel pins
-that release (`torch==2.14.1`) and carries a local version label naming the torch build
-(`0.1.0+torch2.14cu130`, `+torch2.13cpu`; AMPFUSE_LOCAL_VERSION=0 leaves it out). The sdist asks
+that release (`torch==2.14.1`). Release wheels (tools/build_wheel.py, AMPFUSE_LOCAL_VERSION=1)
+also carry a local version label naming the torch build (`0.1.0+torch2.14cu130`, `+torch2.13cpu`);
+a source install leaves it out, because pip refuses a wheel built from an index's sdist whose
+version differs from the sdist's. The sdist asks
 for the supported range (TORCH_SUPPORTED) and is built against whatever torch is installed. The
 library uses no Python C API, so a wheel is tagged py3-none-<platform>: one wheel serves every
 Python that torch itself supports.
@@ -62,7 +64,7 @@ def _version_and_requirements() -> tuple[str, list[str]]:
     if _building_sdist():
         return version, [TORCH_SUPPORTED]
     release, label = _torch_build()
-    if os.environ.get("AMPFUSE_LOCAL_VERSION", "1") != "0":
+    if os.environ.get("AMPFUSE_LOCAL_VERSION", "0") == "1":
         version += "+" + label
     return version, [f"torch=={release}"]
 

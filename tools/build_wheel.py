@@ -79,7 +79,7 @@ def build_wheel_from_sdist(sdist: str, work: str, cuda_archs: str) -> str:
     (src,) = glob.glob(os.path.join(work, "ampfuse-*"))
     raw = os.path.join(work, "raw")
     cmake_args = (os.environ.get("CMAKE_ARGS", "") + " -DAMPFUSE_PTXAS_REPORT=ON").strip()
-    env = dict(os.environ, CCACHE_BASEDIR=src, AMPFUSE_BUILD_DIR=os.path.join(src, "build-cmake"),
+    env = dict(os.environ, AMPFUSE_LOCAL_VERSION="1", CCACHE_BASEDIR=src, AMPFUSE_BUILD_DIR=os.path.join(src, "build-cmake"),
                CMAKE_ARGS=cmake_args, CMAKE_CUDA_ARCHITECTURES=cuda_archs)
     env.pop("AMPFUSE_CPU_KERNELS", None)
     cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "--no-index",
