@@ -6,6 +6,8 @@
 #                  replays one)
 #   make bench   - CPU benchmarks against torch (results under benchmarks/results/)
 #   make build   - configure + build the native library, install it into python/ampfuse
+#   make wheel   - dist/: an sdist and a binary wheel built from it (tools/build_wheel.py)
+#   make test-torch-matrix - CPU-only build + the Python suites against every supported torch
 #
 # The Python environment lives outside the clone in a cache keyed by requirements-dev.txt
 # (AMPFUSE_CACHE, default ~/.cache/ampfuse) and .venv links to it, so a second run (or a second
@@ -30,7 +32,7 @@ MAX_JOBS ?= $(shell nproc)
 export CCACHE_BASEDIR := $(CURDIR)
 
 .PHONY: all venv sysdeps build test test-cpp test-py test-emulated test-sanitize $(SANITIZED_LIB) demo bench clean \
-  cuda-coverage cuda-mutants
+  cuda-coverage cuda-mutants wheel test-torch-matrix test-oldest-torch
 
 all: build
 
@@ -75,6 +77,31 @@ $(BUILD_DIR)/build.ninja: CMakeLists.txt | venv sysdeps
 build: $(BUILD_DIR)/build.ninja
 	cmake --build $(BUILD_DIR) -j $(MAX_JOBS)
 	cmake --install $(BUILD_DIR) > /dev/null
+
+# --- release artifacts -------------------------------------------------------------------------------
+# dist/ampfuse-<version>.tar.gz and dist/ampfuse-<version>+torch<X.Y><cuda>-py3-none-manylinux_*.whl
+# for the development virtualenv's torch; CUDA kernels for CUDA_ARCHS. The wheel is built from the
+# sdist with the same compile flags as `make build` (ccache hits).
+wheel: | venv sysdeps
+	MAX_JOBS=$(MAX_JOBS) AMPFUSE_CUDA=$(AMPFUSE_CUDA) $(PY) tools/build_wheel.py --cuda-archs "$(CUDA_ARCHS)"
+
+# --- supported torch range ---------------------------------------------------------------------------
+# CPU-only builds (AMPFUSE_CUDA=OFF) against every torch release the README lists as tested, each in
+# its own cached virtualenv and build directory (tools/test_torch.sh); "dev" is .venv's torch.
+# TORCH_OLDEST is the oldest supported release: `make test` runs the op, optimizer and scaler
+# suites against it.
+TORCH_OLDEST := 2.13.0+cpu
+TORCH_MATRIX := $(TORCH_OLDEST) dev
+MATRIX_IGNORE := --ignore=tests/integrations --ignore=tests/test_packaging.py --ignore=tests/test_ptxas.py \
+  --ignore=tests/test_gpu_check.py --ignore=tests/test_bench.py --ignore=tests/test_demo.py \
+  --ignore=tests/test_cpp_crosslang.py --ignore=tests/test_cuda_kernels.py
+OLDEST_SUITES := tests/test_ops.py tests/test_optim.py tests/test_grad_scaler.py
+
+test-oldest-torch: | sysdeps
+	MAX_JOBS=$(MAX_JOBS) tools/test_torch.sh $(TORCH_OLDEST) $(XDIST) $(OLDEST_SUITES)
+
+test-torch-matrix: | venv sysdeps
+	set -e; for v in $(TORCH_MATRIX); do MAX_JOBS=$(MAX_JOBS) tools/test_torch.sh $$v $(XDIST) $(MATRIX_IGNORE) tests; done
 
 # --- tests -------------------------------------------------------------------------------------------
 # Passes (their times, measured on the 2-core developers' machine, are in the README):
@@ -137,7 +164,7 @@ test-sanitize: $(SANITIZED_LIB)
 	@echo "== emulated CUDA kernels with ASan + UBSan, random schedule: CUEMU_SEED=$(CUEMU_SEED)"
 	$(SANITIZE) $(EMULATED) $(RANDOM) $(PYTEST) $(XDIST_TESTS) $(KERNEL_SUITES)
 
-test: test-cpp test-py test-emulated test-sanitize
+test: test-cpp test-py test-emulated test-sanitize test-oldest-torch
 
 # --- demo and benchmarks -----------------------------------------------------------------------------
 demo: build

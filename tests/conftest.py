@@ -9,7 +9,8 @@ import pytest
 import torch
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_PY = os.path.join(_ROOT, "python")
+# AMPFUSE_TEST_PACKAGE_DIR: a staged package built for another torch (tools/test_torch.sh).
+_PY = os.environ.get("AMPFUSE_TEST_PACKAGE_DIR") or os.path.join(_ROOT, "python")
 if _PY not in sys.path:
     sys.path.insert(0, _PY)
 

@@ -6,6 +6,7 @@
 - :mod:`ampfuse.ops`: the fused kernels as torch custom ops (``torch.ops.ampfuse.*``).
 """
 
+from ampfuse._version import __version__
 from ampfuse._library import build_info, cmake_prefix_path, cpu_kernel_info, library_path, load_library
 
 load_library()
@@ -13,8 +14,6 @@ load_library()
 from ampfuse import cpu, cuda, ops, optim  # noqa: E402
 from ampfuse.accumulation import GradAccumulator  # noqa: E402
 from ampfuse.grad_scaler import GradScaler, OverflowReport  # noqa: E402
-
-__version__ = "0.1.0"
 
 __all__ = [
     "GradAccumulator",

@@ -1,0 +1,11 @@
+"""``ampfuse.cuda.amp.GradScaler``: the drop-in for the deprecated ``torch.cuda.amp.GradScaler``, whose first
+positional argument is ``init_scale`` (``ampfuse.GradScaler``'s, like ``torch.amp.GradScaler``'s, is
+the device)."""
+
+import torch
+
+from ampfuse.grad_scaler import _init_scale_first
+
+__all__ = ["GradScaler"]
+
+GradScaler = _init_scale_first("cuda", torch.cuda.amp.GradScaler, __name__)

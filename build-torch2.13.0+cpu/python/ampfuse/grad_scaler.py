@@ -1,0 +1,813 @@
+"""``ampfuse.GradScaler``: a drop-in replacement for ``torch.amp.GradScaler``.
+
+It subclasses torch's scaler, so ``isinstance`` checks, the per-optimizer state machine
+(``_per_optimizer_states`` with torch's ``OptState``), the error messages, ``state_dict`` keys and
+pickling rules are torch's. What changes:
+
+* ``unscale_`` and the inf/NaN check run the fused multi-tensor op: one pass per device over
+  every gradient, whatever their dtypes (torch launches per device *and* dtype, and its check for
+  ``_step_supports_amp_scaling`` optimizers writes every gradient back multiplied by 1.0; ours only
+  reads them).
+* ``update`` runs ``ampfuse.ops.update_scale_``, which adds (all keyword-only, off by default so
+  the defaults stay bit-identical to torch) hysteresis, ``min_scale``/``max_scale``, a floor at the
+  smallest normal float32, and device counters.
+* ``unscale_and_clip_`` does unscale + check + global norm + clip in one read of the gradients
+  (read-only for ampfuse's fused optimizers, which apply the clip coefficient in their own pass).
+* ampfuse's optimizers get an explicit hand-off, ``optimizer.step(scaling=StepScaling(...))``,
+  and run with no host sync; their ``.grad`` stays scaled after the step (call :meth:`unscale_`
+  before :meth:`step` to have unscaled gradients there, at the cost of writing them).
+* Skips are visible without a host sync: ``last_found_inf`` and ``stats()`` are device tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
+
+from ampfuse import ops
+from ampfuse.optim import StepScaling, _FusedOptimizer
+
+__all__ = ["GradScaler", "OverflowReport"]
+
+OnMinScale = Literal["warn", "raise", "ignore"]
+_FLT_MIN = float(torch.finfo(torch.float32).tiny)
+_FLT_MAX = float(torch.finfo(torch.float32).max)
+Grads = Mapping[torch.Tensor, "torch.Tensor | None"]
+
+
+
+class _Replicas:
+    """A tensor on the devices that ask for it: the tensor itself on its own device (torch's
+    ``_MultiDeviceReplicator`` copies it there too, one launch per step), a copy elsewhere."""
+
+    __slots__ = ("master", "copies")
+
+    def __init__(self, master: torch.Tensor) -> None:
+        self.master = master
+        self.copies: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        if device == self.master.device:
+            return self.master
+        t = self.copies.get(device)
+        if t is None:
+            t = self.copies[device] = self.master.to(device=device, non_blocking=True, copy=True)
+        return t
+
+def _all_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _dense_grads_per_group_device(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> dict[torch.device, list[torch.Tensor]] | None:
+    """The fast path of ``_grads_per_device`` for ampfuse optimizers (one device per param group):
+    one pass over ``.grad`` per group, the device taken from the group. None when a gradient is
+    sparse or, without ``allow_fp16``, fp16 (the general path handles and names those). A
+    gradient on another device than its group is rejected by the check op, naming it."""
+    per_device: dict[torch.device, list[torch.Tensor]] = {}
+    strided = torch.strided
+    for group in optimizer.param_groups:
+        params = group["params"]
+        if not params:
+            continue
+        gs = [g for g in [p.grad for p in params] if g is not None]
+        if not gs:
+            continue
+        for g in gs:
+            if g.layout is not strided or (not allow_fp16 and g.dtype is torch.float16):
+                return None
+        device = params[0].device
+        if device in per_device:
+            per_device[device].extend(gs)
+        else:
+            per_device[device] = gs
+    return per_device
+
+
+class OverflowReport(list):
+    """A list of ``(group_index, param_index, name)`` for parameters whose gradient is non-finite."""
+
+
+def _fresh_optimizer_state() -> dict[str, Any]:
+    # torch's _refresh_per_optimizer_state, defined here: torch.compile does not trace into
+    # torch.amp, so update() must not call into it.
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether work queued now on ``device`` is being captured into a CUDA graph (then nothing
+    may wait for or read back the device: no event queries, no copies to the host)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _check_bounds(min_scale: Any, max_scale: Any) -> None:
+    if min_scale is not None and not (isinstance(min_scale, (int, float)) and math.isfinite(min_scale)
+                                      and 0 <= min_scale <= _FLT_MAX):
+        raise ValueError(f"min_scale must be a finite number in [0, {_FLT_MAX:g}] (the float32 range), got {min_scale!r}.")
+    if max_scale is not None and not (isinstance(max_scale, (int, float)) and max_scale > 0 and not math.isnan(max_scale)):
+        raise ValueError(f"max_scale must be a number > 0 (inf: unbounded), got {max_scale!r}.")
+    if min_scale is not None and max_scale is not None and min_scale > max_scale:
+        raise ValueError(f"min_scale ({min_scale}) must not be greater than max_scale ({max_scale}).")
+    if max_scale is not None and max_scale < _FLT_MIN:
+        raise ValueError(f"max_scale ({max_scale}) is below the smallest normal float32 scale ({_FLT_MIN}).")
+
+
+class GradScaler(torch.amp.GradScaler):
+    """Dynamic loss scaling, sync-free, as a drop-in for :class:`torch.amp.GradScaler`.
+
+    Args (torch's, same defaults and validation):
+        device: device type of the scaled losses, ``"cuda"`` (default) or ``"cpu"``. Without CUDA,
+            ``"cuda"`` warns and disables the scaler, as torch's does. (The deprecated
+            ``torch.cuda.amp.GradScaler(init_scale, ...)`` signature: ``ampfuse.cuda.amp.GradScaler``.)
+        init_scale: initial scale (2**16).
+        growth_factor: scale multiplier after ``growth_interval`` clean steps (2.0).
+        backoff_factor: scale multiplier on overflow (0.5).
+        growth_interval: clean steps before growing (2000).
+        enabled: ``False`` makes every method a pass-through.
+
+    Keyword-only extensions (defaults reproduce torch exactly):
+        hysteresis: back off only on the ``hysteresis``-th overflow since the budget was refilled
+            (1 = every overflow). The budget refills when the scale grows, or after every clean
+            step with ``consecutive_hysteresis=True``.
+        min_scale, max_scale: bounds for the scale (an ``init_scale`` or loaded scale outside them
+            is clamped, with a warning). The scale never falls below the smallest normal float32
+            in any case (torch's can decay to 0, which silently stops training).
+        on_min_scale: what to do when an overflow would take the scale below its floor:
+            ``"warn"`` (default), ``"raise"`` (``RuntimeError``) or ``"ignore"``. Detected from a
+            device counter copied without blocking and checked at later ``update()`` calls (at
+            most a few steps late; never inside torch.compile or CUDA-graph capture) or on demand
+            with :meth:`check_min_scale`.
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        on_min_scale: OnMinScale = "warn",
+    ) -> None:
+        if isinstance(device, torch.device):
+            device = device.type
+        if not isinstance(device, str):
+            raise TypeError(
+                f"GradScaler's first argument is the device type ('cuda', 'cpu', ...), got {device!r}. "
+                "For the signature of the deprecated torch.cuda.amp.GradScaler (init_scale first), use "
+                "ampfuse.cuda.amp.GradScaler."
+            )
+        if not isinstance(hysteresis, int) or isinstance(hysteresis, bool) or hysteresis < 1:
+            raise ValueError(f"hysteresis must be an integer >= 1, got {hysteresis!r}.")
+        _check_bounds(min_scale, max_scale)
+        if on_min_scale not in ("warn", "raise", "ignore"):
+            raise ValueError(f"on_min_scale must be 'warn', 'raise' or 'ignore', got {on_min_scale!r}.")
+
+        # torch's constructor, reproduced so that its warning points at the caller's line.
+        self._device = device
+        self._enabled = enabled
+        if self._device == "cuda":
+            if enabled and torch.cuda.amp.common.amp_definitely_not_available():
+                warnings.warn(
+                    "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
+                    stacklevel=2,
+                )
+                self._enabled = False
+        if self._enabled:
+            if growth_factor <= 1.0:
+                raise AssertionError("The growth factor must be > 1.0.")
+            if backoff_factor >= 1.0:
+                raise AssertionError("The backoff factor must be < 1.0.")
+            self._init_scale = init_scale
+            self._scale: torch.Tensor | None = None
+            self._growth_factor = growth_factor
+            self._backoff_factor = backoff_factor
+            self._growth_interval = growth_interval
+            self._init_growth_tracker = 0
+            self._growth_tracker: torch.Tensor | None = None
+            self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
+
+        self._hysteresis = hysteresis
+        self._consecutive_hysteresis = consecutive_hysteresis
+        self._min_scale = min_scale
+        self._max_scale = max_scale
+        self._on_min_scale: OnMinScale = on_min_scale
+        self._init_hysteresis_tracker = hysteresis
+        self._init_stats = [0] * ops.NUM_SCALE_STATS
+        self._hysteresis_tracker: torch.Tensor | None = None
+        self._stats: torch.Tensor | None = None
+        self._last_found_inf: torch.Tensor | None = None
+        # Non-blocking floor detection: (host copy of stats, event) pairs in flight.
+        self._pending_stats: list[tuple[torch.Tensor, Any]] = []
+        self._floor_hits_seen = 0
+        if self._enabled:
+            self._init_scale = self._clamped(init_scale, "init_scale")
+
+    # ------------------------------------------------------------------------------------------
+    # bounds and lazily created device state
+    # ------------------------------------------------------------------------------------------
+    def _clamped(self, value: float, what: str) -> float:
+        """A scale within [min_scale, max_scale] (with a warning when it was not)."""
+        lo = self._min_scale if self._min_scale is not None else -math.inf
+        hi = self._max_scale if self._max_scale is not None else math.inf
+        if not (lo <= value <= hi):
+            clamped = min(max(value, lo), hi)
+            warnings.warn(f"GradScaler: {what} {value:g} is outside [min_scale, max_scale] = [{lo:g}, {hi:g}]; "
+                          f"using {clamped:g}.", UserWarning, stacklevel=3)
+            return clamped
+        return value
+
+    def _clamp_tensor_(self, t: torch.Tensor) -> None:
+        if self._min_scale is not None or self._max_scale is not None:
+            t.clamp_(min=self._min_scale, max=self._max_scale)
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        # torch's check, defined here so that torch.compile traces update() without a break.
+        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
+        if self._scale is None:
+            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
+        if self._growth_tracker is None:
+            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
+        return (self._scale, self._growth_tracker)
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
+        self._stats = torch.tensor(self._init_stats, dtype=torch.int64, device=dev)
+
+    # ------------------------------------------------------------------------------------------
+    # unscale / check
+    # ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _grads_per_device(optimizer: torch.optim.Optimizer, allow_fp16: bool, grads: Grads | None = None) -> dict[torch.device, list[torch.Tensor]]:
+        """The gradients the optimizer's step will read (``grads`` overrides ``.grad``), per device;
+        sparse gradients as their coalesced values (torch's rule)."""
+        if grads is None and isinstance(optimizer, _FusedOptimizer):
+            fast = _dense_grads_per_group_device(optimizer, allow_fp16)
+            if fast is not None:
+                return fast
+        per_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if not isinstance(param, torch.Tensor):
+                        raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
+                    if grads is not None and param in grads:
+                        grad = grads[param]
+                        if grad is not None:
+                            per_device[grad.device].append(grad)
+                        continue
+                    grad = param.grad
+                    if grad is None:
+                        continue
+                    if (not allow_fp16) and grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    if grad.is_sparse:
+                        # As torch: check the coalesced values of fp16 sparse grads (coalescing
+                        # sums duplicates, which may overflow).
+                        if grad.dtype is torch.float16:
+                            param.grad = grad.coalesce()
+                        grad = param.grad._values()
+                    per_device[grad.device].append(grad)
+        return per_device
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+        grads: Grads | None = None,
+    ) -> dict[torch.device, torch.Tensor]:
+        """torch's contract: unscale every grad of ``optimizer`` by ``inv_scale`` (an ``inv_scale``
+        of exactly 1 only checks, writing nothing) and return the per-device found_inf tensors.
+        One fused launch sequence per device, for all dtypes together."""
+        per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
+        per_device_found_inf = _MultiDeviceReplicator(found_inf)
+        per_device = self._grads_per_device(optimizer, allow_fp16, grads)
+        with torch.no_grad():
+            for device, gs in per_device.items():
+                ops.unscale_check_(gs, per_device_found_inf.get(device), per_device_inv_scale.get(device))
+        return per_device_found_inf._per_device_tensors
+
+    def _unscale_from_scale_(
+        self, optimizer: torch.optim.Optimizer, allow_fp16: bool, write: bool, grads: Grads | None = None
+    ) -> dict[torch.device, torch.Tensor]:
+        """The scaler's own check (and unscale, when ``write``): one launch per device that takes
+        ``1/scale`` itself and writes a fresh found_inf (no reciprocal, no zero-fill launches)."""
+        assert self._scale is not None
+        per_device = self._grads_per_device(optimizer, allow_fp16, grads)
+        per_device_scale = _Replicas(self._scale)
+        found: dict[torch.device, torch.Tensor] = {}
+        with torch.no_grad():
+            for device, gs in per_device.items():
+                found[device] = f = torch.empty((), dtype=torch.float32, device=device)
+                if write:
+                    ops.unscale_check_(gs, f, scale=per_device_scale.get(device), overwrite_found_inf=True)
+                else:
+                    ops.check_norm_(gs, f, scale=per_device_scale.get(device), norm_type=math.inf, overwrite_found_inf=True)
+        return found
+
+    def _inv_scale(self) -> torch.Tensor:
+        assert self._scale is not None
+        # As torch: the reciprocal in fp64, rounded to fp32.
+        return self._scale.double().reciprocal().float()
+
+    def _check_unscale_stage(self, optimizer: torch.optim.Optimizer, funcname: str) -> dict[str, Any]:
+        self._check_scale_growth_tracker(funcname)
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        if optimizer_state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        elif optimizer_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        return optimizer_state
+
+    def unscale_(self, optimizer: torch.optim.Optimizer, *, grads: Grads | None = None) -> None:
+        """As ``torch.amp.GradScaler.unscale_``: divide the optimizer's gradients by the scale in
+        place and check them for inf/NaN (one fused pass per device, all dtypes together).
+
+        ``grads`` (keyword-only): gradients the optimizer's step will read instead of ``.grad``
+        (pass the same mapping to :meth:`step`).
+        """
+        if not self._enabled:
+            return
+        optimizer_state = self._check_unscale_stage(optimizer, "unscale_")
+        optimizer_state["found_inf_per_device"] = self._unscale_from_scale_(optimizer, False, True, grads)
+        optimizer_state["stage"] = OptState.UNSCALED
+
+    def unscale_and_clip_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | torch.Tensor,
+        norm_type: float = 2.0,
+        *,
+        grads: Grads | None = None,
+    ) -> torch.Tensor:
+        """Unscale, check for inf/NaN, compute the global norm and clip, in one pass.
+
+        The drop-in for ``scaler.unscale_(optimizer)`` followed by
+        ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)``, returning the same total
+        norm (a device tensor; no host sync). With an ampfuse fused optimizer the gradients are
+        only read: the optimizer applies ``1/scale`` and the clip coefficient in its own pass.
+        With any other optimizer they are unscaled and clipped in place (a read pass and a
+        read-write pass; torch's sequence makes four passes).
+
+        ``max_norm`` may be a float or a 1-element tensor (as for ``clip_grad_norm_``, whose
+        coefficient formula each follows). ``norm_type`` 2 and ``inf`` are fused; other norms fall
+        back to ``unscale_`` + ``clip_grad_norm_``. ``grads`` as for :meth:`unscale_`. Counts as
+        this iteration's ``unscale_`` for ``optimizer``.
+        """
+        if isinstance(max_norm, torch.Tensor):
+            if max_norm.numel() != 1 or not max_norm.is_floating_point():
+                raise ValueError(f"max_norm must be a number or a 1-element floating-point tensor, got shape {tuple(max_norm.shape)}, {max_norm.dtype}.")
+        elif not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and math.isfinite(max_norm) and max_norm > 0):
+            raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}.")
+        fused = isinstance(optimizer, _FusedOptimizer)
+        if grads is not None and not fused:
+            raise ValueError("grads= can only be given for an ampfuse optimizer (whose step reads them).")
+        if not self._enabled:
+            return torch.nn.utils.clip_grad_norm_(_all_params(optimizer), max_norm, norm_type)
+        norm_type = float(norm_type)
+        if not (norm_type == 2.0 or norm_type == math.inf):
+            self.unscale_(optimizer, grads=grads)
+            return torch.nn.utils.clip_grad_norm_(_all_params(optimizer), max_norm, norm_type)
+
+        optimizer_state = self._check_unscale_stage(optimizer, "unscale_and_clip_")
+        per_device = self._grads_per_device(optimizer, allow_fp16=fused, grads=grads)
+        if any(g.layout is not torch.strided for gs in per_device.values() for g in gs) or any(
+            p.grad is not None and p.grad.is_sparse for p in _all_params(optimizer) if grads is not None and p not in grads
+        ):
+            raise RuntimeError("unscale_and_clip_ does not support sparse gradients; use unscale_() and clip_grad_norm_().")
+        assert self._scale is not None
+        per_device_scale = _Replicas(self._scale)
+        found_infs: dict[torch.device, torch.Tensor] = {}
+        float_max = None if isinstance(max_norm, torch.Tensor) else float(max_norm)
+        single = len(per_device) <= 1
+        norms: list[torch.Tensor] = []
+        coef: torch.Tensor | None = None
+        with torch.no_grad():
+            for device, gs in per_device.items():
+                # One launch: 1/scale taken in the kernel, found_inf written (not only set).
+                found_infs[device] = f = torch.empty((), dtype=torch.float32, device=device)
+                norm, c = ops.check_norm_(
+                    gs, f, scale=per_device_scale.get(device), norm_type=norm_type,
+                    max_norm=float_max if single else None, overwrite_found_inf=True,
+                )
+                norms.append(norm)
+                coef = c
+            if not per_device:
+                total_norm = torch.zeros((), device=self._scale.device)
+                coef = torch.ones((), device=self._scale.device)
+            elif single:
+                total_norm = norms[0]
+            else:
+                total_norm = torch.linalg.vector_norm(torch.stack([n.to(self._scale.device) for n in norms]), norm_type)
+            if per_device and (not single or float_max is None):
+                # the coefficient of the combined norm, by the fused ops' rule (ops/rules.h)
+                coef = ops.clip_coef(total_norm, max_norm)
+            assert coef is not None
+            if fused:
+                optimizer_state["clip_coef"] = coef
+                optimizer_state["grads_still_scaled"] = True
+            else:
+                inv_scale = self._inv_scale()
+                factor = _MultiDeviceReplicator((inv_scale * coef.to(inv_scale.device)).reshape(1))
+                for device, gs in per_device.items():
+                    # found_inf is already final: re-setting it is idempotent.
+                    ops.unscale_check_(gs, found_infs[device], factor.get(device))
+        optimizer_state["found_inf_per_device"] = found_infs
+        optimizer_state["stage"] = OptState.UNSCALED
+        return total_norm
+
+    def record_inf_check(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | Mapping[torch.device, torch.Tensor]) -> None:
+        """Record that the gradients ``optimizer``'s next step reads were already checked for
+        inf/NaN elsewhere, e.g. by ``ampfuse.ops.accumulate_grads_`` while they were summed, and
+        are still scaled: :meth:`step` then runs no check pass of its own. Counts as this
+        iteration's ``unscale_``. Only for ampfuse optimizers (whose step reads scaled gradients).
+
+        Args:
+            found_inf: a 1-element float32 tensor (non-zero: inf/NaN seen), or one per device.
+        """
+        if not isinstance(optimizer, _FusedOptimizer):
+            raise TypeError("record_inf_check() needs an ampfuse optimizer (ampfuse.optim.*), whose step reads scaled gradients.")
+        flags = dict(found_inf) if isinstance(found_inf, Mapping) else {found_inf.device: found_inf}
+        for device, t in flags.items():
+            if not (isinstance(t, torch.Tensor) and t.numel() == 1 and t.dtype == torch.float32):
+                raise ValueError(f"found_inf for {device} must be a 1-element float32 tensor, got {t!r}.")
+        if not self._enabled:
+            return
+        optimizer_state = self._check_unscale_stage(optimizer, "record_inf_check")
+        # Copies: the caller reuses its flags, and update() adds into the first one in place.
+        optimizer_state["found_inf_per_device"] = {d: t.reshape(()).clone() for d, t in flags.items()}
+        optimizer_state["grads_still_scaled"] = True
+        optimizer_state["clip_coef"] = None
+        optimizer_state["stage"] = OptState.UNSCALED
+
+    # ------------------------------------------------------------------------------------------
+    # step
+    # ------------------------------------------------------------------------------------------
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
+        """As ``torch.amp.GradScaler.step``: unscale (unless done), then step unless inf/NaN.
+
+        ampfuse optimizers get ``optimizer.step(*args, scaling=StepScaling(...), **kwargs)``: the
+        scale (unless :meth:`unscale_` already divided the gradients), the device inf flag and the
+        clip coefficient of :meth:`unscale_and_clip_`; they run with no host sync and leave
+        ``.grad`` as they found it. Other optimizers with ``_step_supports_amp_scaling`` get
+        torch's ``grad_scale``/``found_inf`` attributes; the rest are stepped after the one host
+        read of the inf flag that torch also needs.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        if not isinstance(optimizer, _FusedOptimizer):
+            return super().step(optimizer, *args, **kwargs)
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        if optimizer_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if optimizer_state["stage"] is OptState.READY:
+            # The read-only check of the gradients the step will read.
+            optimizer_state["found_inf_per_device"] = self._unscale_from_scale_(optimizer, True, False, kwargs.get("grads"))
+            optimizer_state["grads_still_scaled"] = True
+        if len(optimizer_state["found_inf_per_device"]) == 0:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        scale = self._get_scale_async()
+        assert scale is not None
+        found_infs = [t.to(scale.device, non_blocking=True) for t in optimizer_state["found_inf_per_device"].values()]
+        found_inf = found_infs[0] if len(found_infs) == 1 else sum(found_infs)
+        scaling = StepScaling(
+            grad_scale=scale if optimizer_state.get("grads_still_scaled", False) else None,
+            found_inf=found_inf,
+            clip_coef=optimizer_state.get("clip_coef"),
+        )
+        retval = optimizer.step(*args, scaling=scaling, **kwargs)
+        optimizer_state["stage"] = OptState.STEPPED
+        return retval
+
+    # ------------------------------------------------------------------------------------------
+    # update
+    # ------------------------------------------------------------------------------------------
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """As ``torch.amp.GradScaler.update``, with ampfuse's scale rule (see the class doc).
+        A ``new_scale`` outside [min_scale, max_scale] is clamped into them."""
+        if not self._enabled:
+            return
+        _scale, _growth_tracker = self._check_scale_growth_tracker("update")
+        if new_scale is not None:
+            super().update(new_scale)
+            self._clamp_tensor_(_scale)
+            return
+        found_infs = [
+            found_inf.to(device=_scale.device, non_blocking=True)
+            for state in self._per_optimizer_states.values()
+            for found_inf in state["found_inf_per_device"].values()
+        ]
+        if len(found_infs) == 0:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        found_inf_combined = found_infs[0]
+        if len(found_infs) > 1:
+            for i in range(1, len(found_infs)):
+                found_inf_combined += found_infs[i]
+        if self._hysteresis_tracker is None or self._stats is None:  # e.g. after load into a live scaler
+            self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=_scale.device)
+            self._stats = torch.tensor(self._init_stats, dtype=torch.int64, device=_scale.device)
+        ops.update_scale_(
+            _scale,
+            _growth_tracker,
+            found_inf_combined,
+            self._growth_factor,
+            self._backoff_factor,
+            self._growth_interval,
+            hysteresis=self._hysteresis,
+            hysteresis_tracker=self._hysteresis_tracker,
+            consecutive_hysteresis=self._consecutive_hysteresis,
+            min_scale=self._min_scale,
+            max_scale=self._max_scale,
+            stats=self._stats,
+        )
+        self._last_found_inf = found_inf_combined
+        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+        if self._on_min_scale != "ignore" and self._may_poll():
+            self._poll_min_scale(blocking=False)
+            if not self._pending_stats:  # at most one copy in flight
+                self._post_stats_copy()
+
+    # ------------------------------------------------------------------------------------------
+    # floor detection and counters
+    # ------------------------------------------------------------------------------------------
+    def _may_poll(self) -> bool:
+        """Whether update() may look at the device counters now: not while torch.compile traces
+        (a host read would break the graph) and not during CUDA-graph capture (no event queries
+        or device-to-host copies there). check_min_scale() polls later."""
+        if torch.compiler.is_compiling():
+            return False
+        return self._stats is not None and not _capturing(self._stats.device)
+
+    def _post_stats_copy(self) -> None:
+        assert self._stats is not None
+        if self._stats.device.type == "cpu":  # nothing to copy or wait for: read the counters
+            self._pending_stats.append((self._stats, None))
+            self._poll_min_scale(blocking=False)
+            return
+        host = torch.empty(ops.NUM_SCALE_STATS, dtype=torch.int64, pin_memory=True)
+        host.copy_(self._stats, non_blocking=True)
+        event = torch.cuda.Event() if self._stats.device.type == "cuda" else None
+        if event is not None:
+            event.record()
+        self._pending_stats.append((host, event))
+
+    def _poll_min_scale(self, blocking: bool) -> None:
+        while self._pending_stats:
+            host, event = self._pending_stats[0]
+            if event is not None and not blocking and not event.query():
+                break
+            if event is not None and blocking:
+                event.synchronize()
+            self._pending_stats.pop(0)
+            hits = int(host[ops.ScaleStat.FLOOR_HITS])
+            if hits > self._floor_hits_seen:
+                new = hits - self._floor_hits_seen
+                self._floor_hits_seen = hits
+                floor = self._min_scale if self._min_scale else _FLT_MIN
+                msg = (
+                    f"GradScaler: the loss scale hit its floor ({floor:g}) {new} time(s): gradients keep "
+                    "overflowing even at the smallest scale. Training has probably diverged (check the "
+                    "learning rate, the data, and whether the model was pretrained in bf16)."
+                )
+                if self._on_min_scale == "raise":
+                    raise RuntimeError(msg)
+                warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    def check_min_scale(self) -> None:
+        """Report floor hits now (reads the device counters: a host sync)."""
+        if not self._enabled or self._stats is None or self._on_min_scale == "ignore":
+            return
+        if not self._pending_stats:
+            self._post_stats_copy()
+        self._poll_min_scale(blocking=True)
+
+    @property
+    def last_found_inf(self) -> torch.Tensor | None:
+        """Device tensor from the last :meth:`update`: > 0 if that iteration's steps were skipped."""
+        return self._last_found_inf
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        """Device counters (no host sync): ``updates``, ``skipped`` (overflowed iterations),
+        ``backoffs``, ``floor_hits``, the current ``scale`` and ``last_skipped``."""
+        if not self._enabled or self._stats is None or self._scale is None:
+            zero = torch.zeros((), dtype=torch.int64)
+            return {"updates": zero, "skipped": zero, "backoffs": zero, "floor_hits": zero,
+                    "scale": torch.tensor(self._init_scale if self._enabled else 1.0), "last_skipped": torch.zeros(())}
+        s = self._stats
+        return {
+            "updates": s[ops.ScaleStat.UPDATES],
+            "skipped": s[ops.ScaleStat.OVERFLOWS],
+            "backoffs": s[ops.ScaleStat.BACKOFFS],
+            "floor_hits": s[ops.ScaleStat.FLOOR_HITS],
+            "scale": self._scale,
+            "last_skipped": self._last_found_inf if self._last_found_inf is not None else torch.zeros((), device=s.device),
+        }
+
+    def scheduler_step(self, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
+        """Advance an LR scheduler only if the last iteration's optimizer steps were taken.
+
+        Call it after :meth:`update` where you would call ``scheduler.step()``. Reads the skip flag
+        on the host: free when the optimizer was stepped through torch's synchronising path, one
+        wait for the end of the iteration otherwise. Returns whether the scheduler stepped.
+        """
+        if self._enabled and self._last_found_inf is not None and self._last_found_inf.item() != 0.0:
+            return False
+        scheduler.step(*args, **kwargs)
+        return True
+
+    def overflow_report(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None,
+                        *, grads: Grads | None = None) -> OverflowReport:
+        """Which parameters of ``optimizer`` hold non-finite gradients now (a host sync).
+
+        Call it after a skipped step and before ``zero_grad``. Names come from ``model``
+        (``named_parameters``) if given, else from the optimizer's ``param_names``, else
+        ``"param_groups[g][i]"``. ``grads`` as for :meth:`unscale_`.
+        """
+        names: dict[int, str] = {}
+        if model is not None:
+            names = {id(p): n for n, p in model.named_parameters()}
+        entries: list[tuple[int, int, torch.Tensor, str]] = []
+        for g, group in enumerate(optimizer.param_groups):
+            group_names = group.get("param_names")
+            for i, p in enumerate(group["params"]):
+                grad = grads[p] if grads is not None and p in grads else p.grad
+                if grad is None:
+                    continue
+                name = names.get(id(p)) or (group_names[i] if group_names else f"param_groups[{g}][{i}]")
+                grad = grad._values() if grad.is_sparse else grad
+                entries.append((g, i, grad, name))
+        report = OverflowReport()
+        by_device: dict[torch.device, list[int]] = defaultdict(list)
+        for k, e in enumerate(entries):
+            by_device[e[2].device].append(k)
+        with torch.no_grad():
+            for device, idx in by_device.items():
+                flags = torch.zeros(len(idx), device=device)
+                ops.check_norm_(
+                    [entries[k][2] for k in idx],
+                    torch.zeros(1, device=device),
+                    torch.ones(1, device=device),
+                    per_tensor_found_inf=flags,
+                )
+                for k, f in zip(idx, flags.tolist()):
+                    if f:
+                        report.append((entries[k][0], entries[k][1], entries[k][3]))
+        report.sort()
+        return report
+
+    # ------------------------------------------------------------------------------------------
+    # checkpointing
+    # ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's five entries (``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker``) plus ampfuse's options and counters; torch's
+        scaler loads it (ignoring the extra keys) and ours loads torch's."""
+        sd = super().state_dict()
+        if self._enabled:
+            sd.update(
+                {
+                    "hysteresis": self._hysteresis,
+                    "consecutive_hysteresis": self._consecutive_hysteresis,
+                    "min_scale": self._min_scale,
+                    "max_scale": self._max_scale,
+                    "_hysteresis_tracker": (
+                        int(self._hysteresis_tracker.item()) if self._hysteresis_tracker is not None else self._init_hysteresis_tracker
+                    ),
+                    "stats": self._stats.tolist() if self._stats is not None else list(self._init_stats),
+                }
+            )
+        return sd
+
+    def _validate_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """Every entry of a state dict checked; returns the values to apply (raises before
+        anything changes)."""
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
+            )
+        for key in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"):
+            if key not in state_dict:
+                raise KeyError(f"GradScaler state dict has no '{key}' entry.")
+        scale = state_dict["scale"]
+        if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0):
+            raise ValueError(f"the state dict's scale must be a positive finite number, got {scale!r}.")
+        if not (isinstance(state_dict["growth_factor"], (int, float)) and state_dict["growth_factor"] > 1.0):
+            raise ValueError(f"the state dict's growth_factor must be > 1.0, got {state_dict['growth_factor']!r}.")
+        if not (isinstance(state_dict["backoff_factor"], (int, float)) and 0.0 < state_dict["backoff_factor"] < 1.0):
+            raise ValueError(f"the state dict's backoff_factor must be in (0, 1), got {state_dict['backoff_factor']!r}.")
+        for key, low in (("growth_interval", 1), ("_growth_tracker", 0)):
+            v = state_dict[key]
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= low):
+                raise ValueError(f"the state dict's {key} must be an integer >= {low}, got {v!r}.")
+        hysteresis = state_dict.get("hysteresis", self._hysteresis)
+        if not (isinstance(hysteresis, int) and not isinstance(hysteresis, bool) and hysteresis >= 1):
+            raise ValueError(f"the state dict's hysteresis must be an integer >= 1, got {hysteresis!r}.")
+        # A torch state dict carries no hysteresis budget: start with a full one.
+        tracker = state_dict.get("_hysteresis_tracker", hysteresis)
+        if not (isinstance(tracker, int) and not isinstance(tracker, bool) and 0 <= tracker <= hysteresis):
+            raise ValueError(f"the state dict's _hysteresis_tracker must be an integer in [0, hysteresis], got {tracker!r}.")
+        consecutive = state_dict.get("consecutive_hysteresis", self._consecutive_hysteresis)
+        if not isinstance(consecutive, bool):
+            raise ValueError(f"the state dict's consecutive_hysteresis must be a bool, got {consecutive!r}.")
+        min_scale = state_dict.get("min_scale", self._min_scale)
+        max_scale = state_dict.get("max_scale", self._max_scale)
+        try:
+            _check_bounds(min_scale, max_scale)
+        except ValueError as e:
+            raise ValueError(f"the state dict's scale bounds are invalid: {e}") from None
+        stats = state_dict.get("stats", self._init_stats)
+        if not (isinstance(stats, (list, tuple)) and len(stats) == ops.NUM_SCALE_STATS
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in stats)):
+            raise ValueError(f"the state dict's stats must be {ops.NUM_SCALE_STATS} non-negative integers, got {stats!r}.")
+        return dict(scale=float(scale), hysteresis=hysteresis, tracker=tracker, consecutive=consecutive,
+                    min_scale=min_scale, max_scale=max_scale, stats=list(stats))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this scaler or of ``torch.amp.GradScaler``. Every entry is checked
+        before anything changes; a scale outside [min_scale, max_scale] is clamped into them."""
+        if not self._enabled:
+            return
+        v = self._validate_state_dict(state_dict)
+        super().load_state_dict(state_dict)
+        self._hysteresis = v["hysteresis"]
+        self._consecutive_hysteresis = v["consecutive"]
+        self._min_scale = v["min_scale"]
+        self._max_scale = v["max_scale"]
+        self._init_scale = self._clamped(v["scale"], "the loaded scale")
+        if self._scale is not None:
+            self._scale.fill_(self._init_scale)
+        self._init_hysteresis_tracker = v["tracker"]
+        self._init_stats = v["stats"]
+        self._floor_hits_seen = v["stats"][ops.ScaleStat.FLOOR_HITS]
+        self._pending_stats = []
+        if self._hysteresis_tracker is not None:
+            self._hysteresis_tracker.fill_(v["tracker"])
+        if self._stats is not None:
+            self._stats.copy_(torch.tensor(v["stats"], dtype=torch.int64))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        if self._enabled:
+            state["_init_hysteresis_tracker"] = (
+                int(self._hysteresis_tracker.item()) if self._hysteresis_tracker is not None else self._init_hysteresis_tracker
+            )
+            state["_init_stats"] = self._stats.tolist() if self._stats is not None else list(self._init_stats)
+            state["_hysteresis_tracker"] = None
+            state["_stats"] = None
+            state["_last_found_inf"] = None
+        state["_pending_stats"] = []
+        return state
+
+
+def _init_scale_first(device: str, torch_class: type, module: str) -> type:
+    """The drop-in for a deprecated ``torch.<device>.amp.GradScaler``, whose first positional
+    argument is ``init_scale``: ``ampfuse.GradScaler(device, ...)`` with that signature (and
+    ``isinstance`` of the torch class)."""
+
+    class GradScaler(_AmpfuseGradScaler, torch_class):  # type: ignore[misc, valid-type]
+        def __init__(
+            self,
+            init_scale: float = 2.0**16,
+            growth_factor: float = 2.0,
+            backoff_factor: float = 0.5,
+            growth_interval: int = 2000,
+            enabled: bool = True,
+            *,
+            hysteresis: int = 1,
+            consecutive_hysteresis: bool = False,
+            min_scale: float | None = None,
+            max_scale: float | None = None,
+            on_min_scale: OnMinScale = "warn",
+        ) -> None:
+            _AmpfuseGradScaler.__init__(
+                self, device, init_scale, growth_factor, backoff_factor, growth_interval, enabled,
+                hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale,
+                max_scale=max_scale, on_min_scale=on_min_scale)
+
+    GradScaler.__module__ = module
+    GradScaler.__qualname__ = "GradScaler"
+    GradScaler.__doc__ = (
+        f"``ampfuse.GradScaler({device!r}, ...)`` with the signature of the deprecated "
+        f"``torch.{device}.amp.GradScaler`` (``init_scale`` first) and ``isinstance`` of it; the "
+        "keyword-only extensions of :class:`ampfuse.GradScaler` as well."
+    )
+    return GradScaler
+
+
+_AmpfuseGradScaler = GradScaler

@@ -1,0 +1,182 @@
+"""ampfuse in Hugging Face Accelerate: ``enable(accelerator)``.
+
+Call it right after the ``Accelerator`` is built, before ``prepare``::
+
+    accelerator = Accelerator(mixed_precision="fp16", gradient_accumulation_steps=4)
+    ampfuse.integrations.accelerate.enable(accelerator)
+    model, opt, sched = accelerator.prepare(model, ampfuse.optim.AdamW(model.parameters()), sched)
+
+What changes on that accelerator (and only there; nothing is patched globally):
+
+* ``accelerator.scaler`` is an :class:`ampfuse.GradScaler` (``**grad_scaler_kwargs`` go to it;
+  without them, Accelerate's ``GradScalerKwargs`` handler's values are used). On a CPU,
+  ``mixed_precision="fp16"`` becomes real: fp16 autocast and the scaler, as Accelerate does on a GPU
+  (Accelerate alone trains fp16 on a CPU in fp32, silently).
+* Prepared optimizers report skipped steps of ampfuse optimizers: ``step_was_skipped`` and
+  ``accelerator.optimizer_step_was_skipped`` are true exactly on overflowed steps, so Accelerate's
+  scheduler wrapper (and the transformers ``Trainer``) do not advance the LR on them. Accelerate
+  decides "skipped" from whether ``optimizer.step()`` was called; an ampfuse optimizer is always
+  called and skips on the device, so the flag is read from :attr:`ampfuse.GradScaler.last_found_inf`
+  instead: one 4-byte read, after the step was queued, and only when something asks (on CPU
+  tensors the read costs nothing).
+* ``accelerator.clip_grad_norm_(params, max_norm)`` with an ampfuse optimizer runs the fused check
+  + norm pass (:meth:`ampfuse.GradScaler.unscale_and_clip_`), fp16 params included: the gradients
+  are only read, the step applies ``1/scale`` and the clip coefficient. It returns the total norm
+  (a device tensor). Without a scaler (bf16, no mixed precision) the norm is taken by the same
+  read-only pass and the coefficient handed to the step. ``clip_grad_value_`` clamps the scaled
+  gradients to ``±clip_value * scale`` after a read-only inf check.
+
+Not supported (Accelerate's own path runs, with its own limits): DeepSpeed, Megatron-LM, XLA,
+FSDP (v1 and v2); ``clip_grad_norm_`` over parameters that are not exactly those (with
+gradients) of one prepared ampfuse optimizer; ``accelerator.unscale_gradients`` on fp16 gradients
+(it writes unscaled fp16 values, which torch refuses: use ``clip_grad_norm_``).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Iterable
+
+import torch
+
+import ampfuse
+from ampfuse.integrations._common import (
+    is_fused,
+    norm_and_coef,
+    params_with_grad,
+    require,
+    scaled_clip_norm_,
+    scaled_clip_value_,
+    scaler_enabled,
+    unscale_stage_open,
+)
+from ampfuse.optim import StepScaling
+
+require("accelerate", "accelerate", "accelerate", "accelerate")
+
+from accelerate import Accelerator  # noqa: E402
+from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
+from accelerate.utils import DistributedType  # noqa: E402
+
+__all__ = ["enable", "is_enabled"]
+
+# Distributed types whose gradients are plain tensors, complete on every rank before the step.
+_SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+
+
+class _AcceleratedOptimizer(AcceleratedOptimizer):
+    """Accelerate's optimizer wrapper, with the skip of an ampfuse optimizer's step read from the
+    device flag (lazily) and a pending clip coefficient for scaler-less steps."""
+
+    _ampfuse_skip_flag: torch.Tensor | None = None
+    _ampfuse_clip_coef: torch.Tensor | None = None
+
+    def step(self, closure: Any = None) -> None:
+        if not (is_fused(self.optimizer) and self.gradient_state.sync_gradients):
+            return super().step(closure)
+        coef, self._ampfuse_clip_coef = self._ampfuse_clip_coef, None
+        if scaler_enabled(self.scaler):
+            super().step(closure)  # scaler.step + update; the fused step is queued, no host sync
+            self._ampfuse_skip_flag = self.scaler.last_found_inf
+        else:
+            self._ampfuse_skip_flag = None
+            if coef is not None:
+                self.optimizer.step(closure, scaling=StepScaling(clip_coef=coef))
+            else:
+                self.optimizer.step(closure)
+        self._is_overflow = False
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last step was skipped (inf/NaN gradients); for ampfuse optimizers read from
+        the scaler's device flag on first access after the step (one 4-byte read)."""
+        flag = self._ampfuse_skip_flag
+        if flag is not None:
+            self._ampfuse_skip_flag = None
+            self._is_overflow = bool(flag.item() != 0)
+        return self._is_overflow
+
+
+def _fused_owner(accelerator: Any, params: list[torch.Tensor]) -> _AcceleratedOptimizer | None:
+    """The prepared ampfuse optimizer whose parameters with gradients are exactly those of
+    ``params`` with gradients (None when there is no such single optimizer)."""
+    wanted = {id(p) for p in params if p.grad is not None}
+    if not wanted:
+        return None
+    for opt in accelerator._optimizers:
+        if isinstance(opt, _AcceleratedOptimizer) and is_fused(opt.optimizer):
+            if {id(p) for p in params_with_grad(opt.optimizer)} == wanted:
+                return opt
+    return None
+
+
+def _clip_grad_norm_(self: Any, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2) -> torch.Tensor:
+    params = list(parameters)
+    owner = _fused_owner(self, params) if self.distributed_type in _SUPPORTED else None
+    if owner is None:
+        return type(self).clip_grad_norm_(self, params, max_norm, norm_type)
+    inner = owner.optimizer
+    if scaler_enabled(self.scaler):
+        if unscale_stage_open(self.scaler, inner):
+            return scaled_clip_norm_(self.scaler, inner, float(max_norm), norm_type)
+        # already unscaled in place (accelerator.unscale_gradients): torch's clipping applies
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    norm, coef = norm_and_coef(inner, float(max_norm), norm_type)
+    owner._ampfuse_clip_coef = coef if owner._ampfuse_clip_coef is None else owner._ampfuse_clip_coef * coef
+    return norm
+
+
+def _clip_grad_value_(self: Any, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+    params = list(parameters)
+    owner = _fused_owner(self, params) if self.distributed_type in _SUPPORTED else None
+    if owner is None or not scaler_enabled(self.scaler) or not unscale_stage_open(self.scaler, owner.optimizer):
+        return type(self).clip_grad_value_(self, params, clip_value)
+    scaled_clip_value_(self.scaler, owner.optimizer, clip_value)
+
+
+def _prepare_optimizer(self: Any, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
+    out = type(self).prepare_optimizer(self, optimizer, device_placement=device_placement)
+    if type(out) is AcceleratedOptimizer:
+        out.__class__ = _AcceleratedOptimizer
+    return out
+
+
+def is_enabled(accelerator: Accelerator) -> bool:
+    """Whether :func:`enable` was called on ``accelerator``."""
+    return getattr(accelerator, "_ampfuse_enabled", False)
+
+
+def enable(accelerator: Accelerator, **grad_scaler_kwargs: Any) -> Accelerator:
+    """Make ``accelerator`` train with ampfuse (see the module docstring). Returns it.
+
+    Args:
+        accelerator: a freshly built ``accelerate.Accelerator`` (before ``prepare``).
+        **grad_scaler_kwargs: arguments of :class:`ampfuse.GradScaler` (``init_scale``,
+            ``growth_interval``, ``hysteresis``, ``min_scale``, ...). Without them, the values of
+            the accelerator's ``GradScalerKwargs`` handler, else the scaler's defaults.
+
+    Raises:
+        RuntimeError: when an optimizer was already prepared, or for a distributed type ampfuse
+            does not support here (DeepSpeed, Megatron-LM, XLA, FSDP).
+    """
+    if is_enabled(accelerator):
+        return accelerator
+    if accelerator._optimizers:
+        raise RuntimeError("ampfuse.integrations.accelerate.enable() must be called before accelerator.prepare(...) "
+                           "prepares an optimizer.")
+    if accelerator.distributed_type not in _SUPPORTED:
+        raise RuntimeError(f"ampfuse.integrations.accelerate supports single-process, DDP (CPU or GPU) training; "
+                           f"this accelerator uses {accelerator.distributed_type}.")
+    if accelerator.mixed_precision == "fp16":
+        kwargs = dict(accelerator.scaler_handler.to_kwargs()) if accelerator.scaler_handler is not None else {}
+        kwargs.update(grad_scaler_kwargs)
+        accelerator.scaler = ampfuse.GradScaler(accelerator.device.type, **kwargs)
+        accelerator.native_amp = True  # on a CPU too: fp16 autocast in prepare_model
+    elif grad_scaler_kwargs:
+        raise ValueError(f"grad_scaler_kwargs were given but mixed_precision is {accelerator.mixed_precision!r}: "
+                         "only fp16 uses a loss scaler.")
+    accelerator.prepare_optimizer = types.MethodType(_prepare_optimizer, accelerator)
+    accelerator.clip_grad_norm_ = types.MethodType(_clip_grad_norm_, accelerator)
+    accelerator.clip_grad_value_ = types.MethodType(_clip_grad_value_, accelerator)
+    accelerator._ampfuse_enabled = True
+    return accelerator

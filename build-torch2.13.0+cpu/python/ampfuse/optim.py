@@ -1,0 +1,837 @@
+"""Fused optimizers with fp32 master weights: ``ampfuse.optim.SGD``, ``Adam``, ``AdamW``.
+
+They are ``torch.optim.Optimizer`` subclasses with torch's argument names and defaults, plus
+``master_weights`` and ``state_dtype``. One kernel pass per (param group, device, dtype) does the
+whole update:
+
+* reads each gradient once, still scaled if a GradScaler says so: it is divided by the scale
+  and multiplied by the clip coefficient of ``GradScaler.unscale_and_clip_`` in registers;
+* if the scaler's ``found_inf`` is set, does **nothing at all** (params, masters, optimizer state
+  and step counters bitwise unchanged; no host sync decides this, the kernel does);
+* otherwise updates the fp32 master weight and the state (fp32 math) and writes the fp16/bf16
+  param (rounded to nearest) in the same pass.
+
+A param edited between steps (an in-place clamp, ``model.load_state_dict``, a re-initialisation,
+``param.data.copy_(...)``) takes over its fp32 master at the next step: the kernel sees that the
+param no longer holds its master rounded and restarts the master from the param.
+
+Precision options (Transformer Engine's ``store_param_remainders`` and ``exp_avg_dtype`` ideas):
+
+* ``master_weights="remainder"`` (bf16 params): instead of a 4-byte fp32 master, a 2-byte int16
+  remainder -- the master's low 16 bits relative to the param, which holds its upper 16 bits
+  rounded to nearest. (param, remainder) *is* the fp32 master bit for bit, so the masters follow
+  exactly the trajectory of ``master_weights=True``. One difference: the param is the master
+  rounded with ties away from zero (an exact 16-bit split cannot round half to even: an even param
+  would need 65537 remainders), so for 1 master value in 65536 -- an exact tie -- the param is
+  one bf16 ulp from ``master.to(torch.bfloat16)``, still a nearest value. fp16 params keep fp32
+  masters under this option: fp16's 5-bit exponent cannot hold the upper half of an fp32 master,
+  so no 16-bit remainder reconstructs it. An edited param keeps its old remainder (master = param
+  + at most half a bf16 ulp) until :meth:`~_FusedOptimizer.sync_masters_from_params`.
+* ``state_dtype=torch.bfloat16``: momentum / ``exp_avg`` / ``exp_avg_sq`` stored in bf16 (rounded
+  to nearest even each step; the math stays fp32). Halves the state; see the README for its
+  measured effect on training.
+
+Memory per parameter element (bytes), beyond the param and its gradient:
+
+========================  ============  ===============  ======================  =====================
+optimizer                 fp32 params   fp16/bf16, fp32  bf16, remainder +       state kept
+                                        masters + state  bf16 state
+========================  ============  ===============  ======================  =====================
+SGD (momentum=0)          0             4                2                       master
+SGD (momentum>0)          4             8                4                       master, momentum
+Adam / AdamW              8             12               6                       master, exp_avg, exp_avg_sq
+Adam / AdamW (amsgrad)    12            16               8                       + max_exp_avg_sq
+========================  ============  ===============  ======================  =====================
+
+plus a 4-byte step counter per parameter tensor. The step allocates no other per-element memory
+(no temporaries); only O(number of tensors) metadata.
+
+The hand-off with a loss scaler is explicit: ``step(scaling=StepScaling(grad_scale, found_inf,
+clip_coef))`` (``ampfuse.GradScaler`` calls it so). For ``torch.amp.GradScaler`` they set
+``_step_supports_amp_scaling = True`` and read the ``grad_scale``/``found_inf`` attributes that
+scaler sets, so it drives them sync-free too. ``step(grads={param: tensor})`` makes the step read
+another gradient than ``param.grad`` (``GradAccumulator``'s fp32 sums; ``None``: not stepped).
+
+``state_dict()`` uses torch's per-parameter layout (``step``, ``exp_avg``, ``exp_avg_sq``,
+``max_exp_avg_sq``, ``momentum_buffer``) plus ``master_param`` (fp32; for remainders the master
+they stand for), with bf16 state saved as fp32, so checkpoints move between these and
+``torch.optim`` optimizers in both directions, whatever the precision options.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Mapping
+from copy import deepcopy
+from itertools import chain
+from typing import Any, Callable, Literal, NamedTuple, Union
+
+import torch
+from torch.optim.optimizer import ParamsT
+
+from ampfuse import ops
+from ampfuse._precision import join_master, split_master
+
+__all__ = ["SGD", "Adam", "AdamW", "StepScaling", "join_master", "split_master"]
+
+MasterWeights = Union[bool, Literal["auto", "remainder"]]
+_MASTER_WEIGHTS = (True, False, "auto", "remainder")
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class StepScaling(NamedTuple):
+    """What a loss scaler hands to a fused step: optional 1-element fp32 tensors (any device;
+    moved to the params' device without a sync).
+
+    Attributes:
+        grad_scale: the gradients are divided by it (they are still scaled by the loss scale).
+        found_inf: non-zero means this step changes nothing at all.
+        clip_coef: the gradients are multiplied by it (``GradScaler.unscale_and_clip_``).
+    """
+
+    grad_scale: torch.Tensor | None = None
+    found_inf: torch.Tensor | None = None
+    clip_coef: torch.Tensor | None = None
+
+
+# ------------------------------------------------------------------------------------------------
+# optimizer state that tells the optimizer when it changes
+# ------------------------------------------------------------------------------------------------
+
+
+class _ParamState(dict):
+    """A param's state dict; every change bumps its optimizer's state generation, so that the
+    cached step plan (which holds the state tensors) is rebuilt."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: _State, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._owner = owner
+
+    def _changed(self) -> None:
+        self._owner.generation += 1
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        self._changed()
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(key)
+        self._changed()
+
+    def clear(self) -> None:
+        super().clear()
+        self._changed()
+
+    def pop(self, *args: Any) -> Any:
+        value = super().pop(*args)
+        self._changed()
+        return value
+
+    def popitem(self) -> Any:
+        item = super().popitem()
+        self._changed()
+        return item
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        super().update(*args, **kwargs)
+        self._changed()
+
+    def __reduce__(self) -> Any:  # pickles (and deep-copies) as a plain dict
+        return (dict, (dict(self),))
+
+
+class _State(collections.defaultdict):
+    """``optimizer.state``: torch's ``defaultdict(dict)`` keyed by param, whose changes (and those
+    of its per-param dicts, which it keeps as :class:`_ParamState`) are counted in ``generation``.
+    ``state[p] = d`` stores a tracked copy of ``d``."""
+
+    def __init__(self, data: Mapping | None = None) -> None:
+        super().__init__(None)
+        self.generation = 0
+        for key, value in (data or {}).items():
+            super().__setitem__(key, _ParamState(self, value))
+
+    def __missing__(self, key: Any) -> _ParamState:
+        value = _ParamState(self)
+        super().__setitem__(key, value)
+        self.generation += 1
+        return value
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if not (isinstance(value, _ParamState) and value._owner is self):
+            value = _ParamState(self, value)
+        super().__setitem__(key, value)
+        self.generation += 1
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(key)
+        self.generation += 1
+
+    def clear(self) -> None:
+        super().clear()
+        self.generation += 1
+
+    def pop(self, *args: Any) -> Any:
+        value = super().pop(*args)
+        self.generation += 1
+        return value
+
+    def popitem(self) -> Any:
+        item = super().popitem()
+        self.generation += 1
+        return item
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = {} if default is None else default
+        return self[key]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def __reduce__(self) -> Any:  # pickles as torch's defaultdict(dict) of plain dicts
+        return (_plain_state, ({k: dict(v) for k, v in self.items()},))
+
+
+def _plain_state(data: dict) -> collections.defaultdict:
+    out: collections.defaultdict = collections.defaultdict(dict)
+    out.update(data)
+    return out
+
+
+def _scalar_on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    if t is None:
+        return None
+    t = t.reshape(())
+    if t.device != device or t.dtype != torch.float32:
+        t = t.to(device=device, dtype=torch.float32, non_blocking=True)
+    return t
+
+
+class _Plan:
+    """The bucket lists of one param group, valid while the group's params, the optimizer state,
+    the group's structural options and which params have a gradient of which dtype stay the same
+    (checked at every step: O(1) for the state, one pass over the params for the rest)."""
+
+    __slots__ = ("params", "ids", "generation", "signature", "grad_dtypes", "buckets")
+
+    def __init__(self, params, ids, generation, signature, grad_dtypes, buckets) -> None:
+        self.params = params
+        self.ids = ids
+        self.generation = generation
+        self.signature = signature
+        self.grad_dtypes = grad_dtypes  # per param: its gradient's dtype, None without one
+        self.buckets = buckets  # [(device, [index in group], {list name: [tensors]})]
+
+
+class _FusedOptimizer(torch.optim.Optimizer):
+    """Shared machinery: argument checks, lazy fp32 state, cached bucket plans, checkpoints."""
+
+    _step_supports_amp_scaling = True
+    _state_keys: tuple[str, ...] = ()
+
+    def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
+        mw = defaults.get("master_weights")
+        if not any(mw is v or (isinstance(v, str) and mw == v) for v in _MASTER_WEIGHTS):
+            raise ValueError(f"master_weights must be True, False, 'auto' or 'remainder', got {mw!r}.")
+        if defaults.get("state_dtype") not in _STATE_DTYPES:
+            raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {defaults.get('state_dtype')!r}.")
+        self._param_dtypes: dict[int, torch.dtype] = {}
+        self._plans: dict[int, _Plan] = {}
+        super().__init__(params, defaults)
+        self.state = _State(self.state)
+
+    @staticmethod
+    def _check_torch_kwargs(foreach: bool | None, fused: bool | None, capturable: bool, differentiable: bool) -> None:
+        """torch's implementation switches. The step is always one fused pass with no host sync
+        (so it is capturable whatever ``capturable`` says) and its numerics follow torch's
+        for-loop implementation, so ``foreach``/``fused``/``capturable`` are accepted and change
+        nothing; ``differentiable=True`` cannot be honoured."""
+        for name, value in (("foreach", foreach), ("fused", fused)):
+            if value not in (None, True, False):
+                raise ValueError(f"{name} must be None, True or False, got {value!r}.")
+        if capturable not in (True, False):
+            raise ValueError(f"capturable must be True or False, got {capturable!r}.")
+        if differentiable:
+            raise ValueError(
+                "differentiable=True is not supported: ampfuse's fused step runs outside autograd. "
+                "Use the torch.optim optimizer for differentiable steps."
+            )
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_param_dtypes", {})
+        self.__dict__.setdefault("_plans", {})
+        self._plans = {}
+        self.state = _State(self.state)
+
+    # ---- parameters --------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_plans"):
+            self._plans.clear()
+        group = self.param_groups[-1]
+        gi = len(self.param_groups) - 1
+        try:
+            self._check_precision_options(gi, group)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        devices = {p.device for p in group["params"]}
+        for i, p in enumerate(group["params"]):
+            if p.dtype not in _SUPPORTED:
+                self.param_groups.pop()
+                raise ValueError(
+                    f"param_groups[{gi}]['params'][{i}] has dtype {p.dtype}; ampfuse optimizers support "
+                    "torch.float16, torch.bfloat16 and torch.float32 parameters."
+                )
+        if len(devices) > 1:
+            self.param_groups.pop()
+            raise ValueError(
+                f"param_groups[{gi}] has parameters on several devices ({', '.join(sorted(map(str, devices)))}); "
+                "ampfuse optimizers need the parameters of one group on one device."
+            )
+        for p in group["params"]:
+            self._param_dtypes[id(p)] = p.dtype
+
+    @staticmethod
+    def _check_precision_options(gi: int, group: dict[str, Any]) -> None:
+        mw = group.get("master_weights")
+        if not any(mw is v or (isinstance(v, str) and mw == v) for v in _MASTER_WEIGHTS):
+            raise ValueError(f"param_groups[{gi}]['master_weights'] must be True, False, 'auto' or 'remainder', got {mw!r}.")
+        if group.get("state_dtype", torch.float32) not in _STATE_DTYPES:
+            raise ValueError(
+                f"param_groups[{gi}]['state_dtype'] must be torch.float32 or torch.bfloat16, got {group.get('state_dtype')!r}."
+            )
+
+    @staticmethod
+    def _master_kind(p: torch.Tensor, group: dict[str, Any]) -> str | None:
+        """How ``p``'s fp32 master is kept: None (``p`` is updated directly), ``"float"`` (an fp32
+        tensor, ``state["master_param"]``) or ``"remainder"`` (bf16 params: an int16 tensor,
+        ``state["master_remainder"]``, that with ``p`` is the fp32 master bit for bit)."""
+        mw = group["master_weights"]
+        if mw is False or p.dtype not in _LOW_PRECISION:
+            return None
+        if mw == "remainder" and p.dtype == torch.bfloat16:
+            return "remainder"
+        return "float"  # True, "auto"; "remainder" for fp16 params (see the module docstring)
+
+    def _wants_master(self, p: torch.Tensor, group: dict[str, Any]) -> bool:
+        return self._master_kind(p, group) is not None
+
+    @staticmethod
+    def _grad(p: torch.Tensor, grads: Mapping | None) -> torch.Tensor | None:
+        if grads is not None and p in grads:
+            return grads[p]
+        return p.grad
+
+    def _validate(self, grads: Mapping | None) -> None:
+        """Every check of a step, before anything (state creation included) is modified."""
+        for gi, group in enumerate(self.param_groups):
+            self._check_group_options(gi, group)
+            for i, p in enumerate(group["params"]):
+                g = self._grad(p, grads)
+                if g is None:
+                    continue
+                where = f"param_groups[{gi}]['params'][{i}]"
+                if not isinstance(g, torch.Tensor):
+                    raise TypeError(f"the gradient of {where} must be a tensor or None, got {type(g).__name__}.")
+                if g.is_sparse:
+                    raise RuntimeError(f"{where} has a sparse gradient; ampfuse optimizers do not support sparse gradients (use torch.optim.SparseAdam).")
+                expected = self._param_dtypes.get(id(p))
+                if expected is not None and p.dtype != expected:
+                    raise RuntimeError(
+                        f"{where} has dtype {p.dtype} but was {expected} when the optimizer was built; "
+                        "build the optimizer after converting the model (e.g. after model.half())."
+                    )
+                if g.dtype not in _SUPPORTED:
+                    raise RuntimeError(f"{where} has a gradient of dtype {g.dtype}; expected torch.float16, torch.bfloat16 or torch.float32.")
+                if g.shape != p.shape:
+                    raise RuntimeError(f"{where} has a gradient of shape {tuple(g.shape)} but the parameter has shape {tuple(p.shape)}.")
+                if g.device != p.device:
+                    raise RuntimeError(f"{where} is on {p.device} but its gradient is on {g.device}.")
+
+    def _check_group_options(self, gi: int, group: dict[str, Any]) -> None:
+        """Hyper-parameters of a group as the user may have edited them since construction."""
+        self._check_precision_options(gi, group)
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            if lr.numel() != 1:
+                raise ValueError(f"param_groups[{gi}]['lr'] must be a number or a 1-element tensor, got shape {tuple(lr.shape)}.")
+        elif not (isinstance(lr, (int, float)) and lr >= 0):
+            raise ValueError(f"param_groups[{gi}]['lr'] must be >= 0, got {lr!r}.")
+
+    # ---- state -------------------------------------------------------------------------------
+    def _new_state(self, p: torch.Tensor, group: dict[str, Any], key: str) -> torch.Tensor:
+        return torch.zeros_like(p, dtype=group.get("state_dtype", torch.float32), memory_format=torch.preserve_format)
+
+    def _ensure_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """Creates missing state and brings existing state to the group's precision options
+        (state dtype, master kind), e.g. after they were changed or a checkpoint was loaded."""
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        elif not (isinstance(state["step"], torch.Tensor) and state["step"].device == p.device
+                  and state["step"].dtype == torch.float32 and state["step"].dim() == 0):
+            state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(p.device).reshape(()).clone()
+        state_dtype = group.get("state_dtype", torch.float32)
+        for key in self._state_keys_for(group):
+            if state.get(key) is None:
+                state[key] = self._new_state(p, group, key)
+                self._state_created(p, state, key)
+            elif state[key].dtype != state_dtype:
+                state[key] = state[key].to(state_dtype)  # rounded to nearest even
+        kind = self._master_kind(p, group)
+        if kind == "float" and state.get("master_param") is None:
+            rem = state.pop("master_remainder", None)
+            master = torch.empty_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["master_param"] = master.copy_(join_master(p.detach(), rem) if rem is not None else p.detach())
+        elif kind == "remainder" and state.get("master_remainder") is None:
+            master = state.pop("master_param", None)
+            state["master_remainder"] = _remainder_for(p.detach(), master)
+        return state
+
+    def _state_created(self, p: torch.Tensor, state: dict[str, Any], key: str) -> None:
+        """Hook: a state tensor was created for a param that may already have stepped."""
+
+    def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return self._state_keys
+
+    def sync_masters_from_params(self) -> None:
+        """Restart every fp32 master from its param now.
+
+        The step does this by itself for a param edited since the last step (it sees that the
+        param no longer holds its master rounded); call this to have the masters (and a
+        ``state_dict()`` taken now) follow such edits before the next step.
+        """
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    st = self.state.get(p, {})
+                    if st.get("master_param") is not None:
+                        st["master_param"].copy_(p)
+                    if st.get("master_remainder") is not None:
+                        st["master_remainder"].zero_()
+
+    # ---- step --------------------------------------------------------------------------------
+    def _signature(self, group: dict[str, Any]) -> tuple:
+        return (self._state_keys_for(group), group["master_weights"], group.get("state_dtype", torch.float32))
+
+    def _build_plan(self, group: dict[str, Any], ids: tuple, grad_dtypes: tuple) -> _Plan:
+        buckets: dict[tuple, tuple[list[int], dict[str, list]]] = {}
+        keys = self._state_keys_for(group)
+        for i, p in enumerate(group["params"]):
+            if grad_dtypes[i] is None:
+                continue
+            state = self._ensure_state(p, group)
+            kind = self._master_kind(p, group)
+            idx, lists = buckets.setdefault((p.device, p.dtype, grad_dtypes[i], kind), ([], collections.defaultdict(list)))
+            idx.append(i)
+            lists["params"].append(p)
+            lists["steps"].append(state["step"])
+            if kind is not None:
+                lists["masters"].append(state["master_param" if kind == "float" else "master_remainder"])
+            for key in keys:
+                lists[key].append(state[key])
+        plan_buckets = [(key[0], idx, dict(lists)) for key, (idx, lists) in buckets.items()]
+        return _Plan(group["params"], ids, self.state.generation, self._signature(group), grad_dtypes, plan_buckets)
+
+    def _run(self, group: dict[str, Any], lists: dict[str, list], grads: list, s: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(  # type: ignore[override]
+        self,
+        closure: Callable[[], float] | None = None,
+        *,
+        scaling: StepScaling | None = None,
+        grads: Mapping[torch.Tensor, torch.Tensor | None] | None = None,
+    ) -> float | None:
+        """One optimization step (see the module docstring for what is fused).
+
+        Args:
+            closure: re-evaluates the model and returns the loss (run with grad enabled).
+            scaling: the loss scaler's hand-off (:class:`StepScaling`). Without it, the
+                ``grad_scale``/``found_inf`` attributes ``torch.amp.GradScaler`` sets are used.
+            grads: gradients to read instead of ``param.grad`` for the params it holds (``None``
+                values: those params are not stepped), e.g. ``GradAccumulator``'s fp32 sums.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if scaling is None:
+            scaling = StepScaling(getattr(self, "grad_scale", None), getattr(self, "found_inf", None), None)
+        if not isinstance(self.state, _State):  # replaced from outside (e.g. opt.state = ...)
+            self.state = _State(self.state)
+            self._plans.clear()
+        work = []
+        stale = False
+        strided = torch.strided
+        for gi, group in enumerate(self.param_groups):
+            params = group["params"]
+            grad_list = [self._grad(p, grads) for p in params] if grads is not None else [p.grad for p in params]
+            try:
+                # dtype per gradient; a sparse one (or a non-tensor) makes the plan stale, and
+                # _validate names it
+                grad_dtypes = tuple(None if g is None else g.dtype if g.layout is strided else "sparse" for g in grad_list)
+            except AttributeError:  # not a tensor: _validate names it
+                self._validate(grads)
+                raise
+            ids = tuple(map(id, params))
+            plan = self._plans.get(gi)
+            if (plan is None or plan.params is not params or plan.ids != ids or plan.generation != self.state.generation
+                    or plan.grad_dtypes != grad_dtypes or plan.signature != self._signature(group)):
+                plan = None
+                stale = True
+            work.append((gi, group, grad_list, grad_dtypes, ids, plan))
+        if stale:
+            self._validate(grads)  # before anything (state creation included) is modified
+            for k, (gi, group, grad_list, grad_dtypes, ids, plan) in enumerate(work):
+                if plan is None:
+                    self._plans[gi] = plan = self._build_plan(group, ids, grad_dtypes)
+                    work[k] = (gi, group, grad_list, grad_dtypes, ids, plan)
+            generation = self.state.generation  # state creation is part of the plans
+            for *_, plan in work:
+                plan.generation = generation
+        else:
+            for gi, group, *_ in work:
+                self._check_group_options(gi, group)
+        for gi, group, grad_list, _, _, plan in work:
+            for device, idx, lists in plan.buckets:
+                s = {
+                    "grad_scale": _scalar_on(scaling.grad_scale, device),
+                    "found_inf": _scalar_on(scaling.found_inf, device),
+                    "clip_coef": _scalar_on(scaling.clip_coef, device),
+                }
+                lr = group["lr"]
+                s["lr"] = _scalar_on(lr, device) if isinstance(lr, torch.Tensor) else lr
+                self._run(group, lists, [grad_list[i] for i in idx], s)
+        return loss
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout (``state`` keyed by param index, ``param_groups``), state values as
+        plain dicts: loadable by the matching ``torch.optim`` optimizer. bf16 state is saved as
+        fp32 (exactly: bf16 widens losslessly) and a remainder as the fp32 ``master_param`` it
+        stands for, so the checkpoint does not depend on the precision options."""
+        sd = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        out = {}
+        for k, v in sd["state"].items():
+            st = dict(v)
+            rem = st.pop("master_remainder", None)
+            if rem is not None and isinstance(k, int) and k < len(params):
+                st["master_param"] = join_master(params[k].detach(), rem)
+            for key in _MOMENT_KEYS:
+                if isinstance(st.get(key), torch.Tensor) and st[key].dtype == torch.bfloat16:
+                    st[key] = st[key].float()
+            out[k] = st
+        sd["state"] = out
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict saved by this optimizer or by the matching ``torch.optim`` one.
+
+        Everything is checked before anything changes: the groups and their sizes, every state
+        tensor's shape and dtype kind, every ``step``. fp32 state and masters stay fp32 (torch
+        would cast them to the param's dtype); a torch checkpoint has no masters, so they are
+        taken from the current params at the next step.
+        """
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("state_dict must be a mapping with 'state' and 'param_groups' entries.")
+        groups = self.param_groups
+        saved_groups = deepcopy(state_dict["param_groups"])
+        if len(groups) != len(saved_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        for k, (g, sg) in enumerate(zip(groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError(
+                    f"loaded state dict contains a parameter group that doesn't match the size of optimizer's group (group {k})"
+                )
+        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups), chain.from_iterable(g["params"] for g in groups)))
+        new_state: dict[Any, dict[str, Any]] = {}
+        for pid, st in state_dict["state"].items():
+            p = id_map.get(pid)
+            if p is None:
+                new_state[pid] = deepcopy(st)
+                continue
+            if not isinstance(st, Mapping):
+                raise ValueError(f"the state of parameter {pid} must be a dict, got {type(st).__name__}.")
+            converted: dict[str, Any] = {}
+            for key, v in st.items():
+                if key == "step":
+                    try:
+                        step = torch.as_tensor(v, dtype=torch.float32)
+                    except (TypeError, ValueError, RuntimeError) as e:
+                        raise ValueError(f"state 'step' of parameter {pid} must be a number or a 1-element tensor, got {v!r}.") from e
+                    if step.numel() != 1:
+                        raise ValueError(f"state 'step' of parameter {pid} must have one element, got shape {tuple(step.shape)}.")
+                    converted[key] = step.to(p.device).reshape(()).clone()
+                elif isinstance(v, torch.Tensor):
+                    if v.shape != p.shape:
+                        raise ValueError(
+                            f"state '{key}' of parameter {pid} has shape {tuple(v.shape)} but the parameter has shape {tuple(p.shape)}."
+                        )
+                    if not v.is_floating_point():
+                        raise ValueError(f"state '{key}' of parameter {pid} must be a floating-point tensor, got {v.dtype}.")
+                    converted[key] = v.detach().to(device=p.device, dtype=torch.float32, copy=True)
+                else:
+                    converted[key] = deepcopy(v)
+            self._adopt_foreign_state(p, converted)
+            new_state[p] = converted
+        # apply
+        new_groups = []
+        for group, saved in zip(groups, saved_groups):
+            new_group = dict(saved)
+            new_group["params"] = group["params"]
+            if "param_names" in group and "param_names" not in new_group:
+                new_group["param_names"] = group["param_names"]
+            for key, value in group.items():  # a torch checkpoint lacks ampfuse's options
+                new_group.setdefault(key, value)
+            new_groups.append(new_group)
+        self.param_groups[:] = new_groups
+        self.state = _State(new_state)
+        self._plans.clear()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _adopt_foreign_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        """Hook for optimizer-specific fix-ups of a loaded (possibly torch) state."""
+
+
+def _remainder_for(p: torch.Tensor, master: torch.Tensor | None) -> torch.Tensor:
+    """The int16 remainder that with bf16 param ``p`` stands for fp32 ``master``: where ``p`` is
+    not the master's upper half (the param was edited, or loaded from elsewhere) the param wins,
+    as with fp32 masters, and the remainder is 0."""
+    out = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.preserve_format)  # p's layout
+    if master is None:
+        return out
+    hi, rem = split_master(master.to(device=p.device, dtype=torch.float32))
+    same = hi.view(torch.int16) == p.contiguous().view(torch.int16)
+    return out.copy_(torch.where(same, rem, torch.zeros_like(rem)).reshape(p.shape))
+
+
+def _float_hyper(name: str, value: Any) -> float:
+    """betas / weight_decay given as CPU tensors (torch accepts them) become numbers; the fused
+    kernels take them as arguments, not device tensors."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.device.type != "cpu":
+            raise ValueError(f"{name} must be a number (or a 1-element CPU tensor), got a tensor of shape "
+                             f"{tuple(value.shape)} on {value.device}.")
+        return float(value)
+    return value
+
+
+class SGD(_FusedOptimizer):
+    """Fused SGD with optional fp32 master weights (``torch.optim.SGD`` semantics).
+
+    Args:
+        params: parameters or param groups (fp16, bf16 or fp32; one device per group).
+        lr (float or Tensor, default 1e-3): learning rate; a tensor lr is read on device.
+        momentum (float, default 0): momentum factor.
+        dampening (float, default 0): dampening for momentum.
+        weight_decay (float, default 0): L2 penalty.
+        nesterov (bool, default False): Nesterov momentum.
+        maximize (bool, default False): maximize the objective.
+        foreach, fused, capturable: torch's implementation switches; accepted, nothing changes
+            (the step is always one fused, capturable pass with the for-loop numerics).
+        differentiable (bool, default False): ``True`` is refused.
+        master_weights (bool, "auto" or "remainder", default "auto"): keep fp32 masters for
+            fp16/bf16 params (``True`` and ``"auto"`` alike; fp32 params never need one).
+            ``"remainder"``: bf16 params keep an int16 remainder instead (2 bytes, not 4; the same
+            fp32 master bit for bit; see the module docstring). ``False`` updates low-precision
+            params directly (fp32 math).
+        state_dtype (torch.float32 or torch.bfloat16, default float32): storage of the momentum
+            buffer (the math is fp32; bf16 is stored rounded to nearest even).
+
+    ``state["step"]`` counts the steps taken with the current momentum buffer: the next step taken
+    with ``step == 0`` initialises the buffer to that step's gradient, as torch does when its
+    buffer is ``None``. Unlike torch's fused SGD, a skipped first step leaves the buffer so marked.
+    """
+
+    _state_keys = ("momentum_buffer",)
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | torch.Tensor = 1e-3,
+        momentum: float = 0,
+        dampening: float = 0,
+        weight_decay: float | torch.Tensor = 0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        master_weights: MasterWeights = "auto",
+        state_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self._check_torch_kwargs(foreach, fused, False, differentiable)
+        weight_decay = _float_hyper("weight_decay", weight_decay)
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if momentum < 0.0:
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
+                        fused=fused, master_weights=master_weights, state_dtype=state_dtype)
+        super().__init__(params, defaults)
+
+    def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def _state_created(self, p: torch.Tensor, state: dict[str, Any], key: str) -> None:
+        # momentum switched on mid-run (torch: the buffer is None): the next step taken starts it
+        # from the gradient, which the kernel does when the step counter is 0.
+        if key == "momentum_buffer":
+            state["step"].zero_()
+
+    def _run(self, group, lists, grads, s) -> None:
+        ops.sgd_step_(
+            lists["params"], grads, lists.get("masters", []), lists.get("momentum_buffer", []), lists["steps"],
+            lr=s["lr"], momentum=group["momentum"], dampening=group["dampening"],
+            weight_decay=group["weight_decay"], nesterov=group["nesterov"], maximize=group["maximize"],
+            grad_scale=s["grad_scale"], found_inf=s["found_inf"], clip_coef=s["clip_coef"],
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout: a momentum buffer that was never initialised is saved as ``None``."""
+        sd = super().state_dict()
+        for k, st in list(sd["state"].items()):
+            if "momentum_buffer" in st and "step" in st and float(st["step"]) == 0.0:
+                sd["state"][k] = dict(st, momentum_buffer=None)  # a copy: the live state stays
+        return sd
+
+    def _adopt_foreign_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        # torch's SGD has no step counter: a present buffer means momentum was initialised.
+        if "step" not in state:
+            initialised = state.get("momentum_buffer") is not None
+            state["step"] = torch.full((), 1.0 if initialised else 0.0, dtype=torch.float32, device=p.device)
+
+
+class Adam(_FusedOptimizer):
+    """Fused Adam with optional fp32 master weights (``torch.optim.Adam`` semantics).
+
+    Args:
+        params: parameters or param groups (fp16, bf16 or fp32; one device per group).
+        lr (float or Tensor, default 1e-3): learning rate; a tensor lr is read on device.
+        betas (tuple, default (0.9, 0.999)): running-average coefficients.
+        eps (float, default 1e-8): added to the denominator.
+        weight_decay (float, default 0): L2 penalty (added to the gradient), or decoupled.
+        amsgrad (bool, default False): keep the maximum of the second moment.
+        foreach, fused, capturable: torch's implementation switches; accepted, nothing changes.
+        maximize (bool, default False): maximize the objective.
+        differentiable (bool, default False): ``True`` is refused.
+        decoupled_weight_decay (bool, default False): AdamW's decoupled weight decay.
+        master_weights (bool, "auto" or "remainder", default "auto"): fp32 masters for fp16/bf16
+            params; ``"remainder"``: int16 remainders for bf16 params (see :class:`SGD`).
+        state_dtype (torch.float32 or torch.bfloat16, default float32): storage of ``exp_avg``,
+            ``exp_avg_sq`` (and ``max_exp_avg_sq``); the math is fp32 in registers either way.
+
+    Bias corrections are computed in fp64 from each parameter's own step count, as in torch's
+    for-loop implementation.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0,
+        amsgrad: bool = False,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        decoupled_weight_decay: bool = False,
+        master_weights: MasterWeights = "auto",
+        state_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self._check_torch_kwargs(foreach, fused, capturable, differentiable)
+        betas = (_float_hyper("betas[0]", betas[0]), _float_hyper("betas[1]", betas[1]))
+        weight_decay = _float_hyper("weight_decay", weight_decay)
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,
+                        fused=fused, decoupled_weight_decay=decoupled_weight_decay, master_weights=master_weights,
+                        state_dtype=state_dtype)
+        super().__init__(params, defaults)
+
+    def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
+
+    def _run(self, group, lists, grads, s) -> None:
+        beta1, beta2 = group["betas"]
+        ops.adam_step_(
+            lists["params"], grads, lists.get("masters", []), lists["exp_avg"], lists["exp_avg_sq"],
+            lists.get("max_exp_avg_sq", []), lists["steps"],
+            lr=s["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+            amsgrad=group["amsgrad"], maximize=group["maximize"],
+            decoupled_weight_decay=group.get("decoupled_weight_decay", False),
+            grad_scale=s["grad_scale"], found_inf=s["found_inf"], clip_coef=s["clip_coef"],
+        )
+
+
+class AdamW(Adam):
+    """Fused AdamW (decoupled weight decay) with optional fp32 master weights
+    (``torch.optim.AdamW`` semantics; ``weight_decay`` defaults to 1e-2). Arguments as :class:`Adam`."""
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        master_weights: MasterWeights = "auto",
+        state_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
+                         capturable=capturable, differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True, master_weights=master_weights, state_dtype=state_dtype)
