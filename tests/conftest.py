@@ -8,6 +8,14 @@ import sys
 import pytest
 import torch
 
+# The framework integration tests (tests/integrations) build their models in code and must never
+# reach a hub: set before any of them imports transformers/accelerate (which read these at import).
+# (Here and not in a tests/integrations/conftest.py: a second module named `conftest` would shadow
+# this one for `from conftest import ...` in the other suites.)
+for _var, _value in [("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
+                     ("TOKENIZERS_PARALLELISM", "false"), ("WANDB_DISABLED", "true")]:
+    os.environ.setdefault(_var, _value)
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # AMPFUSE_TEST_PACKAGE_DIR: a staged package built for another torch (tools/test_torch.sh).
 _PY = os.environ.get("AMPFUSE_TEST_PACKAGE_DIR") or os.path.join(_ROOT, "python")

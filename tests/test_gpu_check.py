@@ -60,7 +60,7 @@ def test_gpu_check_dry_run(tmp_path):
 def test_gpu_check_dry_run_fails_on_an_argument_the_real_run_rejects(tmp_path):
     """A pytest option the real run would reject (the old `-p pytest_timeout` double registration was
     one) fails the dry run too."""
-    r, out = _dry_run(tmp_path, PYTEST_ADDOPTS="-p pytest_timeout")
+    r, out = _dry_run(tmp_path, PYTEST_ADDOPTS="-p pytest_timeout", STAGES="tests")
     summary = (out / "summary.txt").read_text()
     assert r.returncode != 0 and "tests: rc=0" not in summary, summary
     assert "failed stages: tests" in summary, summary

@@ -8,6 +8,7 @@
 #include <torch/optim/schedulers/lr_scheduler.h>
 #include <torch/serialize/archive.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -39,6 +40,23 @@ const T& on_device(const std::vector<std::pair<c10::Device, T>>& per_device,
     if (d == device) return v;
   }
   TORCH_INTERNAL_ASSERT(false, "no entry for device ", device);
+}
+
+// The elements of `params` per device, devices in order of first appearance: the sizes of the
+// flat fp32 buffers (one per device).
+std::vector<std::pair<c10::Device, int64_t>> sizes_per_device(
+    const std::vector<at::Tensor>& params) {
+  std::vector<std::pair<c10::Device, int64_t>> sizes;
+  for (const auto& p : params) {
+    auto it = std::find_if(sizes.begin(), sizes.end(),
+                           [&](const auto& s) { return s.first == p.device(); });
+    if (it == sizes.end()) {
+      sizes.emplace_back(p.device(), p.numel());
+    } else {
+      it->second += p.numel();
+    }
+  }
+  return sizes;
 }
 
 }  // namespace
@@ -93,17 +111,7 @@ void GradAccumulator::layout(const std::vector<at::Tensor>& low) {
   bool same = low.size() == low_.size();
   for (size_t k = 0; same && k < low.size(); ++k) same = low[k].is_same(low_[k]);
   if (same) return;
-  std::vector<std::pair<c10::Device, int64_t>> sizes;
-  for (const auto& p : low) {
-    bool found = false;
-    for (auto& [d, n] : sizes) {
-      if (d == p.device()) {
-        n += p.numel();
-        found = true;
-      }
-    }
-    if (!found) sizes.emplace_back(p.device(), p.numel());
-  }
+  const auto sizes = sizes_per_device(low);
   std::vector<std::pair<c10::Device, at::Tensor>> flat;
   for (const auto& [device, numel] : sizes) {
     const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
@@ -444,17 +452,7 @@ void GradAccumulator::load(InputArchive& archive) {
     }
   }
   // The flat buffers' sizes per device, in the order layout() gives them.
-  std::vector<std::pair<c10::Device, int64_t>> sizes;
-  for (const auto& p : low) {
-    bool found = false;
-    for (auto& [d, n] : sizes) {
-      if (d == p.device()) {
-        n += p.numel();
-        found = true;
-      }
-    }
-    if (!found) sizes.emplace_back(p.device(), p.numel());
-  }
+  const auto sizes = sizes_per_device(low);
   std::vector<at::Tensor> buffers;
   std::vector<at::Tensor> found_infs;
   std::vector<bool> has_grad(low.size(), false);
