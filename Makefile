@@ -115,7 +115,8 @@ test-torch-matrix: | venv sysdeps
 #                   `make test-emulated CUEMU_SEED=N` replays it)
 #   test-sanitize   the kernel-level suite (tests/test_cuda_kernels.py: the CUDA table against the
 #                   CPU table, case by case) and the op suite through the emulated CUDA table built
-#                   with ASan + UBSan, in forward and in the seeded random order; any report fails
+#                   with ASan + UBSan in forward order, then the kernel-level suite in the seeded
+#                   random order; any report fails
 # Every suite that reaches a kernel thus runs natively and emulated, the kernel-level and op suites
 # under both schedules (with the sanitizers, which change no result, only add checks). The
 # multi-process (torch.distributed), packaging, integration, demo, benchmark and GPU-check suites
@@ -123,7 +124,8 @@ test-torch-matrix: | venv sysdeps
 ifndef CUEMU_SEED
 CUEMU_SEED := $(shell date +%s)
 endif
-PYTEST := AMPFUSE_CPP_BUILD_DIR=$(abspath $(BUILD_DIR)) AMPFUSE_REQUIRE_EMULATION=1 PYTHONPATH=python $(PY) -m pytest -q -p no:cacheprovider
+PYTEST := AMPFUSE_CPP_BUILD_DIR=$(abspath $(BUILD_DIR)) AMPFUSE_REQUIRE_EMULATION=1 PYTHONPATH=python $(PY) -m pytest -q \
+  -p no:cacheprovider --durations=8
 XDIST := -n $(MAX_JOBS) --dist loadfile
 XDIST_TESTS := -n $(MAX_JOBS) --dist load
 EMULATED := AMPFUSE_CPU_KERNELS=cuda-emulated
@@ -162,7 +164,7 @@ test-sanitize: $(SANITIZED_LIB)
 	@echo "== emulated CUDA kernels with ASan + UBSan, forward schedule"
 	$(SANITIZE) $(EMULATED) $(FORWARD) $(PYTEST) $(XDIST_TESTS) $(KERNEL_SUITES)
 	@echo "== emulated CUDA kernels with ASan + UBSan, random schedule: CUEMU_SEED=$(CUEMU_SEED)"
-	$(SANITIZE) $(EMULATED) $(RANDOM) $(PYTEST) $(XDIST_TESTS) $(KERNEL_SUITES)
+	$(SANITIZE) $(EMULATED) $(RANDOM) $(PYTEST) $(XDIST_TESTS) tests/test_cuda_kernels.py
 
 test: test-cpp test-py test-emulated test-sanitize test-oldest-torch
 
