@@ -104,7 +104,7 @@ test-torch-matrix: | venv sysdeps
 	set -e; for v in $(TORCH_MATRIX); do MAX_JOBS=$(MAX_JOBS) tools/test_torch.sh $$v $(XDIST) $(MATRIX_IGNORE) tests; done
 
 # --- tests -------------------------------------------------------------------------------------------
-# Passes (their times, measured on the 2-core developers' machine, are in the README):
+# Passes (their times on the 2-core developers' machine are in the README, Development):
 #   test-cpp        ctest: the C++ API's gtests, the cross-language and consumer-package tests
 #   test-py         every Python suite on the CPU kernels but the kernel-level one (test-sanitize
 #                   runs it), pytest-xdist over both cores
