@@ -20,6 +20,7 @@
 #include <string>
 
 #include "cpu/kernels/kernels.h"
+#include "ops/op_core.h"
 #include "ops/op_layer.h"
 
 namespace ampfuse::cpu {
@@ -155,7 +156,10 @@ extern "C" __attribute__((visibility("default"))) const char* ampfuse_select_cpu
   return error.empty() ? nullptr : error.c_str();
 }
 
-TORCH_LIBRARY_IMPL(ampfuse, CPU, m) { ampfuse::ops::register_kernels<ampfuse::cpu::kBackend>(m); }
+TORCH_LIBRARY_IMPL(ampfuse, CPU, m) {
+  ampfuse::ops::register_kernels<ampfuse::cpu::kBackend>(m);
+  ampfuse::ops::set_device_backend(c10::DeviceType::CPU, &ampfuse::cpu::kBackend);  // step plans
+}
 
 // Sparse tensors reach the same entry points, whose validation rejects them with a clear message
 // (GradScaler passes a sparse gradient's coalesced values() instead, as torch's does).

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cuda/kernels.cuh"
+#include "ops/op_core.h"
 #include "ops/op_layer.h"
 
 namespace ampfuse::cuda {
@@ -54,7 +55,10 @@ extern "C" __attribute__((visibility("default"))) int ampfuse_limit_cuda_sms(int
   return ampfuse::cuda::g_sms_limit.exchange(limit > 0 ? limit : 0);
 }
 
-TORCH_LIBRARY_IMPL(ampfuse, CUDA, m) { ampfuse::ops::register_kernels<ampfuse::cuda::kBackend>(m); }
+TORCH_LIBRARY_IMPL(ampfuse, CUDA, m) {
+  ampfuse::ops::register_kernels<ampfuse::cuda::kBackend>(m);
+  ampfuse::ops::set_device_backend(c10::DeviceType::CUDA, &ampfuse::cuda::kBackend);  // step plans
+}
 
 // Sparse tensors reach the same entry points, whose validation rejects them with a clear message.
 TORCH_LIBRARY_IMPL(ampfuse, SparseCUDA, m) {

@@ -10,6 +10,7 @@
 
 #include "ops/call_resources.h"
 #include "ops/flatten.h"
+#include "ops/op_core.h"
 #include "ops/validation.h"
 
 namespace ampfuse::ops {
@@ -36,18 +37,15 @@ const T* const_ptr_or_null(const std::optional<at::Tensor>& t) {
   return t ? t->const_data_ptr<T>() : nullptr;
 }
 
-// Shared body of unscale_check_, unscale_check_norm_ and check_norm_ (arguments validated).
-std::tuple<at::Tensor, at::Tensor> unscale_check_impl(
+}  // namespace
+
+namespace core {
+
+std::tuple<at::Tensor, at::Tensor> unscale_check(
     const Backend& b, at::TensorList tensors, const at::Tensor& found_inf,
     const detail::ScaleArg& scale, bool write_back, NormKind norm, std::optional<double> max_norm,
     const std::optional<at::Tensor>& per_tensor_found_inf, bool overwrite_found_inf,
     const char* op) {
-  detail::OverlapCheck overlap;
-  overlap.add(tensors, "tensors", write_back);
-  overlap.add(found_inf, "found_inf", true);
-  overlap.add(*scale.tensor, scale.name, false);
-  overlap.add(per_tensor_found_inf, "per_tensor_found_inf", true);
-  overlap.check();
   const c10::Device device = found_inf.device();
   // An fp64 tensor's norm may exceed the float range while every value is finite: with one in the
   // list the norm is accumulated and returned in fp64 (as torch's clip_grad_norm_ does).
@@ -91,7 +89,11 @@ std::tuple<at::Tensor, at::Tensor> unscale_check_impl(
   return {total_norm, clip_coef};
 }
 
-// Shared body of the fused optimizer steps (arguments validated).
+}  // namespace core
+
+namespace {
+
+// Shared body of the fused optimizer steps (arguments validated and overlap-checked).
 template <typename Hyper>
 void optim_step_impl(const Backend& b, const detail::OptimLists& l, const Hyper& h,
                      const c10::Device& device,
@@ -101,17 +103,6 @@ void optim_step_impl(const Backend& b, const detail::OptimLists& l, const Hyper&
                      const std::optional<at::Tensor>& grad_scale,
                      const std::optional<at::Tensor>& found_inf,
                      const std::optional<at::Tensor>& clip_coef, const char* op) {
-  detail::OverlapCheck overlap;
-  overlap.add(l.params, "params", true);
-  overlap.add(l.grads, "grads", false);
-  overlap.add(l.masters, "master_params", true);
-  for (size_t k = 0; k < l.states.size(); ++k) overlap.add(l.states[k], l.state_names[k], true);
-  overlap.add(l.steps, "steps", true);
-  overlap.add(lr_tensor, "lr_tensor", false);
-  overlap.add(grad_scale, "grad_scale", false);
-  overlap.add(found_inf, "found_inf", false);
-  overlap.add(clip_coef, "clip_coef", false);
-  overlap.check();
   const size_t n = l.params.size();
   if (n == 0 || b.table == nullptr) return;
   const c10::DeviceGuard guard(device);
@@ -158,7 +149,61 @@ void optim_step_impl(const Backend& b, const detail::OptimLists& l, const Hyper&
   for (const auto& r : copies) r.finish();
 }
 
+void check_optim_overlap(const detail::OptimLists& l, const std::optional<at::Tensor>& lr_tensor,
+                         const std::optional<at::Tensor>& grad_scale,
+                         const std::optional<at::Tensor>& found_inf,
+                         const std::optional<at::Tensor>& clip_coef) {
+  detail::OverlapCheck overlap;
+  overlap.add(l.params, "params", true);
+  overlap.add(l.grads, "grads", false);
+  overlap.add(l.masters, "master_params", true);
+  for (size_t k = 0; k < l.states.size(); ++k) overlap.add(l.states[k], l.state_names[k], true);
+  overlap.add(l.steps, "steps", true);
+  overlap.add(lr_tensor, "lr_tensor", false);
+  overlap.add(grad_scale, "grad_scale", false);
+  overlap.add(found_inf, "found_inf", false);
+  overlap.add(clip_coef, "clip_coef", false);
+  overlap.check();
+}
+
+std::tuple<at::Tensor, at::Tensor> unscale_check_impl(
+    const Backend& b, at::TensorList tensors, const at::Tensor& found_inf,
+    const detail::ScaleArg& scale, bool write_back, NormKind norm, std::optional<double> max_norm,
+    const std::optional<at::Tensor>& per_tensor_found_inf, bool overwrite_found_inf,
+    const char* op) {
+  detail::OverlapCheck overlap;
+  overlap.add(tensors, "tensors", write_back);
+  overlap.add(found_inf, "found_inf", true);
+  overlap.add(*scale.tensor, scale.name, false);
+  overlap.add(per_tensor_found_inf, "per_tensor_found_inf", true);
+  overlap.check();
+  return core::unscale_check(b, tensors, found_inf, scale, write_back, norm, max_norm,
+                             per_tensor_found_inf, overwrite_found_inf, op);
+}
+
 }  // namespace
+
+namespace core {
+
+void sgd_step(const Backend& b, const detail::OptimLists& l, const SgdHyper& h,
+              const c10::Device& device, const std::optional<at::Tensor>& lr_tensor,
+              const std::optional<at::Tensor>& grad_scale,
+              const std::optional<at::Tensor>& found_inf,
+              const std::optional<at::Tensor>& clip_coef) {
+  optim_step_impl(b, l, h, device, &kernels::KernelTable::sgd_step, lr_tensor, grad_scale,
+                  found_inf, clip_coef, "sgd_step_");
+}
+
+void adam_step(const Backend& b, const detail::OptimLists& l, const AdamHyper& h,
+               const c10::Device& device, const std::optional<at::Tensor>& lr_tensor,
+               const std::optional<at::Tensor>& grad_scale,
+               const std::optional<at::Tensor>& found_inf,
+               const std::optional<at::Tensor>& clip_coef) {
+  optim_step_impl(b, l, h, device, &kernels::KernelTable::adam_step, lr_tensor, grad_scale,
+                  found_inf, clip_coef, "adam_step_");
+}
+
+}  // namespace core
 
 void unscale_check(const Backend& b, at::TensorList tensors, const at::Tensor& found_inf,
                    const std::optional<at::Tensor>& inv_scale,
@@ -287,8 +332,8 @@ void sgd_step(const Backend& b, at::TensorList params, at::TensorList grads,
       detail::check_optim_args(l, lr_tensor, grad_scale, found_inf, clip_coef);
   const SgdHyper h{lr, momentum, dampening, weight_decay, nesterov, maximize};
   detail::check_sgd_hyper(h, l);
-  optim_step_impl(b, l, h, device, &kernels::KernelTable::sgd_step, lr_tensor, grad_scale,
-                  found_inf, clip_coef, "sgd_step_");
+  check_optim_overlap(l, lr_tensor, grad_scale, found_inf, clip_coef);
+  core::sgd_step(b, l, h, device, lr_tensor, grad_scale, found_inf, clip_coef);
 }
 
 void adam_step(const Backend& b, at::TensorList params, at::TensorList grads,
@@ -306,8 +351,23 @@ void adam_step(const Backend& b, at::TensorList params, at::TensorList grads,
       detail::check_optim_args(l, lr_tensor, grad_scale, found_inf, clip_coef);
   const AdamHyper h{lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay};
   detail::check_adam_hyper(h, l);
-  optim_step_impl(b, l, h, device, &kernels::KernelTable::adam_step, lr_tensor, grad_scale,
-                  found_inf, clip_coef, "adam_step_");
+  check_optim_overlap(l, lr_tensor, grad_scale, found_inf, clip_coef);
+  core::adam_step(b, l, h, device, lr_tensor, grad_scale, found_inf, clip_coef);
+}
+
+namespace {
+const Backend* g_device_backends[static_cast<int>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)] = {};
+}  // namespace
+
+const Backend* device_backend(c10::DeviceType type) {
+  const auto i = static_cast<int>(type);
+  return i >= 0 && i < static_cast<int>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)
+             ? g_device_backends[i]
+             : nullptr;
+}
+
+void set_device_backend(c10::DeviceType type, const Backend* backend) {
+  g_device_backends[static_cast<int>(type)] = backend;
 }
 
 }  // namespace ampfuse::ops

@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "ampfuse/ops.h"
+#include "ops/step_plan.h"
 
 TORCH_LIBRARY(ampfuse, m) {
   // Unscale every tensor in place by inv_scale; found_inf := 1 if any element is inf/NaN (never
@@ -64,6 +65,21 @@ TORCH_LIBRARY(ampfuse, m) {
       "float beta2=0.999, float eps=1e-8, float weight_decay=0., bool amsgrad=False, "
       "bool maximize=False, bool decoupled_weight_decay=False, Tensor? grad_scale=None, "
       "Tensor? found_inf=None, Tensor? clip_coef=None) -> ()");
+  // The persistent step plan of an optimizer (ops/step_plan.h): its tensors validated once, a
+  // step (or the scaler's check) one native call whatever the number of params. Eager only:
+  // compiled and traced steps go through the ops above.
+  using ampfuse::ops::StepPlan;
+  m.class_<StepPlan>("StepPlan")
+      .def(torch::init<std::string>())
+      .def("hyper_width", &StepPlan::hyper_width)
+      .def("add_bucket", &StepPlan::add_bucket)
+      .def("add_idle", &StepPlan::add_idle)
+      .def("bind_grads", &StepPlan::bind_grads)
+      .def("finalize", &StepPlan::finalize)
+      .def("step", &StepPlan::step)
+      .def("check", &StepPlan::check)
+      .def("num_params", &StepPlan::num_params)
+      .def("kind", &StepPlan::kind);
 }
 
 namespace ampfuse {

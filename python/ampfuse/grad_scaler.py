@@ -89,6 +89,18 @@ def _dense_grads_per_group_device(optimizer: torch.optim.Optimizer, allow_fp16: 
     return per_device
 
 
+def _live_native(optimizer: torch.optim.Optimizer, grads: Grads | None, allow_fp16: bool) -> Any:
+    """The native step plan of an ampfuse optimizer, when it is current and its gradients are the
+    ones this pass is for (``.grad``; fp16 ones only where allowed), else None: the caller then
+    goes the general way, which also names what is wrong."""
+    if grads is not None or not isinstance(optimizer, _FusedOptimizer):
+        return None
+    native = optimizer._live_native()
+    if native is None or (native.fp16_grads and not allow_fp16):
+        return None
+    return native
+
+
 class OverflowReport(list):
     """A list of ``(group_index, param_index, name)`` for parameters whose gradient is non-finite."""
 
@@ -308,6 +320,11 @@ class GradScaler(torch.amp.GradScaler):
         """The scaler's own check (and unscale, when ``write``): one launch per device that takes
         ``1/scale`` itself and writes a fresh found_inf (no reciprocal, no zero-fill launches)."""
         assert self._scale is not None
+        native = _live_native(optimizer, grads, allow_fp16)
+        if native is not None:
+            out = native.plan.check(self._scale, write, False, 2.0, None)
+            if out:
+                return {f.device: f for f in out}
         per_device = self._grads_per_device(optimizer, allow_fp16, grads)
         per_device_scale = _Replicas(self._scale)
         found: dict[torch.device, torch.Tensor] = {}
@@ -385,15 +402,29 @@ class GradScaler(torch.amp.GradScaler):
             return torch.nn.utils.clip_grad_norm_(_all_params(optimizer), max_norm, norm_type)
 
         optimizer_state = self._check_unscale_stage(optimizer, "unscale_and_clip_")
+        assert self._scale is not None
+        float_max = None if isinstance(max_norm, torch.Tensor) else float(max_norm)
+        native = _live_native(optimizer, grads, True) if fused else None
+        if native is not None:
+            single = native.devices <= 1
+            out = native.plan.check(self._scale, False, True, norm_type, float_max if single else None)
+            if out:
+                found_infs = {f.device: f for f in out[0::3]}
+                total_norm = out[1] if single else torch.linalg.vector_norm(
+                    torch.stack([n.to(self._scale.device) for n in out[1::3]]), norm_type)
+                coef = out[2] if single and float_max is not None else ops.clip_coef(total_norm, max_norm)
+                optimizer_state["clip_coef"] = coef
+                optimizer_state["grads_still_scaled"] = True
+                optimizer_state["found_inf_per_device"] = found_infs
+                optimizer_state["stage"] = OptState.UNSCALED
+                return total_norm
         per_device = self._grads_per_device(optimizer, allow_fp16=fused, grads=grads)
         if any(g.layout is not torch.strided for gs in per_device.values() for g in gs) or any(
             p.grad is not None and p.grad.is_sparse for p in _all_params(optimizer) if grads is not None and p not in grads
         ):
             raise RuntimeError("unscale_and_clip_ does not support sparse gradients; use unscale_() and clip_grad_norm_().")
-        assert self._scale is not None
         per_device_scale = _Replicas(self._scale)
         found_infs: dict[torch.device, torch.Tensor] = {}
-        float_max = None if isinstance(max_norm, torch.Tensor) else float(max_norm)
         single = len(per_device) <= 1
         norms: list[torch.Tensor] = []
         coef: torch.Tensor | None = None

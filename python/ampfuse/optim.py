@@ -63,6 +63,7 @@ from __future__ import annotations
 import collections
 import math
 import numbers
+import operator
 from collections.abc import Mapping
 from copy import deepcopy
 from itertools import chain
@@ -241,6 +242,24 @@ class _Plan:
         self.buckets = buckets  # [(device, [index in group], {list name: [tensors]})]
 
 
+class _NativePlan:
+    """The optimizer's persistent native step plan (``torch.classes.ampfuse.StepPlan``, see
+    csrc/ops/step_plan.h) and what it was built for: the state object and its generation, and per
+    param group its params list, their ids and the group's structural options. Those are the
+    owner's to check (O(groups) plus one C-level pass over the ids); the plan checks the rest
+    (gradients, param data) natively at every call."""
+
+    __slots__ = ("plan", "state", "generation", "groups", "devices", "fp16_grads")
+
+    def __init__(self, plan, state, generation, groups, devices, fp16_grads) -> None:
+        self.plan = plan
+        self.state = state
+        self.generation = generation
+        self.groups = groups  # [(params list, a copy of its entries, signature)]
+        self.devices = devices  # how many devices its buckets are on
+        self.fp16_grads = fp16_grads  # whether it reads fp16 gradients
+
+
 class _FusedOptimizer(torch.optim.Optimizer):
     """Shared machinery: argument checks, lazy fp32 state, cached bucket plans, checkpoints."""
 
@@ -255,6 +274,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {defaults.get('state_dtype')!r}.")
         self._param_dtypes: dict[int, torch.dtype] = {}
         self._plans: dict[int, _Plan] = {}
+        self._native: _NativePlan | None = None
         # params whose loaded fp32 master the next step reconciles with the param (ties)
         self._reconcile: set[int] = set()
         super().__init__(params, defaults)
@@ -281,6 +301,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         # The dtypes the params had when the optimizer was built, by position: a copy (deepcopy,
         # pickle) has new params, and keeps the check against converting the model afterwards.
         state = super().__getstate__()
+        state = dict(state)
+        state.pop("_native", None)  # a native object: rebuilt by the first step
         state["_param_dtypes_by_position"] = [
             [self._param_dtypes.get(id(p)) for p in g["params"]] for g in self.param_groups
         ]
@@ -296,6 +318,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     if dtype is not None:
                         self._param_dtypes[id(p)] = dtype
         self._plans = {}
+        self._native = None
         self._reconcile = set()
         self.state = _State(self.state)
 
@@ -304,6 +327,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if hasattr(self, "_plans"):
             self._plans.clear()
+            self._native = None
         group = self.param_groups[-1]
         gi = len(self.param_groups) - 1
         try:
@@ -395,6 +419,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
                         f"the gradient of {where} shares memory with the parameter (e.g. p.grad = p, or grads={{p: p}}); "
                         "the step writes the parameter while it reads the gradient. Pass a separate tensor (e.g. .clone())."
                     )
+                state = self.state.get(p)
+                for key, t in (state.items() if isinstance(state, Mapping) else ()):
+                    if isinstance(t, torch.Tensor) and _overlaps(g, t):
+                        raise RuntimeError(
+                            f"the gradient of {where} shares memory with its optimizer state '{key}'; the step writes "
+                            "the state while it reads the gradient. Pass a separate tensor (e.g. .clone())."
+                        )
 
     def _check_group_options(self, gi: int, group: dict[str, Any]) -> None:
         """Hyper-parameters of a group as the user may have edited them since construction: every
@@ -567,6 +598,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if not isinstance(self.state, _State):  # replaced from outside (e.g. opt.state = ...)
             self.state = _State(self.state)
             self._plans.clear()
+            self._native = None
+        native = self._live_native() if grads is None else None
+        if native is not None:
+            hyper, lr_tensors = self._native_hyper()
+            if native.plan.step(hyper, lr_tensors, scaling.grad_scale, scaling.found_inf, scaling.clip_coef) == 0:
+                return loss
+            # stale (a gradient or param changed in a way the plan was not built for): nothing
+            # was changed; the validated way below names what is wrong, and rebuilds the plan.
+            self._native = None
         work = []
         stale = False
         strided = torch.strided
@@ -613,7 +653,89 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 lr = group["lr"]
                 s["lr"] = _scalar_on(lr, device) if isinstance(lr, torch.Tensor) else float(lr)
                 self._run(group, lists, [grad_list[i] for i in idx], s)
+        if grads is None and not torch.compiler.is_compiling() and (stale or self._native is None):
+            self._native = self._build_native()
         return loss
+
+    # ---- the native step plan ------------------------------------------------------------------
+    _native_kind = ""  # "sgd" or "adam": the StepPlan kind (empty: no native plan)
+    _native_state_keys: tuple[str, ...] = ()
+
+    def _build_native(self) -> _NativePlan | None:
+        """The native plan of the current Python plans (all valid: a step just ran through them)."""
+        if not self._native_kind or torch._C._len_torch_dispatch_stack():
+            return None
+        python_key = torch._C.DispatchKey.Python
+        for group in self.param_groups:
+            for p in group["params"]:
+                # tensor subclasses (DTensor, FSDP2's sharded params) go through the ops, which
+                # their __torch_dispatch__ routes
+                if torch._C._dispatch_keys(p).has(python_key) or p.is_meta:
+                    return None
+        plan = torch.classes.ampfuse.StepPlan(self._native_kind)
+        devices: set[torch.device] = set()
+        fp16_grads = False
+        groups = []
+        for gi, group in enumerate(self.param_groups):
+            py = self._plans.get(gi)
+            if py is None or py.params is not group["params"]:
+                return None
+            for device, idx, lists in py.buckets:
+                states = [lists.get(k, []) for k in self._native_state_keys]
+                states += [[]] * (3 - len(states))
+                grad_dtype = py.grad_dtypes[idx[0]]
+                plan.add_bucket(gi, lists["params"], lists.get("masters", []), *states, lists["steps"],
+                                grad_dtype == torch.float32 and py.param_dtypes[idx[0]] != torch.float32)
+                devices.add(device)
+                fp16_grads |= grad_dtype == torch.float16
+            idle = [p for p, dt in zip(group["params"], py.grad_dtypes) if dt is None]
+            if idle:
+                plan.add_idle(idle)
+            groups.append((group["params"], list(group["params"]), py.signature))
+        plan.finalize()
+        return _NativePlan(plan, self.state, self.state.generation, groups, len(devices), fp16_grads)
+
+    def _live_native(self) -> _NativePlan | None:
+        """The native plan when nothing the optimizer owns changed since it was built (param
+        groups, state, structural options), else None; eager steps only (a compiled or traced
+        step goes through the ops)."""
+        if torch.compiler.is_compiling():
+            return None
+        native = self._native
+        if native is None or torch._C._len_torch_dispatch_stack():
+            return None  # a dispatch mode (FakeTensorMode, an op logger) sees the ops
+        state = self.state
+        if native.state is not state or native.generation != state.generation:
+            return None
+        groups = self.param_groups
+        if len(groups) != len(native.groups):
+            return None
+        for (params, snapshot, signature), group in zip(native.groups, groups):
+            p = group["params"]
+            # the list itself, and each of its entries (no allocation per param)
+            if (p is not params or signature != self._signature(group) or len(p) != len(snapshot)
+                    or not all(map(operator.is_, p, snapshot))):
+                return None
+        return native
+
+    def _native_hyper(self) -> tuple[list[float], list[torch.Tensor]]:
+        """Every group's hyper-parameters, checked (as the validated way checks them), as the
+        plan's ``hyper`` numbers and lr tensors."""
+        hyper: list[float] = []
+        lr_tensors: list[torch.Tensor] = []
+        for gi, group in enumerate(self.param_groups):
+            self._check_group_options(gi, group)
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor):
+                hyper += (0.0, float(len(lr_tensors)))
+                lr_tensors.append(lr)
+            else:
+                hyper += (float(lr), -1.0)
+            hyper += self._native_group_hyper(group)
+        return hyper, lr_tensors
+
+    def _native_group_hyper(self, group: dict[str, Any]) -> tuple[float, ...]:
+        raise NotImplementedError
 
     # ---- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -710,6 +832,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self.param_groups[:] = new_groups
         self.state = _State(new_state)
         self._plans.clear()
+        self._native = None
         # A loaded fp32 master may be a remainder form's (its param rounded ties away from zero).
         self._reconcile = {id(p) for p, st in new_state.items() if isinstance(p, torch.Tensor) and "master_param" in st}
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -866,6 +989,12 @@ class SGD(_FusedOptimizer):
     """
 
     _state_keys = ("momentum_buffer",)
+    _native_kind = "sgd"
+    _native_state_keys = ("momentum_buffer",)
+
+    def _native_group_hyper(self, group: dict[str, Any]) -> tuple[float, ...]:
+        return (float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
+                float(bool(group["nesterov"])), float(bool(group["maximize"])))
 
     def __init__(
         self,
@@ -1013,6 +1142,15 @@ class Adam(_FusedOptimizer):
                         fused=fused, decoupled_weight_decay=decoupled_weight_decay, master_weights=master_weights,
                         state_dtype=state_dtype)
         super().__init__(params, defaults)
+
+    _native_kind = "adam"
+    _native_state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+    def _native_group_hyper(self, group: dict[str, Any]) -> tuple[float, ...]:
+        beta1, beta2 = group["betas"]
+        return (float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+                float(bool(group["amsgrad"])), float(bool(group["maximize"])),
+                float(bool(group.get("decoupled_weight_decay", False))))
 
     def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")

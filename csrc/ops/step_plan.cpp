@@ -1,0 +1,295 @@
+// The persistent step plan (see step_plan.h).
+#include "ops/step_plan.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#include "ops/op_core.h"
+#include "ops/validation.h"
+
+namespace ampfuse::ops {
+namespace {
+
+constexpr int64_t kSgdWidth = 7;
+constexpr int64_t kAdamWidth = 9;
+
+// A 1-element scaling tensor as the kernels read it: fp32 on `device` (copied without a sync
+// when it is elsewhere, as the Python optimizers do).
+at::Tensor scalar_on(const at::Tensor& t, const c10::Device& device) {
+  if (t.device() == device && t.scalar_type() == c10::kFloat) return t;
+  return t.reshape({}).to(t.options().device(device).dtype(c10::kFloat), /*non_blocking=*/true);
+}
+
+std::optional<at::Tensor> scalar_on(const std::optional<at::Tensor>& t,
+                                    const c10::Device& device) {
+  if (!t) return std::nullopt;
+  return scalar_on(*t, device);
+}
+
+}  // namespace
+
+StepPlan::StepPlan(const std::string& kind) {
+  TORCH_CHECK(kind == "sgd" || kind == "adam", "StepPlan kind must be 'sgd' or 'adam', got '",
+              kind, "'.");
+  adam_ = kind == "adam";
+}
+
+int64_t StepPlan::hyper_width() const { return adam_ ? kAdamWidth : kSgdWidth; }
+
+StepPlan::Span StepPlan::span_of(const at::Tensor& t) {
+  int64_t lo = 0, hi = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t extent = (t.size(d) - 1) * t.stride(d);
+    (extent < 0 ? lo : hi) += extent;
+  }
+  const auto item = static_cast<int64_t>(t.element_size());
+  const auto base = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  return Span{base + lo * item, base + (hi + 1) * item};
+}
+
+void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
+                          std::vector<at::Tensor> masters, std::vector<at::Tensor> state0,
+                          std::vector<at::Tensor> state1, std::vector<at::Tensor> state2,
+                          std::vector<at::Tensor> steps, bool fp32_grads) {
+  TORCH_CHECK(!finalized_, "StepPlan.add_bucket: the plan is finalized.");
+  TORCH_CHECK(!params.empty(), "StepPlan.add_bucket: params must not be empty.");
+  TORCH_CHECK(group >= 0, "StepPlan.add_bucket: group must be >= 0, got ", group, ".");
+  TORCH_CHECK(adam_ || (state1.empty() && state2.empty()),
+              "StepPlan.add_bucket: an sgd plan has one state list (momentum buffers).");
+  Bucket b;
+  b.group = group;
+  b.device = params[0].device();
+  b.param_dtype = params[0].scalar_type();
+  b.grad_dtype = fp32_grads ? c10::kFloat : b.param_dtype;
+  b.backend = device_backend(b.device.type());
+  TORCH_CHECK(b.backend != nullptr, "ampfuse has no kernels for tensors on ", b.device,
+              "; its ops run on CPU and CUDA tensors.");
+  // The op's own checks, with the params standing in for gradients of the bucket's dtype.
+  std::vector<at::Tensor> probe;
+  probe.reserve(params.size());
+  for (const auto& p : params) probe.push_back(fp32_grads ? p.to(c10::kFloat) : p);
+  const detail::OptimLists l{params, probe, masters, {state0, state1, state2},
+                             {"momentum_buffers", "exp_avg_sqs", "max_exp_avg_sqs"}, steps};
+  detail::check_optim_args(l, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+  for (const auto& p : params) {
+    TORCH_CHECK(p.device() == b.device && p.scalar_type() == b.param_dtype,
+                "StepPlan.add_bucket: the params of a bucket must share one device and dtype.");
+    TORCH_CHECK(!p.key_set().has(c10::DispatchKey::Python) && !p.is_meta(),
+                "StepPlan.add_bucket: tensor subclasses (e.g. DTensor) and meta tensors go "
+                "through the ops, not a plan.");
+    b.sizes.emplace_back(p.sizes().vec());
+    b.data.push_back(p.const_data_ptr());
+  }
+  b.params = std::move(params);
+  b.masters = std::move(masters);
+  b.states[0] = std::move(state0);
+  b.states[1] = std::move(state1);
+  b.states[2] = std::move(state2);
+  b.steps = std::move(steps);
+  b.grads.resize(b.params.size());
+  num_params_ += static_cast<int64_t>(b.params.size());
+  buckets_.push_back(std::move(b));
+}
+
+void StepPlan::add_idle(std::vector<at::Tensor> params) {
+  TORCH_CHECK(!finalized_, "StepPlan.add_idle: the plan is finalized.");
+  for (auto& p : params) idle_.push_back(std::move(p));
+}
+
+void StepPlan::bind_grads(std::vector<at::Tensor> grads) {
+  TORCH_CHECK(!finalized_, "StepPlan.bind_grads: the plan is finalized.");
+  TORCH_CHECK(static_cast<int64_t>(grads.size()) == num_params_, "StepPlan.bind_grads: expected ",
+              num_params_, " gradients (one per param of the buckets), got ", grads.size(), ".");
+  size_t k = 0;
+  for (auto& b : buckets_) {
+    b.bound.assign(grads.begin() + static_cast<std::ptrdiff_t>(k),
+                   grads.begin() + static_cast<std::ptrdiff_t>(k + b.params.size()));
+    k += b.params.size();
+  }
+}
+
+void StepPlan::finalize() {
+  TORCH_CHECK(!finalized_, "StepPlan.finalize: the plan is finalized.");
+  // Everything the step writes, checked for sharing as the op checks it (naming the tensors).
+  detail::OverlapCheck overlap;
+  for (const auto& b : buckets_) {
+    overlap.add(b.params, "params", true);
+    overlap.add(b.masters, "master_params", true);
+    for (const auto& s : b.states) overlap.add(s, "state", true);
+    overlap.add(b.steps, "steps", true);
+  }
+  overlap.check();
+  for (const auto& b : buckets_) {
+    auto add = [&](const std::vector<at::Tensor>& list) {
+      for (const auto& t : list) {
+        if (t.numel() > 0 && t.const_data_ptr() != nullptr) written_.push_back(span_of(t));
+      }
+    };
+    add(b.params);
+    add(b.masters);
+    for (const auto& s : b.states) add(s);
+    add(b.steps);
+  }
+  std::sort(written_.begin(), written_.end(),
+            [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  finalized_ = true;
+}
+
+bool StepPlan::touches_written(const at::Tensor& t) const {
+  if (t.numel() == 0 || t.const_data_ptr() == nullptr) return false;
+  const Span s = span_of(t);
+  // The first written span that ends after s begins; the spans are disjoint and sorted, so their
+  // ends are sorted too.
+  auto it = std::upper_bound(written_.begin(), written_.end(), s.begin,
+                             [](uintptr_t v, const Span& w) { return v < w.end; });
+  return it != written_.end() && it->begin < s.end;
+}
+
+bool StepPlan::gather_grads(Bucket& b) {
+  const size_t n = b.params.size();
+  const bool bound = !b.bound.empty();
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = b.params[i];
+    const at::Tensor& g = bound ? b.bound[i] : p.grad();
+    if (!g.defined() || g.layout() != c10::kStrided || g.scalar_type() != b.grad_dtype ||
+        g.key_set().has(c10::DispatchKey::Python) ||
+        g.device() != b.device || p.scalar_type() != b.param_dtype ||
+        p.const_data_ptr() != b.data[i] || !p.sizes().equals(b.sizes[i]) ||
+        !g.sizes().equals(b.sizes[i]) || touches_written(g)) {
+      return false;
+    }
+    b.grads[i] = g;
+  }
+  return true;
+}
+
+bool StepPlan::idle_unchanged() const {
+  for (const auto& p : idle_) {
+    if (p.grad().defined()) return false;
+  }
+  return true;
+}
+
+int64_t StepPlan::step(const std::vector<double>& hyper, const std::vector<at::Tensor>& lr_tensors,
+                       const std::optional<at::Tensor>& grad_scale,
+                       const std::optional<at::Tensor>& found_inf,
+                       const std::optional<at::Tensor>& clip_coef) {
+  TORCH_CHECK(finalized_, "StepPlan.step: the plan is not finalized.");
+  const int64_t width = hyper_width();
+  // Everything is checked before the first bucket runs.
+  for (auto& b : buckets_) {
+    TORCH_CHECK(static_cast<int64_t>(hyper.size()) >= (b.group + 1) * width, "StepPlan.step: hyper "
+                "has ", hyper.size(), " numbers; group ", b.group, " needs ", (b.group + 1) * width,
+                ".");
+    const auto lr_index = static_cast<int64_t>(hyper[b.group * width + 1]);
+    TORCH_CHECK(lr_index < static_cast<int64_t>(lr_tensors.size()), "StepPlan.step: lr tensor ",
+                lr_index, " of group ", b.group, " is not in lr_tensors.");
+    if (!gather_grads(b)) return kStale;
+  }
+  if (!idle_unchanged()) return kStale;
+  for (const auto* t : {&grad_scale, &found_inf, &clip_coef}) {
+    if (*t && touches_written(**t)) return kStale;
+  }
+  for (const auto& t : lr_tensors) {
+    if (touches_written(t)) return kStale;
+  }
+  auto lists = [](Bucket& b) {
+    return detail::OptimLists{b.params, b.grads, b.masters,
+                              {b.states[0], b.states[1], b.states[2]},
+                              {"momentum_buffers", "exp_avg_sqs", "max_exp_avg_sqs"}, b.steps};
+  };
+  auto sgd_hyper = [&](const Bucket& b) {
+    const double* h = hyper.data() + b.group * width;
+    return SgdHyper{h[0], h[2], h[3], h[4], h[5] != 0.0, h[6] != 0.0};
+  };
+  auto adam_hyper = [&](const Bucket& b) {
+    const double* h = hyper.data() + b.group * width;
+    return AdamHyper{h[0], h[2], h[3], h[4], h[5], h[6] != 0.0, h[7] != 0.0, h[8] != 0.0};
+  };
+  for (auto& b : buckets_) {
+    const detail::OptimLists l = lists(b);
+    if (adam_) {
+      detail::check_adam_hyper(adam_hyper(b), l);
+    } else {
+      detail::check_sgd_hyper(sgd_hyper(b), l);
+    }
+  }
+  for (auto& b : buckets_) {
+    const detail::OptimLists l = lists(b);
+    const auto lr_index = static_cast<int64_t>(hyper[b.group * width + 1]);
+    std::optional<at::Tensor> lr_tensor;
+    if (lr_index >= 0) lr_tensor = scalar_on(lr_tensors[lr_index], b.device);
+    if (adam_) {
+      core::adam_step(*b.backend, l, adam_hyper(b), b.device, lr_tensor,
+                      scalar_on(grad_scale, b.device), scalar_on(found_inf, b.device),
+                      scalar_on(clip_coef, b.device));
+    } else {
+      core::sgd_step(*b.backend, l, sgd_hyper(b), b.device, lr_tensor,
+                     scalar_on(grad_scale, b.device), scalar_on(found_inf, b.device),
+                     scalar_on(clip_coef, b.device));
+    }
+  }
+  for (auto& b : buckets_) std::fill(b.grads.begin(), b.grads.end(), at::Tensor());
+  return kOk;
+}
+
+std::vector<at::Tensor> StepPlan::check(const at::Tensor& scale, bool write, bool with_norm,
+                                        double norm_type, std::optional<double> max_norm) {
+  TORCH_CHECK(finalized_, "StepPlan.check: the plan is not finalized.");
+  if (with_norm) {
+    detail::check_norm_args(norm_type, max_norm, std::nullopt, num_params_, scale.device());
+  }
+  for (auto& b : buckets_) {
+    if (!gather_grads(b)) return {};
+  }
+  if (!idle_unchanged()) return {};
+  // The devices in the order their first bucket was added, with their gradients.
+  std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> per_device;
+  for (auto& b : buckets_) {
+    auto it = std::find_if(per_device.begin(), per_device.end(),
+                           [&](const auto& e) { return e.first == b.device; });
+    if (it == per_device.end()) {
+      per_device.emplace_back(b.device, std::vector<at::Tensor>{});
+      it = per_device.end() - 1;
+    }
+    it->second.insert(it->second.end(), b.grads.begin(), b.grads.end());
+  }
+  for (auto& b : buckets_) std::fill(b.grads.begin(), b.grads.end(), at::Tensor());
+  if (write) {
+    // Gradients written in place must not share memory with each other or the scale.
+    std::vector<Span> spans;
+    for (const auto& [device, grads] : per_device) {
+      for (const auto& g : grads) {
+        if (g.numel() > 0) spans.push_back(span_of(g));
+      }
+    }
+    if (scale.numel() > 0) spans.push_back(span_of(scale));
+    std::sort(spans.begin(), spans.end(),
+              [](const Span& a, const Span& b) { return a.begin < b.begin; });
+    for (size_t i = 1; i < spans.size(); ++i) {
+      if (spans[i].begin < spans[i - 1].end) return {};
+    }
+  }
+  const NormKind norm = with_norm ? detail::norm_kind(norm_type) : NormKind::None;
+  std::vector<at::Tensor> out;
+  for (const auto& [device, grads] : per_device) {
+    const Backend* backend = device_backend(device.type());
+    at::Tensor found_inf = at::empty({}, scale.options().device(device).dtype(c10::kFloat));
+    const at::Tensor s = scalar_on(scale, device);
+    const detail::ScaleArg arg{&s, "scale", false};
+    auto [total_norm, coef] =
+        core::unscale_check(*backend, grads, found_inf, arg, write, norm, max_norm, std::nullopt,
+                            /*overwrite_found_inf=*/true, write ? "unscale_check_" : "check_norm_");
+    out.push_back(found_inf);
+    if (with_norm) {
+      out.push_back(total_norm);
+      out.push_back(coef);
+    }
+  }
+  return out;
+}
+
+}  // namespace ampfuse::ops

@@ -1,0 +1,113 @@
+// The persistent step plan: the tensors of an optimizer's fused steps, validated once and held in
+// C++, so that a step (and the loss scaler's check before it) crosses into native code once,
+// whatever the number of parameters.
+//
+// A plan is built from the buckets of an optimizer (one per param group, device, param dtype,
+// gradient dtype and master kind: params, masters, state lists, step counters), after the same
+// step went through the validated ops once. It holds the tensors themselves, so it sees what is
+// done to them in place. Per call it checks only what can change between steps without the
+// owner knowing: each gradient's presence, dtype, layout, shape, device and memory (against the
+// tensors the step writes), and each param's dtype, shape and data (a `.data` swap or `to()`).
+// When one of these differs from what the plan was built for, the call changes nothing and
+// returns kStale: the owner then goes the validated way (which names what is wrong, or rebuilds
+// the plan). What the owner changes itself (param groups, optimizer state, options) it must
+// answer by dropping the plan.
+//
+// Used by ampfuse.optim (Python, as torch.classes.ampfuse.StepPlan), ampfuse.GradScaler's
+// checks, and the C++ optimizers and scaler (csrc/api).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ops/rules.h"
+
+namespace ampfuse::ops {
+
+struct Backend;
+
+class StepPlan : public torch::CustomClassHolder {
+ public:
+  static constexpr int64_t kOk = 0;
+  static constexpr int64_t kStale = 1;
+
+  // kind: "sgd" or "adam".
+  explicit StepPlan(const std::string& kind);
+
+  // The width of one group's entry in step()'s `hyper` list:
+  //   sgd:  lr, lr_tensor_index, momentum, dampening, weight_decay, nesterov, maximize
+  //   adam: lr, lr_tensor_index, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled
+  // lr_tensor_index: -1 (use lr) or the index of the group's lr tensor in `lr_tensors`.
+  int64_t hyper_width() const;
+
+  // One bucket of param group `group`: same device, param dtype, gradient dtype (the params' own,
+  // or fp32 when `fp32_grads`) and master kind. masters and each state list empty or one tensor
+  // per param; states: sgd {momentum}, adam {exp_avg, exp_avg_sq, max_exp_avg_sq}. Validated as
+  // the step op validates them.
+  void add_bucket(int64_t group, std::vector<at::Tensor> params, std::vector<at::Tensor> masters,
+                  std::vector<at::Tensor> state0, std::vector<at::Tensor> state1,
+                  std::vector<at::Tensor> state2, std::vector<at::Tensor> steps,
+                  bool fp32_grads);
+  // Params the plan steps only while they have no gradient (none when it was built).
+  void add_idle(std::vector<at::Tensor> params);
+  // Gradients to read instead of `param.grad`, one per param of the buckets in the order they
+  // were added (e.g. an accumulator's fp32 sums). Empty: `param.grad`.
+  void bind_grads(std::vector<at::Tensor> grads);
+  // Done adding: checks that no tensor the step writes shares memory with another.
+  void finalize();
+
+  // One fused step of every bucket (kOk), or nothing at all (kStale). `hyper`: hyper_width()
+  // numbers per param group. The scaling tensors are moved to each bucket's device (no sync).
+  int64_t step(const std::vector<double>& hyper, const std::vector<at::Tensor>& lr_tensors,
+               const std::optional<at::Tensor>& grad_scale,
+               const std::optional<at::Tensor>& found_inf,
+               const std::optional<at::Tensor>& clip_coef);
+
+  // The loss scaler's pass over the gradients the step reads, one per device: divided by `scale`
+  // (in place when `write`, else read only), found_inf written (0 or 1), and with `norm_type`
+  // 2 or inf (`with_norm`) the total norm and clip coefficient (`max_norm`, if given). Returns
+  // per device [found_inf] or [found_inf, total_norm, clip_coef]; empty when stale.
+  std::vector<at::Tensor> check(const at::Tensor& scale, bool write, bool with_norm,
+                                double norm_type, std::optional<double> max_norm);
+
+  int64_t num_params() const { return num_params_; }
+  std::string kind() const { return adam_ ? "adam" : "sgd"; }
+
+ private:
+  struct Bucket {
+    int64_t group = 0;
+    c10::Device device{c10::kCPU};
+    const Backend* backend = nullptr;
+    c10::ScalarType param_dtype = c10::kFloat;
+    c10::ScalarType grad_dtype = c10::kFloat;
+    std::vector<at::Tensor> params, masters, steps;
+    std::vector<at::Tensor> states[3];
+    std::vector<std::vector<int64_t>> sizes;  // each param's shape when the plan was built
+    std::vector<const void*> data;           // each param's data when the plan was built
+    std::vector<at::Tensor> bound;           // bind_grads()
+    std::vector<at::Tensor> grads;           // this call's gradients
+  };
+  struct Span {
+    uintptr_t begin, end;
+  };
+
+  bool gather_grads(Bucket& b);
+  bool idle_unchanged() const;
+  bool touches_written(const at::Tensor& t) const;
+  static Span span_of(const at::Tensor& t);
+
+  bool adam_;
+  bool finalized_ = false;
+  int64_t num_params_ = 0;
+  std::vector<Bucket> buckets_;
+  std::vector<at::Tensor> idle_;
+  std::vector<Span> written_;  // sorted, disjoint: the memory the step writes
+};
+
+}  // namespace ampfuse::ops

@@ -1,0 +1,304 @@
+"""The persistent native step plan (csrc/ops/step_plan.h) behind ampfuse.optim and GradScaler.
+
+After a step went the validated way, an ampfuse optimizer holds a native plan; later steps (and
+the scaler's check before them) are one native call each. These tests check that the plan is
+what runs in the steady state, that it gives bit for bit what the validated ops give, that the
+Python work per step does not grow with the number of params, and that everything that can
+change between steps sends the step back the validated way (same result, same messages).
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import sys
+
+import pytest
+import torch
+
+import ampfuse
+from ampfuse import ops
+from ampfuse.optim import SGD, Adam, AdamW
+
+
+def _params(n=6, dtype=torch.bfloat16, seed=0, shapes=None):
+    g = torch.Generator().manual_seed(seed)
+    shapes = shapes or [(3 + i, 5) if i % 2 else (7 + 3 * i,) for i in range(n)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+
+
+def _set_grads(params, step, scale=1.0, skip=()):
+    g = torch.Generator().manual_seed(1000 + step)
+    for i, p in enumerate(params):
+        if i in skip:
+            p.grad = None
+            continue
+        p.grad = (torch.randn(p.shape, generator=g) * scale).to(p.dtype)
+
+
+def _assign_grad(p, g):
+    """``p.grad = g`` also where ``g``'s dtype is not ``p``'s (torch checks ``p.grad_dtype``)."""
+    if g is not None and g.dtype != p.dtype:
+        if not hasattr(p, "grad_dtype"):
+            pytest.skip("this torch cannot give a parameter a gradient of another dtype")
+        p.grad_dtype = None
+    p.grad = g
+
+
+def _pair(make, params):
+    """(optimizer using the plan, reference that always goes the validated way)."""
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    a, b = make(params), make(ref_params)
+    b._native_kind = ""  # the reference never builds a plan
+    return a, b, ref_params
+
+
+def _same(xs, ys):
+    for x, y in zip(xs, ys):
+        assert torch.equal(x, y), (x, y)
+
+
+def _same_state(a, b):
+    for pa, pb in zip([p for g in a.param_groups for p in g["params"]], [p for g in b.param_groups for p in g["params"]]):
+        sa, sb = a.state.get(pa, {}), b.state.get(pb, {})
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            if isinstance(sa[k], torch.Tensor):
+                assert torch.equal(sa[k], sb[k]), k
+
+
+MAKERS = {
+    "sgd": lambda ps: SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    "sgd-nesterov-fp32": lambda ps: SGD(ps, lr=0.05, momentum=0.9, nesterov=True, master_weights=False),
+    "adam": lambda ps: Adam(ps, lr=1e-2, weight_decay=1e-2),
+    "adamw-amsgrad": lambda ps: AdamW(ps, lr=1e-2, amsgrad=True),
+    "adamw-remainder-bf16state": lambda ps: AdamW(ps, lr=1e-2, master_weights="remainder", state_dtype=torch.bfloat16),
+    "adamw-tensor-lr": lambda ps: AdamW(ps, lr=torch.tensor(1e-2)),
+    "adamw-groups": lambda ps: AdamW([{"params": ps[:3]}, {"params": ps[3:], "lr": 3e-3, "weight_decay": 0.0}], lr=1e-2),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("kind", sorted(MAKERS))
+def test_plan_matches_the_validated_ops_bitwise(kind, dtype):
+    params = _params(dtype=dtype)
+    opt, ref, ref_params = _pair(MAKERS[kind], params)
+    for step in range(5):
+        _set_grads(params, step)
+        _set_grads(ref_params, step)
+        opt.step()
+        ref.step()
+        assert opt._native is not None  # built by the first step, used by the next ones
+        _same(params, ref_params)
+    _same_state(opt, ref)
+
+
+@pytest.mark.parametrize("path", ["clip", "unscale", "plain"])
+def test_plan_with_the_scaler_matches_and_skips_on_overflow(path):
+    dtype = torch.bfloat16
+    params = _params(dtype=dtype)
+    opt, ref, ref_params = _pair(lambda ps: AdamW(ps, lr=1e-2), params)
+    scalers = [ampfuse.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) for _ in range(2)]
+    for step in range(7):
+        for ps, o, sc in ((params, opt, scalers[0]), (ref_params, ref, scalers[1])):
+            sc.scale(torch.ones(()))
+            _set_grads(ps, step, scale=1024.0)
+            if step == 3:
+                ps[2].grad.view(-1)[0] = float("inf")
+            if path == "clip":
+                norm = sc.unscale_and_clip_(o, 1.0)
+            elif path == "unscale" and dtype != torch.float16:
+                sc.unscale_(o)
+            sc.step(o)
+            sc.update()
+        _same(params, ref_params)
+        assert scalers[0].get_scale() == scalers[1].get_scale()
+        if path == "clip":
+            assert torch.isfinite(norm) or step == 3
+    _same_state(opt, ref)
+
+
+def test_steady_state_runs_no_op_and_no_per_param_python(monkeypatch):
+    """Once built, neither the step nor the scaler's check calls an op from Python, and the Python
+    work of a step (function calls, profiled) is the same for 10 and for 300 params."""
+
+    def calls(n):
+        params = _params(n=n, shapes=[(4,)] * n)
+        opt = AdamW(params, lr=1e-3)
+        sc = ampfuse.GradScaler("cpu", init_scale=8.0)
+        loss = torch.ones(())
+
+        def whole():
+            sc.scale(loss)
+            sc.unscale_and_clip_(opt, 1.0)
+            sc.step(opt)
+            sc.update()
+
+        _set_grads(params, 0)
+        whole()
+        whole()
+        events = []
+
+        def prof(frame, event, arg):
+            if event in ("call", "c_call"):
+                events.append(event)
+
+        sys.setprofile(prof)
+        try:
+            whole()
+        finally:
+            sys.setprofile(None)
+        return len(events)
+
+    with monkeypatch.context() as m:
+        for name in ("adam_step_", "sgd_step_", "check_norm_", "unscale_check_"):
+            m.setattr(ops, name, lambda *a, **k: pytest.fail("an op ran from Python in the steady state"))
+        # the plans are built with the real ops first
+    small, large = calls(10), calls(300)
+    assert small == large, (small, large)
+    params = _params(n=4)
+    opt = AdamW(params, lr=1e-3)
+    _set_grads(params, 0)
+    opt.step()
+    monkeypatch.setattr(ops, "adam_step_", lambda *a, **k: pytest.fail("an op ran from Python in the steady state"))
+    _set_grads(params, 1)
+    opt.step()  # the native plan, not the op
+
+
+def _fresh(kind="adamw", dtype=torch.bfloat16, n=5):
+    params = _params(n=n, dtype=dtype)
+    make = MAKERS["adam" if kind == "adamw" else "sgd"]
+    opt, ref, ref_params = _pair(make, params)
+    for step in range(2):
+        _set_grads(params, step)
+        _set_grads(ref_params, step)
+        opt.step()
+        ref.step()
+    assert opt._native is not None
+    return params, opt, ref_params, ref
+
+
+CHANGES = {
+    # what changes between two steps, done to (params, optimizer) alike on both sides
+    "grad-none": lambda ps, o: setattr(ps[1], "grad", None),
+    "grad-comes-back": lambda ps, o: None,
+    "fp32-grad": lambda ps, o: _assign_grad(ps[2], ps[2].grad.float()),
+    "grad-transposed-view": lambda ps, o: setattr(ps[1], "grad", ps[1].grad.t().contiguous().t()),
+    "data-swap": lambda ps, o: setattr(ps[0], "data", ps[0].data.clone()),
+    "lr-edit": lambda ps, o: o.param_groups[0].__setitem__("lr", 0.5),
+    "weight-decay-edit": lambda ps, o: o.param_groups[0].__setitem__("weight_decay", 0.3),
+    "state-edit": lambda ps, o: o.state[ps[3]].__setitem__("exp_avg", torch.zeros_like(ps[3], dtype=torch.float32)),
+    "amsgrad-on": lambda ps, o: o.param_groups[0].__setitem__("amsgrad", True),
+    "master-off": lambda ps, o: o.param_groups[0].__setitem__("master_weights", False),
+    "param-list-entry": lambda ps, o: o.param_groups[0]["params"].__setitem__(4, ps[4]),
+    "in-place-edit": lambda ps, o: ps[0].data.mul_(0.5),
+    "state-dict-roundtrip": lambda ps, o: o.load_state_dict(o.state_dict()),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_changes_between_steps_match_the_validated_way(change):
+    params, opt, ref_params, ref = _fresh()
+    for step in range(2, 5):
+        _set_grads(params, step)
+        _set_grads(ref_params, step)
+        if step == 3:
+            if change == "grad-comes-back":
+                for ps in (params, ref_params):
+                    ps[1].grad = None
+            CHANGES[change](params, opt)
+            CHANGES[change](ref_params, ref)
+        opt.step()
+        ref.step()
+        _same(params, ref_params)
+    _same_state(opt, ref)
+
+
+def _raises_same(fn_a, fn_b):
+    with pytest.raises(Exception) as ea:
+        fn_a()
+    with pytest.raises(Exception) as eb:
+        fn_b()
+    assert type(ea.value) is type(eb.value) and str(ea.value) == str(eb.value)
+    return str(ea.value)
+
+
+@pytest.mark.parametrize("bad", ["grad-is-param", "sparse-grad", "model-half", "fp16-grad-for-bf16",
+                                 "negative-lr", "grad-overlaps-state"])
+def test_bad_input_after_the_plan_is_built_fails_as_before_and_changes_nothing(bad):
+    params, opt, ref_params, ref = _fresh()
+
+    def spoil(ps, o):
+        _set_grads(ps, 7)
+        if bad == "grad-is-param":
+            ps[2].grad = ps[2].detach()  # the param's own memory
+        elif bad == "sparse-grad":
+            ps[0].grad = torch.zeros_like(ps[0]).to_sparse()
+        elif bad == "model-half":
+            ps[3].data = ps[3].data.half()
+            _assign_grad(ps[3], torch.zeros_like(ps[3]))
+        elif bad == "fp16-grad-for-bf16":
+            _assign_grad(ps[1], ps[1].grad.half())
+        elif bad == "negative-lr":
+            o.param_groups[0]["lr"] = -1.0
+        elif bad == "grad-overlaps-state":
+            _assign_grad(ps[4], o.state[ps[4]]["exp_avg"])  # an fp32 gradient that is the param's state
+
+    spoil(params, opt)
+    spoil(ref_params, ref)
+    before = [p.detach().clone() for p in params]
+    state_before = [(p, {k: t.clone() for k, t in st.items() if isinstance(t, torch.Tensor)}) for p, st in opt.state.items()]
+    if bad == "grad-overlaps-state":
+        # the plan sees the overlap and goes the validated way, which names the state
+        msg = _raises_same(opt.step, ref.step)
+        assert "shares memory with its optimizer state 'exp_avg'" in msg
+    else:
+        _raises_same(opt.step, ref.step)
+    for p, q in zip(params, before):
+        assert torch.equal(p, q) or p.dtype != q.dtype
+    for p, saved in state_before:
+        for key, t in saved.items():
+            assert torch.equal(opt.state[p][key], t), key
+
+
+def test_scaler_check_falls_back_for_fp16_unscale_and_for_grads_mapping():
+    params = _params(dtype=torch.float16)
+    opt = AdamW(params, lr=1e-3)
+    sc = ampfuse.GradScaler("cpu", init_scale=4.0)
+    for step in range(2):
+        sc.scale(torch.ones(()))
+        _set_grads(params, step)
+        sc.step(opt)
+        sc.update()
+    assert opt._native is not None
+    sc.scale(torch.ones(()))
+    _set_grads(params, 3)
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        sc.unscale_(opt)
+
+
+def test_pickle_and_deepcopy_after_the_plan_is_built():
+    params, opt, _, _ = _fresh()
+    clone = copy.deepcopy(opt)
+    assert clone._native is None
+    blob = pickle.dumps(opt.state_dict())
+    assert pickle.loads(blob)["param_groups"][0]["lr"] == opt.param_groups[0]["lr"]
+    _set_grads([p for g in clone.param_groups for p in g["params"]], 9)
+    clone.step()
+    assert clone._native is not None
+
+
+def test_plan_object_rejects_bad_construction():
+    with pytest.raises(RuntimeError, match="StepPlan kind must be 'sgd' or 'adam'"):
+        torch.classes.ampfuse.StepPlan("lamb")
+    plan = torch.classes.ampfuse.StepPlan("sgd")
+    with pytest.raises(RuntimeError, match="params must not be empty"):
+        plan.add_bucket(0, [], [], [], [], [], [], False)
+    p = torch.zeros(3)
+    with pytest.raises(RuntimeError, match="not finalized"):
+        plan.step([0.1, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0], [], None, None, None)
+    # the same tensor written twice is refused when the plan is finalized, naming it
+    plan.add_bucket(0, [p], [], [], [], [], [torch.zeros(())], False)
+    plan.add_bucket(0, [p], [], [], [], [], [torch.zeros(())], False)
+    with pytest.raises(RuntimeError, match="share memory"):
+        plan.finalize()
