@@ -24,6 +24,7 @@ CASE_NAMES = {
     "unscale_check": "unscale + inf check",
     "unscale_check_norm": "unscale + check + norm + clip",
     "accumulate": "fp32 grad accumulation",
+    "host_scaling": "whole scaler path, 64-element tensors (host cost)",
 }
 OPS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq}
 
@@ -89,6 +90,21 @@ def markdown_table(result: dict) -> str:
                 f"(expert torch recipe: {t['median']:.2f} µs [{t['min']:.2f}–{t['max']:.2f}]; "
                 f"{_ms(c['torch-A*-1000'])} ms and {_ms(c['torch-A*-10'])} ms)."
             )]
+    host = sorted((r for r in rows if r["case"] == "host_scaling"), key=lambda r: r["tensors"])
+    if len(host) >= 2:
+        def per_step(r, name):
+            c = r["candidates"][name]
+            return f"{1e3 * c['ms']:.0f} [{1e3 * c['min_ms']:.0f}–{1e3 * c['max_ms']:.0f}]"
+        a, b = host[-2], host[-1]
+        slope = lambda name: 1e3 * (b["candidates"][name]["ms"] - a["candidates"][name]["ms"]) / (b["tensors"] - a["tensors"])
+        lines += ["", (
+            "Host cost, whole scaler path on 64-element tensors, µs per step at "
+            + ", ".join(f"{r['tensors']:,}" for r in host) + " tensors: ampfuse "
+            + "; ".join(per_step(r, "ampfuse") for r in host) + "; expert torch recipe "
+            + "; ".join(per_step(r, "torch-A*") for r in host)
+            + f". Per extra tensor between {a['tensors']:,} and {b['tensors']:,}: ampfuse {slope('ampfuse'):.2f} µs, "
+            f"torch {slope('torch-A*'):.2f} µs (medians)."
+        )]
     diag = result.get("step_diagnostics")
     if diag:
         a, t = diag.get("ampfuse", {}), diag.get("torch-A*", {})

@@ -400,6 +400,16 @@ def case_small_model(device):
     return out, 32.0
 
 
+def case_host(shapes, dtype, device):
+    """The whole scaler.scale -> unscale_and_clip_ -> step -> update path on many 64-element
+    tensors (bf16 AdamW + masters): the kernel work is a few bytes per tensor, so the time is the
+    host's (Python, dispatch, validation or the step plan) plus the per-tensor kernel overhead.
+    Rows at 10, 100, 1,000 and 10,000 tensors; the expert torch recipe on the same tensors."""
+    src = GradSource(make_params(shapes, dtype, device), False)
+    return {"ampfuse": cand_ampfuse("adamw", shapes, dtype, device, src, False),
+            "torch-A*": cand_torch_a("adamw", shapes, dtype, device, src, False, expert=True)}, 32.0
+
+
 # ----------------------------------------------------------------------------------------------
 # driver
 # ----------------------------------------------------------------------------------------------
@@ -416,6 +426,8 @@ def plan(device: str, quick: bool, max_params: int | None = None) -> list[tuple]
     else:
         sizes, big = [10**6, 10**7, 10**8], 10**7
     rows = [("small_model", "1000x", 10**6, bf16, {})]
+    for k in ((10, 100) if quick else (10, 100, 1000, 10_000)):  # host cost vs number of tensors
+        rows.append(("host_scaling", f"{k}x", 64 * k, bf16, {}))
     for n in sizes:  # the headlines: parameter-count sweeps, GPT-2 shapes
         rows.append(("step_adamw_master", "gpt2", n, lp, {}))
     for n in sizes:
@@ -441,6 +453,8 @@ def plan(device: str, quick: bool, max_params: int | None = None) -> list[tuple]
 def build(case: str, shapes, dtype, device):
     if case == "small_model":
         return case_small_model(device)
+    if case == "host_scaling":
+        return case_host(shapes, dtype, device)
     if case == "unscale_check":
         return case_unscale(shapes, dtype, device, with_norm=False)
     if case == "unscale_check_norm":

@@ -82,3 +82,18 @@ def pytest_configure(config):
         settings.load_profile("ampfuse")
     except ImportError:  # pragma: no cover - hypothesis is in requirements-dev.txt
         pass
+
+
+#: The suites whose tests run longest (a wheel build, the GPU check's dry run, the benchmark smoke
+#: run, multi-process jobs), started first: with pytest-xdist handing out whole files in collection
+#: order, a long file collected last would leave the other worker idle at the end of the pass.
+_LONG_FIRST = ("test_packaging.py", "test_gpu_check.py", "test_bench.py", "test_distributed.py",
+               "test_distributed_mesh.py", "test_demo.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item) -> int:
+        name = os.path.basename(str(item.path))
+        return _LONG_FIRST.index(name) if name in _LONG_FIRST else len(_LONG_FIRST)
+
+    items.sort(key=rank)  # stable: each file keeps its own order

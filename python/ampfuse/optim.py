@@ -64,6 +64,7 @@ import collections
 import math
 import numbers
 import operator
+import os
 from collections.abc import Mapping
 from copy import deepcopy
 from itertools import chain
@@ -275,6 +276,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._param_dtypes: dict[int, torch.dtype] = {}
         self._plans: dict[int, _Plan] = {}
         self._native: _NativePlan | None = None
+        if os.environ.get("AMPFUSE_STEP_PLAN", "1") == "0":  # every step the validated way (debugging, A/B)
+            self._native_kind = ""
         # params whose loaded fp32 master the next step reconciles with the param (ties)
         self._reconcile: set[int] = set()
         super().__init__(params, defaults)
