@@ -8,6 +8,7 @@
 #include <optional>
 #include <tuple>
 
+#include "ops/kernel_api.h"
 #include "ops/op_layer.h"
 #include "ops/validation.h"
 
@@ -26,6 +27,31 @@ std::tuple<at::Tensor, at::Tensor> unscale_check(
     const detail::ScaleArg& scale, bool write_back, NormKind norm, std::optional<double> max_norm,
     const std::optional<at::Tensor>& per_tensor_found_inf, bool overwrite_found_inf,
     const char* op);
+
+// The kernel dtypes of a fused optimizer call.
+struct OptimDTypes {
+  kernels::DType param = kernels::DType::Float;
+  kernels::DType grad = kernels::DType::Float;
+  kernels::MasterKind master = kernels::MasterKind::None;
+  kernels::DType state = kernels::DType::Float;
+};
+OptimDTypes optim_dtypes(const detail::OptimLists& l);
+
+// sgd_step_ / adam_step_ over prepared rows: the data pointers of validated tensors whose
+// elements lie flat in one element order (each row's tensors non-overlapping and dense, with the
+// param's strides).
+void sgd_rows(const Backend& b, const kernels::OptimTensor* rows, int64_t n,
+              const OptimDTypes& dt, const SgdHyper& h, const c10::Device& device,
+              const std::optional<at::Tensor>& lr_tensor,
+              const std::optional<at::Tensor>& grad_scale,
+              const std::optional<at::Tensor>& found_inf,
+              const std::optional<at::Tensor>& clip_coef);
+void adam_rows(const Backend& b, const kernels::OptimTensor* rows, int64_t n,
+               const OptimDTypes& dt, const AdamHyper& h, const c10::Device& device,
+               const std::optional<at::Tensor>& lr_tensor,
+               const std::optional<at::Tensor>& grad_scale,
+               const std::optional<at::Tensor>& found_inf,
+               const std::optional<at::Tensor>& clip_coef);
 
 // sgd_step_ / adam_step_ with validated, overlap-checked lists on `device`.
 void sgd_step(const Backend& b, const detail::OptimLists& l, const SgdHyper& h,

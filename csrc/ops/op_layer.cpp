@@ -41,6 +41,24 @@ const T* const_ptr_or_null(const std::optional<at::Tensor>& t) {
 
 namespace core {
 
+OptimDTypes optim_dtypes(const detail::OptimLists& l) {
+  // Validated: masters fp32 or int16 (remainders), state lists of one dtype.
+  OptimDTypes dt;
+  dt.param = detail::kernel_dtype(l.params[0].scalar_type());
+  dt.grad = detail::kernel_dtype(l.grads[0].scalar_type());
+  if (!l.masters.empty()) {
+    dt.master = l.masters[0].scalar_type() == c10::kShort ? kernels::MasterKind::Remainder
+                                                          : kernels::MasterKind::Float;
+  }
+  for (const auto& list : l.states) {
+    if (!list.empty()) {
+      dt.state = detail::kernel_dtype(list[0].scalar_type());
+      break;
+    }
+  }
+  return dt;
+}
+
 std::tuple<at::Tensor, at::Tensor> unscale_check(
     const Backend& b, at::TensorList tensors, const at::Tensor& found_inf,
     const detail::ScaleArg& scale, bool write_back, NormKind norm, std::optional<double> max_norm,
@@ -93,6 +111,34 @@ std::tuple<at::Tensor, at::Tensor> unscale_check(
 
 namespace {
 
+// The kernel call of a fused optimizer step over prepared rows (pointers of validated tensors).
+template <typename Hyper>
+void launch_optim(const Backend& b, const kernels::OptimTensor* rows, int64_t n,
+                  const core::OptimDTypes& dt, const Hyper& h, const c10::Device& device,
+                  int (*kernels::KernelTable::*entry)(const kernels::OptimArgs&, const Hyper&,
+                                                      void*, const kernels::LaunchContext&),
+                  const std::optional<at::Tensor>& lr_tensor,
+                  const std::optional<at::Tensor>& grad_scale,
+                  const std::optional<at::Tensor>& found_inf,
+                  const std::optional<at::Tensor>& clip_coef, const char* op) {
+  if (n == 0 || b.table == nullptr) return;
+  const c10::DeviceGuard guard(device);
+  kernels::OptimArgs args{rows,
+                          n,
+                          dt.param,
+                          dt.grad,
+                          dt.master,
+                          dt.state,
+                          const_ptr_or_null<float>(lr_tensor),
+                          const_ptr_or_null<float>(grad_scale),
+                          const_ptr_or_null<float>(found_inf),
+                          const_ptr_or_null<float>(clip_coef)};
+  detail::CallResources res(b, device);
+  const kernels::KernelTable& table = b.table();
+  void* ws = res.workspace(detail::CallResources::Kind::Optim, table.optim_workspace(args, res.ctx()));
+  check_status(table, (table.*entry)(args, h, ws, res.ctx()), res, op);
+}
+
 // Shared body of the fused optimizer steps (arguments validated and overlap-checked).
 template <typename Hyper>
 void optim_step_impl(const Backend& b, const detail::OptimLists& l, const Hyper& h,
@@ -105,7 +151,6 @@ void optim_step_impl(const Backend& b, const detail::OptimLists& l, const Hyper&
                      const std::optional<at::Tensor>& clip_coef, const char* op) {
   const size_t n = l.params.size();
   if (n == 0 || b.table == nullptr) return;
-  const c10::DeviceGuard guard(device);
   std::vector<FlatRow> copies;
   std::vector<kernels::OptimTensor> tensors(n);
   void* row[detail::kRowPointers];
@@ -119,33 +164,8 @@ void optim_step_impl(const Backend& b, const detail::OptimLists& l, const Hyper&
     o.step = l.steps[i].mutable_data_ptr<float>();
     o.numel = l.params[i].numel();
   }
-  // Validated: masters fp32 or int16 (remainders), state lists of one dtype.
-  kernels::MasterKind master = kernels::MasterKind::None;
-  if (!l.masters.empty()) {
-    master = l.masters[0].scalar_type() == c10::kShort ? kernels::MasterKind::Remainder
-                                                       : kernels::MasterKind::Float;
-  }
-  kernels::DType state_dtype = kernels::DType::Float;
-  for (const auto& list : l.states) {
-    if (!list.empty()) {
-      state_dtype = detail::kernel_dtype(list[0].scalar_type());
-      break;
-    }
-  }
-  kernels::OptimArgs args{tensors.data(),
-                          static_cast<int64_t>(n),
-                          detail::kernel_dtype(l.params[0].scalar_type()),
-                          detail::kernel_dtype(l.grads[0].scalar_type()),
-                          master,
-                          state_dtype,
-                          const_ptr_or_null<float>(lr_tensor),
-                          const_ptr_or_null<float>(grad_scale),
-                          const_ptr_or_null<float>(found_inf),
-                          const_ptr_or_null<float>(clip_coef)};
-  detail::CallResources res(b, device);
-  const kernels::KernelTable& table = b.table();
-  void* ws = res.workspace(detail::CallResources::Kind::Optim, table.optim_workspace(args, res.ctx()));
-  check_status(table, (table.*entry)(args, h, ws, res.ctx()), res, op);
+  launch_optim(b, tensors.data(), static_cast<int64_t>(n), core::optim_dtypes(l), h, device, entry,
+               lr_tensor, grad_scale, found_inf, clip_coef, op);
   for (const auto& r : copies) r.finish();
 }
 
@@ -201,6 +221,26 @@ void adam_step(const Backend& b, const detail::OptimLists& l, const AdamHyper& h
                const std::optional<at::Tensor>& clip_coef) {
   optim_step_impl(b, l, h, device, &kernels::KernelTable::adam_step, lr_tensor, grad_scale,
                   found_inf, clip_coef, "adam_step_");
+}
+
+void sgd_rows(const Backend& b, const kernels::OptimTensor* rows, int64_t n,
+              const OptimDTypes& dt, const SgdHyper& h, const c10::Device& device,
+              const std::optional<at::Tensor>& lr_tensor,
+              const std::optional<at::Tensor>& grad_scale,
+              const std::optional<at::Tensor>& found_inf,
+              const std::optional<at::Tensor>& clip_coef) {
+  launch_optim(b, rows, n, dt, h, device, &kernels::KernelTable::sgd_step, lr_tensor, grad_scale,
+               found_inf, clip_coef, "sgd_step_");
+}
+
+void adam_rows(const Backend& b, const kernels::OptimTensor* rows, int64_t n,
+               const OptimDTypes& dt, const AdamHyper& h, const c10::Device& device,
+               const std::optional<at::Tensor>& lr_tensor,
+               const std::optional<at::Tensor>& grad_scale,
+               const std::optional<at::Tensor>& found_inf,
+               const std::optional<at::Tensor>& clip_coef) {
+  launch_optim(b, rows, n, dt, h, device, &kernels::KernelTable::adam_step, lr_tensor, grad_scale,
+               found_inf, clip_coef, "adam_step_");
 }
 
 }  // namespace core

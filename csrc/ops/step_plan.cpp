@@ -7,6 +7,7 @@
 
 #include <algorithm>
 
+#include "ops/flatten.h"
 #include "ops/op_core.h"
 #include "ops/validation.h"
 
@@ -75,6 +76,7 @@ void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
                              {"momentum_buffers", "exp_avg_sqs", "max_exp_avg_sqs"}, steps};
   detail::check_optim_args(l, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
   for (const auto& p : params) {
+    b.strides.emplace_back(p.strides().vec());
     TORCH_CHECK(p.device() == b.device && p.scalar_type() == b.param_dtype,
                 "StepPlan.add_bucket: the params of a bucket must share one device and dtype.");
     TORCH_CHECK(!p.key_set().has(c10::DispatchKey::Python) && !p.is_meta(),
@@ -90,6 +92,35 @@ void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
   b.states[2] = std::move(state2);
   b.steps = std::move(steps);
   b.grads.resize(b.params.size());
+  b.dtypes = core::optim_dtypes(detail::OptimLists{
+      b.params, probe, b.masters, {b.states[0], b.states[1], b.states[2]}, {"", "", ""}, b.steps});
+  // The rows, when every tensor of every row lies flat in its param's element order.
+  bool flat = true;
+  for (size_t i = 0; i < b.params.size() && flat; ++i) {
+    const at::Tensor& p = b.params[i];
+    flat = p.is_non_overlapping_and_dense();
+    auto same = [&](const std::vector<at::Tensor>& list) {
+      return list.empty() ||
+             (list[i].is_non_overlapping_and_dense() && detail::same_layout(p, list[i]));
+    };
+    flat = flat && same(b.masters) && same(b.states[0]) && same(b.states[1]) && same(b.states[2]);
+  }
+  if (flat) {
+    b.rows.resize(b.params.size());
+    for (size_t i = 0; i < b.params.size(); ++i) {
+      kernels::OptimTensor& o = b.rows[i];
+      o.param = b.params[i].data_ptr();
+      o.grad = nullptr;
+      o.master = b.masters.empty() ? nullptr : b.masters[i].data_ptr();
+      for (int k = 0; k < 3; ++k) o.state[k] = b.states[k].empty() ? nullptr : b.states[k][i].data_ptr();
+      o.step = b.steps[i].mutable_data_ptr<float>();
+      o.numel = b.params[i].numel();
+      for (const auto* list : {&b.masters, &b.states[0], &b.states[1], &b.states[2], &b.steps}) {
+        if (!list->empty()) b.keep.push_back((*list)[i].storage());
+      }
+    }
+    b.rows_ok = true;
+  }
   num_params_ += static_cast<int64_t>(b.params.size());
   buckets_.push_back(std::move(b));
 }
@@ -148,9 +179,10 @@ bool StepPlan::touches_written(const at::Tensor& t) const {
   return it != written_.end() && it->begin < s.end;
 }
 
-bool StepPlan::gather_grads(Bucket& b) {
+StepPlan::Gathered StepPlan::gather_grads(Bucket& b, bool want_rows) {
   const size_t n = b.params.size();
   const bool bound = !b.bound.empty();
+  bool rows = want_rows && b.rows_ok;
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = b.params[i];
     const at::Tensor& g = bound ? b.bound[i] : p.grad();
@@ -158,12 +190,21 @@ bool StepPlan::gather_grads(Bucket& b) {
         g.key_set().has(c10::DispatchKey::Python) ||
         g.device() != b.device || p.scalar_type() != b.param_dtype ||
         p.const_data_ptr() != b.data[i] || !p.sizes().equals(b.sizes[i]) ||
-        !g.sizes().equals(b.sizes[i]) || touches_written(g)) {
-      return false;
+        !p.strides().equals(b.strides[i]) || !g.sizes().equals(b.sizes[i]) ||
+        touches_written(g)) {
+      return Gathered::Stale;
+    }
+    if (rows) {
+      if (g.is_non_overlapping_and_dense() && (g.numel() <= 1 || g.strides().equals(b.strides[i]))) {
+        b.rows[i].grad = g.const_data_ptr();
+        continue;
+      }
+      rows = false;  // a gradient the kernel cannot walk in the param's order: the general way
+      for (size_t j = 0; j < i; ++j) b.grads[j] = bound ? b.bound[j] : b.params[j].grad();
     }
     b.grads[i] = g;
   }
-  return true;
+  return rows ? Gathered::Rows : Gathered::Lists;
 }
 
 bool StepPlan::idle_unchanged() const {
@@ -187,7 +228,9 @@ int64_t StepPlan::step(const std::vector<double>& hyper, const std::vector<at::T
     const auto lr_index = static_cast<int64_t>(hyper[b.group * width + 1]);
     TORCH_CHECK(lr_index < static_cast<int64_t>(lr_tensors.size()), "StepPlan.step: lr tensor ",
                 lr_index, " of group ", b.group, " is not in lr_tensors.");
-    if (!gather_grads(b)) return kStale;
+    const Gathered got = gather_grads(b, /*want_rows=*/true);
+    if (got == Gathered::Stale) return kStale;
+    b.use_rows = got == Gathered::Rows;
   }
   if (!idle_unchanged()) return kStale;
   for (const auto* t : {&grad_scale, &found_inf, &clip_coef}) {
@@ -222,17 +265,25 @@ int64_t StepPlan::step(const std::vector<double>& hyper, const std::vector<at::T
     const auto lr_index = static_cast<int64_t>(hyper[b.group * width + 1]);
     std::optional<at::Tensor> lr_tensor;
     if (lr_index >= 0) lr_tensor = scalar_on(lr_tensors[lr_index], b.device);
-    if (adam_) {
-      core::adam_step(*b.backend, l, adam_hyper(b), b.device, lr_tensor,
-                      scalar_on(grad_scale, b.device), scalar_on(found_inf, b.device),
-                      scalar_on(clip_coef, b.device));
+    const auto gs = scalar_on(grad_scale, b.device);
+    const auto fi = scalar_on(found_inf, b.device);
+    const auto cc = scalar_on(clip_coef, b.device);
+    const auto n = static_cast<int64_t>(b.params.size());
+    if (adam_ && b.use_rows) {
+      core::adam_rows(*b.backend, b.rows.data(), n, b.dtypes, adam_hyper(b), b.device, lr_tensor,
+                      gs, fi, cc);
+    } else if (adam_) {
+      core::adam_step(*b.backend, l, adam_hyper(b), b.device, lr_tensor, gs, fi, cc);
+    } else if (b.use_rows) {
+      core::sgd_rows(*b.backend, b.rows.data(), n, b.dtypes, sgd_hyper(b), b.device, lr_tensor,
+                     gs, fi, cc);
     } else {
-      core::sgd_step(*b.backend, l, sgd_hyper(b), b.device, lr_tensor,
-                     scalar_on(grad_scale, b.device), scalar_on(found_inf, b.device),
-                     scalar_on(clip_coef, b.device));
+      core::sgd_step(*b.backend, l, sgd_hyper(b), b.device, lr_tensor, gs, fi, cc);
     }
   }
-  for (auto& b : buckets_) std::fill(b.grads.begin(), b.grads.end(), at::Tensor());
+  for (auto& b : buckets_) {
+    if (!b.use_rows) std::fill(b.grads.begin(), b.grads.end(), at::Tensor());
+  }
   return kOk;
 }
 
@@ -243,7 +294,7 @@ std::vector<at::Tensor> StepPlan::check(const at::Tensor& scale, bool write, boo
     detail::check_norm_args(norm_type, max_norm, std::nullopt, num_params_, scale.device());
   }
   for (auto& b : buckets_) {
-    if (!gather_grads(b)) return {};
+    if (gather_grads(b, /*want_rows=*/false) == Gathered::Stale) return {};
   }
   if (!idle_unchanged()) return {};
   // The devices in the order their first bucket was added, with their gradients.

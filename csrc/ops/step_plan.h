@@ -26,11 +26,11 @@
 #include <utility>
 #include <vector>
 
+#include "ops/kernel_api.h"
+#include "ops/op_core.h"
 #include "ops/rules.h"
 
 namespace ampfuse::ops {
-
-struct Backend;
 
 class StepPlan : public torch::CustomClassHolder {
  public:
@@ -88,16 +88,28 @@ class StepPlan : public torch::CustomClassHolder {
     c10::ScalarType grad_dtype = c10::kFloat;
     std::vector<at::Tensor> params, masters, steps;
     std::vector<at::Tensor> states[3];
-    std::vector<std::vector<int64_t>> sizes;  // each param's shape when the plan was built
-    std::vector<const void*> data;           // each param's data when the plan was built
-    std::vector<at::Tensor> bound;           // bind_grads()
-    std::vector<at::Tensor> grads;           // this call's gradients
+    std::vector<std::vector<int64_t>> sizes;    // each param's shape when the plan was built
+    std::vector<std::vector<int64_t>> strides;  // and its strides
+    std::vector<const void*> data;             // and its data
+    std::vector<at::Tensor> bound;             // bind_grads()
+    std::vector<at::Tensor> grads;             // this call's gradients (the general way)
+    // The kernel rows, prepared once when every row's tensors lie flat in the param's element
+    // order (`rows_ok`): a call fills in the gradients' pointers only. `keep` holds the storage
+    // of every master, state and step counter the rows point into.
+    bool rows_ok = false;
+    bool use_rows = false;  // this call
+    std::vector<kernels::OptimTensor> rows;
+    core::OptimDTypes dtypes;
+    std::vector<c10::Storage> keep;
   };
+  enum class Gathered { Stale, Rows, Lists };
   struct Span {
     uintptr_t begin, end;
   };
 
-  bool gather_grads(Bucket& b);
+  // This call's gradients of `b`, checked: Rows (the prepared rows hold their pointers), Lists
+  // (b.grads holds them: a gradient is not flat in the param's order), or Stale.
+  Gathered gather_grads(Bucket& b, bool want_rows);
   bool idle_unchanged() const;
   bool touches_written(const at::Tensor& t) const;
   static Span span_of(const at::Tensor& t);
