@@ -4,7 +4,8 @@
 #                  again with CPU tensors going through the CUDA kernels under the emulator, once in
 #                  forward order and once in a seeded random block/thread order (CUEMU_SEED=N
 #                  replays one)
-#   make bench   - CPU benchmarks against torch (results under benchmarks/results/)
+#   make bench   - CPU benchmarks against torch, and the host cost of the CUDA dispatch path with
+#                  the launches stubbed (results under benchmarks/results/)
 #   make build   - configure + build the native library, install it into python/ampfuse
 #   make wheel   - dist/: an sdist and a binary wheel built from it (tools/build_wheel.py)
 #   make test-torch-matrix - CPU-only build + the Python suites against every supported torch
@@ -174,6 +175,7 @@ demo: build
 
 bench: build
 	PYTHONPATH=python $(PY) benchmarks/run.py $(ARGS)
+	PYTHONPATH=python $(PY) benchmarks/host_overhead.py
 
 clean:
 	rm -rf $(BUILD_DIR) python/ampfuse/lib python/ampfuse/include python/ampfuse/share

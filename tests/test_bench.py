@@ -80,3 +80,23 @@ def test_precision_quality_comparison(tmp_path):
     bad = {"a": {"ampfuse": {"val_curve": [[1, 1.0]]}}, "b": {"ampfuse": {"val_curve": [[2, 1.0]]}}}
     with pytest.raises(ValueError, match="no validation step in common"):
         precision_quality.compare(bad)
+
+
+def test_quick_host_overhead_run(tmp_path):
+    """benchmarks/host_overhead.py: the CUDA kernels' host code with stubbed launches, the three
+    candidates at each count, and the table from the JSON."""
+    import host_overhead
+
+    path = host_overhead.main(["--quick", "--out", str(tmp_path)])
+    with open(path, encoding="utf-8") as f:
+        res = json.load(f)
+    assert "launches stubbed" in res["machine"]["mode"]
+    assert [r["tensors"] for r in res["rows"]] == [10, 100]
+    for r in res["rows"]:
+        assert set(r["candidates"]) == {"ampfuse", "ampfuse-no-plan", "torch-A*"}
+        for c in r["candidates"].values():
+            assert 0 < c["min_us"] <= c["us"] <= c["max_us"]
+    assert set(res["per_extra_tensor_us"]) == {"ampfuse", "ampfuse-no-plan", "torch-A*"}
+    lines = host_overhead.table(res).splitlines()
+    assert sum(line.startswith("| ") for line in lines) == 1 + len(res["rows"])  # header + one per count
+    assert lines[-1].startswith("Per extra tensor")
