@@ -192,6 +192,21 @@ std::vector<at::Tensor> GradScaler::scale(at::TensorList outputs) {
 GradScaler::PerDevice GradScaler::unscale_grads(torch::optim::Optimizer& optimizer,
                                                 const at::Tensor& inv_scale,
                                                 const at::Tensor& found_inf, bool allow_fp16) {
+  // An ampfuse optimizer's step plan, when current, makes the pass itself: one native call. The
+  // two callers: unscale_() (inv_scale(), fp16 refused) and the check before a fused step
+  // (allow_fp16, an inv_scale of exactly 1: read only). The plan divides by the scale it is
+  // given (float(1 / double(scale)), the same value as inv_scale()).
+  auto* fused = as_fused(optimizer);
+  if (fused != nullptr && (allow_fp16 || !fused->plan_reads_fp16())) {
+    const bool check_only = allow_fp16;
+    at::NoGradGuard no_grad;
+    if (auto out = fused->plan_check(check_only ? inv_scale : scale_, !check_only, false, 2.0,
+                                     std::nullopt)) {
+      PerDevice found;
+      for (auto& f : *out) found.emplace_back(f.device(), f);
+      return found;
+    }
+  }
   Replicator inv(inv_scale);
   Replicator fi(found_inf);
   DeviceGrads per_device = grads_per_device(optimizer, allow_fp16);
@@ -241,6 +256,27 @@ at::Tensor GradScaler::unscale_and_clip_(torch::optim::Optimizer& optimizer, dou
     TORCH_CHECK(!(p.grad().defined() && p.grad().is_sparse()),
                 "unscale_and_clip_ does not support sparse gradients; use unscale_() and "
                 "torch::nn::utils::clip_grad_norm_().");
+  }
+  if (fused != nullptr) {
+    // Through the optimizer's step plan when current: read only, the optimizer's step applies
+    // 1/scale and the clip coefficient.
+    const bool single = fused->plan_devices() <= 1;
+    at::NoGradGuard no_grad;
+    if (auto out = fused->plan_check(scale_, false, true, norm_type,
+                                     single ? std::optional<double>(max_norm) : std::nullopt)) {
+      PerDevice found;
+      std::vector<at::Tensor> norms;
+      for (size_t k = 0; k < out->size(); k += 3) {
+        found.emplace_back((*out)[k].device(), (*out)[k]);
+        norms.push_back((*out)[k + 1].to(scale_.device()));
+      }
+      at::Tensor total_norm = single ? (*out)[1] : at::linalg_vector_norm(at::stack(norms), norm_type);
+      state.clip_coef = single ? (*out)[2] : clip_coef(total_norm, max_norm);
+      state.grads_still_scaled = true;
+      state.found_inf_per_device = std::move(found);
+      state.stage = Stage::kUnscaled;
+      return total_norm;
+    }
   }
   DeviceGrads per_device = grads_per_device(optimizer, /*allow_fp16=*/fused != nullptr);
   const at::Tensor inv = inv_scale();

@@ -8,6 +8,7 @@
 #include <torch/optim/serialize.h>
 #include <torch/serialize/archive.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -16,6 +17,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "ops/step_plan.h"
 #include "ops/validation.h"
 
 namespace ampfuse::optim {
@@ -202,21 +204,22 @@ typename P::State& ensure_state(torch::optim::Optimizer& opt, const at::Tensor& 
   return s;
 }
 
+// The validated step: every check, state created, one op call per bucket. Reports the buckets
+// it ran and the params it left idle, for the step plan.
 template <typename P>
-at::Tensor fused_step(FusedOptimizer& opt, const torch::optim::Optimizer::LossClosure& closure) {
-  at::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
-  at::NoGradGuard no_grad;
+void fused_step(FusedOptimizer& opt, std::vector<StepPlanBucket>& ran,
+                std::vector<at::Tensor>& idle) {
   opt.validate();
+  size_t gi = 0;
   for (auto& group : opt.param_groups()) {
     const auto& o = static_cast<const typename P::Options&>(group.options());
     std::vector<Bucket> buckets;
     for (const auto& p : group.params()) {
       at::Tensor g = opt.grad_of(p);
-      if (!g.defined()) continue;
+      if (!g.defined()) {
+        idle.push_back(p);
+        continue;
+      }
       auto& s = ensure_state<P>(opt, p, o);
       const MasterKind kind = master_kind(o, p);
       Bucket& b = bucket_for(buckets, p, g, kind);
@@ -227,9 +230,45 @@ at::Tensor fused_step(FusedOptimizer& opt, const torch::optim::Optimizer::LossCl
       if (kind == MasterKind::Remainder) b.masters.push_back(s.master_remainder());
       for (int k = 0; k < P::num_states(o); ++k) b.states[k].push_back(P::state(s, k));
     }
-    for (auto& b : buckets) P::run(o, b, scaling_on(opt.step_scaling(), b.device));
+    for (auto& b : buckets) {
+      P::run(o, b, scaling_on(opt.step_scaling(), b.device));
+      ran.push_back(StepPlanBucket{gi, b.params, b.masters, b.steps, b.states,
+                                       b.grad_dtype == at::kFloat && b.param_dtype != at::kFloat});
+    }
+    ++gi;
   }
-  return loss;
+}
+
+// What a step plan depends on that the optimizer owns: per group its params, structural options
+// and each param's state object and tensors (by identity).
+template <typename P>
+std::vector<const void*> plan_key_of(const torch::optim::Optimizer& opt) {
+  std::vector<const void*> key;
+  auto as_key = [](int64_t v) { return reinterpret_cast<const void*>(static_cast<intptr_t>(v)); };
+  const auto& states = const_cast<torch::optim::Optimizer&>(opt).state();
+  key.push_back(as_key(static_cast<int64_t>(opt.param_groups().size())));
+  for (const auto& group : opt.param_groups()) {
+    const auto& o = static_cast<const typename P::Options&>(group.options());
+    key.push_back(as_key(static_cast<int64_t>(group.params().size())));
+    key.push_back(as_key(P::num_states(o)));
+    key.push_back(as_key(o.master_weights() ? (o.master_remainders() ? 2 : 1) : 0));
+    key.push_back(as_key(static_cast<int64_t>(o.state_dtype())));
+    for (const auto& p : group.params()) {
+      key.push_back(p.unsafeGetTensorImpl());
+      auto it = states.find(p.unsafeGetTensorImpl());
+      if (it == states.end()) {
+        key.push_back(nullptr);
+        continue;
+      }
+      auto& s = static_cast<typename P::State&>(*it->second);
+      key.push_back(&s);
+      key.push_back(s.step().unsafeGetTensorImpl());
+      key.push_back(s.master_param().unsafeGetTensorImpl());
+      key.push_back(s.master_remainder().unsafeGetTensorImpl());
+      for (int k = 0; k < 3; ++k) key.push_back(P::state(s, k).unsafeGetTensorImpl());
+    }
+  }
+  return key;
 }
 
 // save(): torch's archive layout, with every state tensor as fp32 and a remainder as the fp32
@@ -593,6 +632,74 @@ at::Tensor FusedOptimizer::grad_of(const at::Tensor& param) const {
   return it != grad_buffers_.end() ? it->second : param.grad();
 }
 
+// ---- the step plan ----------------------------------------------------------------------------------
+struct FusedOptimizer::Plan {
+  c10::intrusive_ptr<ops::StepPlan> plan;
+  std::vector<const void*> key;
+  int devices = 0;
+  bool fp16_grads = false;
+};
+
+void FusedOptimizer::build_plan(const std::vector<StepPlanBucket>& buckets,
+                                const std::vector<at::Tensor>& idle, bool adam) {
+  plan_.reset();
+  for (const auto& b : buckets) {
+    for (const auto& p : b.params) {
+      if (p.key_set().has(c10::DispatchKey::Python) || p.is_meta()) return;  // subclasses: the ops
+    }
+  }
+  auto plan = std::make_shared<Plan>();
+  plan->plan = c10::make_intrusive<ops::StepPlan>(adam ? "adam" : "sgd");
+  std::vector<c10::Device> devices;
+  for (const auto& b : buckets) {
+    plan->plan->add_bucket(static_cast<int64_t>(b.group), b.params, b.masters, b.states[0],
+                           b.states[1], b.states[2], b.steps, b.fp32_grads);
+    const c10::Device d = b.params[0].device();
+    if (std::find(devices.begin(), devices.end(), d) == devices.end()) devices.push_back(d);
+    plan->fp16_grads |= !b.fp32_grads && b.params[0].scalar_type() == at::kHalf;
+  }
+  if (!idle.empty()) plan->plan->add_idle(idle);
+  plan->plan->finalize();
+  plan->devices = static_cast<int>(devices.size());
+  plan->key = plan_key();
+  plan_ = std::move(plan);
+}
+
+bool FusedOptimizer::has_step_plan() const {
+  return plan_ != nullptr && grad_buffers_.empty() && plan_key() == plan_->key;
+}
+
+int FusedOptimizer::plan_devices() const { return has_step_plan() ? plan_->devices : 0; }
+
+bool FusedOptimizer::plan_reads_fp16() const { return has_step_plan() && plan_->fp16_grads; }
+
+bool FusedOptimizer::step_with_plan() {
+  if (!has_step_plan()) {
+    plan_.reset();
+    return false;
+  }
+  const std::vector<double> hyper = plan_hyper();
+  std::optional<at::Tensor> gs, fi, cc;
+  if (scaling_) {
+    if (scaling_->grad_scale && scaling_->grad_scale->defined()) gs = scaling_->grad_scale;
+    if (scaling_->found_inf && scaling_->found_inf->defined()) fi = scaling_->found_inf;
+    if (scaling_->clip_coef && scaling_->clip_coef->defined()) cc = scaling_->clip_coef;
+  }
+  if (plan_->plan->step(hyper, {}, gs, fi, cc) == ops::StepPlan::kOk) return true;
+  plan_.reset();  // something changed: the validated way, which rebuilds the plan
+  return false;
+}
+
+std::optional<std::vector<at::Tensor>> FusedOptimizer::plan_check(const at::Tensor& scale,
+                                                                  bool write, bool with_norm,
+                                                                  double norm_type,
+                                                                  std::optional<double> max_norm) {
+  if (!has_step_plan()) return std::nullopt;
+  std::vector<at::Tensor> out = plan_->plan->check(scale, write, with_norm, norm_type, max_norm);
+  if (out.empty()) return std::nullopt;
+  return out;
+}
+
 // ============================================================================================
 // Policies and the optimizer template
 // ============================================================================================
@@ -611,6 +718,12 @@ struct SgdPolicy {
     TORCH_CHECK(o.momentum() >= 0.0, "SGD: momentum must be >= 0, got ", o.momentum(), ".");
     TORCH_CHECK(!o.nesterov() || (o.momentum() > 0 && o.dampening() == 0),
                 "SGD: nesterov momentum requires a momentum > 0 and zero dampening.");
+  }
+  // ops::StepPlan's hyper layout: lr, lr tensor index, momentum, dampening, weight_decay,
+  // nesterov, maximize.
+  static void hyper(const Options& o, std::vector<double>& out) {
+    out.insert(out.end(), {o.lr(), -1.0, o.momentum(), o.dampening(), o.weight_decay(),
+                           o.nesterov() ? 1.0 : 0.0, o.maximize() ? 1.0 : 0.0});
   }
   static void run(const Options& o, Bucket& b, const StepScaling& sc) {
     SgdStepOptions so;
@@ -650,6 +763,13 @@ struct AdamPolicyT {
     TORCH_CHECK(b1 >= 0.0 && b1 < 1.0, kName, ": betas[0] must be in [0, 1), got ", b1, ".");
     TORCH_CHECK(b2 >= 0.0 && b2 < 1.0, kName, ": betas[1] must be in [0, 1), got ", b2, ".");
   }
+  // ops::StepPlan's hyper layout: lr, lr tensor index, beta1, beta2, eps, weight_decay, amsgrad,
+  // maximize, decoupled.
+  static void hyper(const Options& o, std::vector<double>& out) {
+    out.insert(out.end(), {o.lr(), -1.0, std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(),
+                           o.weight_decay(), o.amsgrad() ? 1.0 : 0.0, o.maximize() ? 1.0 : 0.0,
+                           kDecoupled ? 1.0 : 0.0});
+  }
   static void run(const Options& o, Bucket& b, const StepScaling& sc) {
     AdamStepOptions ao;
     ao.lr = o.lr();
@@ -684,7 +804,34 @@ Fused<P>::Fused(std::vector<at::Tensor> params, Options defaults)
 
 template <class P>
 at::Tensor Fused<P>::step(LossClosure closure) {
-  return fused_step<P>(*this, closure);
+  at::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  at::NoGradGuard no_grad;
+  if (step_with_plan()) return loss;
+  std::vector<StepPlanBucket> ran;
+  std::vector<at::Tensor> idle;
+  fused_step<P>(*this, ran, idle);
+  if (grad_buffers_.empty()) build_plan(ran, idle, !std::is_same_v<P, SgdPolicy>);
+  return loss;
+}
+
+template <class P>
+std::vector<const void*> Fused<P>::plan_key() const {
+  return plan_key_of<P>(*this);
+}
+
+template <class P>
+std::vector<double> Fused<P>::plan_hyper() const {
+  std::vector<double> hyper;
+  for (const auto& group : param_groups()) {
+    const auto& o = static_cast<const Options&>(group.options());
+    P::check(o);
+    P::hyper(o, hyper);
+  }
+  return hyper;
 }
 
 template <class P>

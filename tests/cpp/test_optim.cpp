@@ -608,3 +608,76 @@ TEST(Optim, BadInputNamesTheArgument) {
 }
 
 }  // namespace
+
+// ---- the step plan ------------------------------------------------------------------------------
+// After a validated step the optimizer holds a step plan and the following steps go through it;
+// a grad buffer keeps an optimizer on the validated way, so the two must agree bit for bit, also
+// across the changes that send a step back the validated way.
+TEST(Optim, StepPlanMatchesTheValidatedWayBitwise) {
+  for (int change = 0; change < 5; ++change) {
+    auto pa = make_params(at::kFloat);
+    auto pb = copy_params(pa);
+    ampfuse::optim::AdamW a(pa, ampfuse::optim::AdamWOptions(1e-2));
+    ampfuse::optim::AdamW b(pb, ampfuse::optim::AdamWOptions(1e-2));
+    std::vector<at::Tensor> buffers;
+    for (const auto& p : pb) buffers.push_back(at::zeros_like(p));
+    for (size_t i = 0; i < pb.size(); ++i) b.set_grad_buffer(pb[i], buffers[i]);
+    for (int step = 0; step < 5; ++step) {
+      auto g = grads_for(step, at::kFloat);
+      set_grads(pa, g);
+      for (size_t i = 0; i < pb.size(); ++i) buffers[i].copy_(g[i]);
+      if (change == 0 && step == 4) b.set_grad_buffer(pb[1], buffers[1]);
+      if (step == 3) {
+        switch (change) {
+          case 0:  // a param without a gradient this step
+            pa[1].mutable_grad() = at::Tensor();
+            b.remove_grad_buffer(pb[1]);
+            break;
+          case 1:  // a structural option switched on
+            a.param_groups()[0].options().set_lr(0.5);
+            static_cast<ampfuse::optim::AdamWOptions&>(a.param_groups()[0].options()).amsgrad(true);
+            b.param_groups()[0].options().set_lr(0.5);
+            static_cast<ampfuse::optim::AdamWOptions&>(b.param_groups()[0].options()).amsgrad(true);
+            break;
+          case 2: {  // a state tensor replaced through the state map
+            for (auto* o : {&a, &b}) {
+              auto& params = o == &a ? pa : pb;
+              auto& s = static_cast<ampfuse::optim::AdamParamState&>(
+                  *o->state().at(params[2].unsafeGetTensorImpl()));
+              s.exp_avg(at::zeros_like(s.exp_avg()));
+            }
+            break;
+          }
+          case 3:  // the param's data swapped (same shape)
+            pa[0].set_data(pa[0].detach().clone());
+            pb[0].set_data(pb[0].detach().clone());
+            break;
+          default:  // a hyper-parameter only: the plan stays
+            a.param_groups()[0].options().set_lr(3e-3);
+            b.param_groups()[0].options().set_lr(3e-3);
+        }
+      }
+      a.step();
+      b.step();
+      EXPECT_TRUE(a.has_step_plan()) << "change " << change << " step " << step;
+      EXPECT_FALSE(b.has_step_plan());
+      for (size_t i = 0; i < pa.size(); ++i) {
+        EXPECT_TRUE(bitwise_equal(pa[i], pb[i])) << "change " << change << " step " << step << " param " << i;
+      }
+    }
+  }
+}
+
+TEST(Optim, StepPlanRefusesWhatTheValidatedWayRefuses) {
+  auto params = make_params(at::kBFloat16);
+  ampfuse::optim::AdamW opt(params);
+  for (int step = 0; step < 2; ++step) {
+    set_grads(params, grads_for(step, at::kBFloat16));
+    opt.step();
+  }
+  ASSERT_TRUE(opt.has_step_plan());
+  auto before = ampfuse_test::clone_all(params);
+  params[1].mutable_grad() = params[1].detach();  // the param's own memory
+  EXPECT_TRUE(throws_with([&] { opt.step(); }, "share memory"));
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(bitwise_equal(params[i], before[i]));
+}
