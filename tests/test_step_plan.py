@@ -302,3 +302,69 @@ def test_plan_object_rejects_bad_construction():
     plan.add_bucket(0, [p], [], [], [], [], [torch.zeros(())], False)
     with pytest.raises(RuntimeError, match="share memory"):
         plan.finalize()
+
+
+# ---- the accumulator's plan ------------------------------------------------------------------------
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.a = torch.nn.Parameter(torch.randn(16, 8, generator=g).to(dtype))
+        self.b = torch.nn.Parameter(torch.randn(8, generator=g).to(dtype))
+        self.c = torch.nn.Parameter(torch.randn(8, 4, generator=g).to(dtype))
+
+    def forward(self, x, use_c=True):
+        h = x @ self.a + self.b
+        return (h @ self.c).square().mean() if use_c else h.square().mean()
+
+
+def _train_windows(plan: str, monkeypatch, *, unfreeze_at=None, skip_c_at=(), windows=4, steps=3):
+    monkeypatch.setenv("AMPFUSE_STEP_PLAN", plan)
+    torch.manual_seed(0)
+    model = _Tiny(torch.bfloat16)
+    if unfreeze_at is not None:
+        model.c.requires_grad_(False)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    scaler = ampfuse.GradScaler("cpu", init_scale=2.0**8)
+    acc = ampfuse.GradAccumulator(model, opt, scaler, steps=steps, max_grad_norm=1.0)
+    g = torch.Generator().manual_seed(5)
+    used_plan = []
+    for mb in range(windows * steps):
+        if unfreeze_at is not None and mb == unfreeze_at:
+            model.c.requires_grad_(True)
+        x = torch.randn(4, 16, generator=g).to(torch.bfloat16)
+        with acc.accumulate():
+            acc.backward(model(x, use_c=mb not in skip_c_at))
+        used_plan.append(acc._acc_plan is not None)
+    return [p.detach().clone() for p in model.parameters()], used_plan, acc
+
+
+@pytest.mark.parametrize("case", ["steady", "param-without-grad-in-a-micro-batch", "unfrozen-mid-window"])
+def test_accumulator_plan_matches_the_validated_way_bitwise(case, monkeypatch):
+    kw = {"steady": {}, "param-without-grad-in-a-micro-batch": {"skip_c_at": (4, 7)},
+          "unfrozen-mid-window": {"unfreeze_at": 4}}[case]
+    with_plan, used, _ = _train_windows("1", monkeypatch, **kw)
+    without, unused, _ = _train_windows("0", monkeypatch, **kw)
+    _same(with_plan, without)
+    assert any(used) and not any(unused)
+
+
+def test_accumulator_plan_runs_no_op_from_python(monkeypatch):
+    _, used, acc = _train_windows("1", monkeypatch, windows=1, steps=2)
+    assert acc._acc_plan is not None
+    monkeypatch.setattr(ops, "accumulate_grads_", lambda *a, **k: pytest.fail("the validated pass ran"))
+    x = torch.randn(4, 16).to(torch.bfloat16)
+    with acc.accumulate():
+        acc.backward(acc.model(x))
+    assert acc.model.a.grad is None and any(acc._has_grad)
+
+
+def test_accumulator_plan_refuses_a_sparse_gradient_as_before(monkeypatch):
+    _, _, acc = _train_windows("1", monkeypatch, windows=1, steps=2)
+    assert acc._acc_plan is not None
+    with pytest.raises(RuntimeError, match="GradAccumulator does not support sparse gradients"):
+        with acc.accumulate():
+            acc.backward(acc.model(torch.randn(4, 16).to(torch.bfloat16)))
+            acc.model.a.grad = torch.zeros_like(acc.model.a).to_sparse()

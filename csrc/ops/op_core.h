@@ -53,6 +53,12 @@ void adam_rows(const Backend& b, const kernels::OptimTensor* rows, int64_t n,
                const std::optional<at::Tensor>& found_inf,
                const std::optional<at::Tensor>& clip_coef);
 
+// accumulate_grads_ over prepared rows (each accumulator and its grad flat in one element order),
+// on found_inf's device.
+void accumulate_rows(const Backend& b, float* const* accumulators,
+                     const kernels::TensorRef* grads, int64_t n, bool zero_grads,
+                     const at::Tensor& found_inf);
+
 // sgd_step_ / adam_step_ with validated, overlap-checked lists on `device`.
 void sgd_step(const Backend& b, const detail::OptimLists& l, const SgdHyper& h,
               const c10::Device& device, const std::optional<at::Tensor>& lr_tensor,

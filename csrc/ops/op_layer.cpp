@@ -350,13 +350,22 @@ void accumulate_grads(const Backend& b, at::TensorList accumulators, at::TensorL
     acc_ptrs[i] = static_cast<float*>(ptrs[0]);
     grad_refs[i] = {ptrs[1], grads[i].numel(), detail::kernel_dtype(grads[i].scalar_type())};
   }
-  const kernels::AccumulateArgs args{acc_ptrs.data(), grad_refs.data(),
-                                     static_cast<int64_t>(grads.size()), zero_grads,
+  core::accumulate_rows(b, acc_ptrs.data(), grad_refs.data(), static_cast<int64_t>(grads.size()),
+                        zero_grads, found_inf);
+  for (const auto& r : copies) r.finish();
+}
+
+void core::accumulate_rows(const Backend& b, float* const* accumulators,
+                           const kernels::TensorRef* grads, int64_t n, bool zero_grads,
+                           const at::Tensor& found_inf) {
+  if (b.table == nullptr || n == 0) return;
+  const c10::Device device = found_inf.device();
+  const c10::DeviceGuard guard(device);
+  const kernels::AccumulateArgs args{accumulators, grads, n, zero_grads,
                                      found_inf.mutable_data_ptr<float>()};
   detail::CallResources res(b, device);
   const kernels::KernelTable& table = b.table();
   check_status(table, table.accumulate(args, res.ctx()), res, "accumulate_grads_");
-  for (const auto& r : copies) r.finish();
 }
 
 void sgd_step(const Backend& b, at::TensorList params, at::TensorList grads,

@@ -80,6 +80,15 @@ TORCH_LIBRARY(ampfuse, m) {
       .def("check", &StepPlan::check)
       .def("num_params", &StepPlan::num_params)
       .def("kind", &StepPlan::kind);
+  // GradAccumulator's plan (ops/step_plan.h): a micro-batch's fp32 accumulation in one native
+  // call. Eager only, as StepPlan.
+  using ampfuse::ops::AccumulatePlan;
+  m.class_<AccumulatePlan>("AccumulatePlan")
+      .def(torch::init<>())
+      .def("add", &AccumulatePlan::add)
+      .def("add_watched", &AccumulatePlan::add_watched)
+      .def("finalize", &AccumulatePlan::finalize)
+      .def("collect", &AccumulatePlan::collect);
 }
 
 namespace ampfuse {

@@ -343,4 +343,119 @@ std::vector<at::Tensor> StepPlan::check(const at::Tensor& scale, bool write, boo
   return out;
 }
 
+// ---- the accumulator's plan ------------------------------------------------------------------------
+
+void AccumulatePlan::add(std::vector<at::Tensor> params, std::vector<at::Tensor> buffers,
+                         at::Tensor found_inf) {
+  TORCH_CHECK(!finalized_, "AccumulatePlan.add: the plan is finalized.");
+  TORCH_CHECK(!params.empty() && params.size() == buffers.size(), "AccumulatePlan.add: expected "
+              "one buffer per param and at least one param, got ", params.size(), " params and ",
+              buffers.size(), " buffers.");
+  // The op's own checks (buffers fp32, one device, found_inf), with the params standing in for
+  // their gradients.
+  detail::check_accumulate_args(buffers, params, found_inf);
+  Entry e;
+  e.device = found_inf.device();
+  e.backend = device_backend(e.device.type());
+  TORCH_CHECK(e.backend != nullptr, "ampfuse has no kernels for tensors on ", e.device,
+              "; its ops run on CPU and CUDA tensors.");
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    const at::Tensor& b = buffers[i];
+    TORCH_CHECK(!p.key_set().has(c10::DispatchKey::Python) &&
+                    !b.key_set().has(c10::DispatchKey::Python),
+                "AccumulatePlan.add: tensor subclasses (e.g. DTensor) go through the ops.");
+    TORCH_CHECK(b.is_contiguous() && b.sizes().equals(p.sizes()),
+                "AccumulatePlan.add: buffer ", i, " must be contiguous with its param's shape.");
+    e.acc.push_back(b.mutable_data_ptr<float>());
+  }
+  e.params = std::move(params);
+  e.buffers = std::move(buffers);
+  e.found_inf = std::move(found_inf);
+  num_params_ += static_cast<int64_t>(e.params.size());
+  entries_.push_back(std::move(e));
+}
+
+void AccumulatePlan::add_watched(std::vector<at::Tensor> params) {
+  TORCH_CHECK(!finalized_, "AccumulatePlan.add_watched: the plan is finalized.");
+  for (auto& p : params) watched_.push_back(std::move(p));
+}
+
+void AccumulatePlan::finalize() {
+  TORCH_CHECK(!finalized_, "AccumulatePlan.finalize: the plan is finalized.");
+  detail::OverlapCheck overlap;
+  for (const auto& e : entries_) {
+    overlap.add(e.buffers, "accumulators", true);
+    overlap.add(e.found_inf, "found_inf", true);
+  }
+  overlap.check();
+  auto span = [](const at::Tensor& t) {
+    const auto base = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+    return std::make_pair(base, base + static_cast<uintptr_t>(t.numel() * t.element_size()));
+  };
+  for (const auto& e : entries_) {
+    for (const auto& b : e.buffers) {
+      if (b.numel() > 0) written_.push_back(span(b));  // contiguous: its span is its elements
+    }
+    written_.push_back(span(e.found_inf.reshape({})));
+  }
+  std::sort(written_.begin(), written_.end());
+  finalized_ = true;
+}
+
+bool AccumulatePlan::check(const Entry& e, const at::Tensor& g, size_t i) const {
+  const at::Tensor& b = e.buffers[i];
+  const auto t = g.scalar_type();
+  if (g.layout() != c10::kStrided || g.key_set().has(c10::DispatchKey::Python) ||
+      g.device() != e.device || !(t == c10::kHalf || t == c10::kBFloat16 || t == c10::kFloat) ||
+      !g.sizes().equals(b.sizes()) || !g.is_non_overlapping_and_dense() ||
+      (g.numel() > 1 && !g.is_contiguous())) {
+    return false;  // the validated way (copies, or the message)
+  }
+  if (g.numel() == 0) return true;
+  const auto lo = reinterpret_cast<uintptr_t>(g.const_data_ptr());
+  const auto hi = lo + static_cast<uintptr_t>(g.numel() * g.element_size());
+  auto it = std::upper_bound(written_.begin(), written_.end(), lo,
+                             [](uintptr_t v, const std::pair<uintptr_t, uintptr_t>& w) {
+                               return v < w.second;
+                             });
+  return it == written_.end() || it->first >= hi;
+}
+
+std::vector<int64_t> AccumulatePlan::collect() {
+  TORCH_CHECK(finalized_, "AccumulatePlan.collect: the plan is not finalized.");
+  for (const auto& p : watched_) {
+    if (p.grad().defined()) return {};
+  }
+  std::vector<int64_t> taken;
+  taken.reserve(static_cast<size_t>(num_params_));
+  for (auto& e : entries_) {
+    e.grads.clear();
+    e.acc_taken.clear();
+    for (size_t i = 0; i < e.params.size(); ++i) {
+      const at::Tensor& g = e.params[i].grad();
+      if (!g.defined()) {
+        taken.push_back(0);
+        continue;
+      }
+      if (!check(e, g, i)) return {};
+      e.grads.push_back(kernels::TensorRef{const_cast<void*>(g.const_data_ptr()), g.numel(),
+                                           detail::kernel_dtype(g.scalar_type())});
+      e.acc_taken.push_back(e.acc[i]);
+      taken.push_back(1);
+    }
+  }
+  for (auto& e : entries_) {
+    core::accumulate_rows(*e.backend, e.acc_taken.data(), e.grads.data(),
+                          static_cast<int64_t>(e.grads.size()), /*zero_grads=*/false, e.found_inf);
+  }
+  // The sums hold the gradients now: as the validated way, `.grad = None`.
+  for (auto& e : entries_) {
+    for (auto& p : e.params) {
+      if (p.grad().defined()) p.mutable_grad() = at::Tensor();
+    }
+  }
+  return taken;
+}
+
 }  // namespace ampfuse::ops

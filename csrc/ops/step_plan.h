@@ -122,4 +122,41 @@ class StepPlan : public torch::CustomClassHolder {
   std::vector<Span> written_;  // sorted, disjoint: the memory the step writes
 };
 
+// The accumulator's plan (GradAccumulator, fp32 accumulation): fp16/bf16 params and their fp32
+// buffers, validated once. A micro-batch's pass is one call: every param with a gradient has it
+// added into its buffer (fp32, inf/NaN into the device's found_inf) and its `.grad` set to None.
+// Per call it checks each gradient (dtype, layout, shape, device, memory against the buffers) and
+// that the params it does not buffer have no gradient; otherwise it changes nothing and reports
+// stale, and the owner goes the validated way.
+class AccumulatePlan : public torch::CustomClassHolder {
+ public:
+  AccumulatePlan() = default;
+  // The params of one device, their fp32 buffers (one per param, its shape, contiguous) and
+  // the device's found_inf (1-element fp32).
+  void add(std::vector<at::Tensor> params, std::vector<at::Tensor> buffers, at::Tensor found_inf);
+  // Params whose gradient the owner must see (not buffered): a gradient on one is stale.
+  void add_watched(std::vector<at::Tensor> params);
+  void finalize();
+  // One micro-batch. Returns, per param in the order added, whether it had a gradient (summed
+  // and cleared); empty when stale (nothing done).
+  std::vector<int64_t> collect();
+
+ private:
+  struct Entry {
+    c10::Device device{c10::kCPU};
+    const Backend* backend = nullptr;
+    std::vector<at::Tensor> params, buffers;
+    at::Tensor found_inf;
+    std::vector<float*> acc;                // the buffers' data
+    std::vector<kernels::TensorRef> grads;  // this call's
+    std::vector<float*> acc_taken;          // this call's
+  };
+  bool check(const Entry& e, const at::Tensor& g, size_t i) const;
+  std::vector<Entry> entries_;
+  std::vector<at::Tensor> watched_;
+  std::vector<std::pair<uintptr_t, uintptr_t>> written_;  // sorted, disjoint
+  int64_t num_params_ = 0;
+  bool finalized_ = false;
+};
+
 }  // namespace ampfuse::ops

@@ -64,6 +64,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
+import os
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -190,6 +192,10 @@ class GradAccumulator:
         self._buffers: list[torch.Tensor] = []
         self._found_inf: dict[torch.device, torch.Tensor] = {}
         self._has_grad: list[bool] = []
+        # The native plan of the micro-batch pass (torch.classes.ampfuse.AccumulatePlan) and the
+        # param groups it was built for (each list and a copy of its entries).
+        self._acc_plan: Any = None
+        self._acc_plan_groups: list[tuple[list, list]] = []
         self._layout(self._wanted_low())
         if self._ddp and len({p.device for p in params}) > 1:
             raise ValueError("GradAccumulator under DDP supports one device per process (as DDP recommends).")
@@ -303,10 +309,60 @@ class GradAccumulator:
                 self._found_inf[p.device] = torch.zeros((), dtype=torch.float32, device=p.device)
         self._has_grad = [old[id(p)][1] if id(p) in old else False for p in low]
         self._low, self._buffers, self._flat = list(low), buffers, flat_by_device
+        self._acc_plan = None
 
     def _collect(self) -> None:
         """After a micro-batch's backward: fp16/bf16 grads into the fp32 buffers (one fused pass
-        per device, checking the sums for inf/NaN on the way), then ``.grad = None``."""
+        per device, checking the sums for inf/NaN on the way), then ``.grad = None``.
+
+        In the steady state this is one native call (the accumulator's plan, built by the first
+        pass that went the validated way): it checks every gradient itself, and anything it was
+        not built for (a gradient on a param it does not buffer, an odd layout, a sparse
+        gradient) sends the pass the validated way below, which names the problem or rebuilds
+        the plan."""
+        plan = self._acc_plan
+        if plan is not None and self._acc_plan_live():
+            taken = plan.collect()
+            if taken:
+                self._has_grad = list(map(bool, map(operator.or_, self._has_grad, taken)))
+                return
+        self._acc_plan = None
+        self._collect_validated()
+        self._acc_plan = self._build_acc_plan()
+
+    def _acc_plan_live(self) -> bool:
+        if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+            return False
+        groups = self.optimizer.param_groups
+        if len(groups) != len(self._acc_plan_groups):
+            return False
+        for (params, snapshot), group in zip(self._acc_plan_groups, groups):
+            p = group["params"]
+            if p is not params or len(p) != len(snapshot) or not all(map(operator.is_, p, snapshot)):
+                return False
+        return True
+
+    def _build_acc_plan(self) -> Any:
+        """The native plan of the micro-batch pass, for plain tensors on one device."""
+        if (not self._low or self._fsdp or os.environ.get("AMPFUSE_STEP_PLAN", "1") == "0"
+                or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()):
+            return None
+        device = self._low[0].device
+        python_key = torch._C.DispatchKey.Python
+        for p in self._low:
+            if p.device != device or torch._C._dispatch_keys(p).has(python_key):
+                return None
+        buffered = {id(p) for p in self._low}
+        plan = torch.classes.ampfuse.AccumulatePlan()
+        plan.add(self._low, self._buffers, self._found_inf[device])
+        watched = [p for p in self._all_params() if p.dtype in _LOW and id(p) not in buffered]
+        if watched:
+            plan.add_watched(watched)
+        plan.finalize()
+        self._acc_plan_groups = [(g["params"], list(g["params"])) for g in self.optimizer.param_groups]
+        return plan
+
+    def _collect_validated(self) -> None:
         if self._fp32_accumulation:
             buffered = {id(p) for p in self._low}
             extra = [p for p in self._all_params() if p.dtype in _LOW and p.grad is not None and id(p) not in buffered]
@@ -573,6 +629,7 @@ class GradAccumulator:
         if self._our_scaler and state_dict.get("scaler"):
             self.scaler._validate_state_dict(state_dict["scaler"])
         # apply
+        self._acc_plan = None
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.scaler is not None and state_dict.get("scaler"):
             self.scaler.load_state_dict(state_dict["scaler"])
