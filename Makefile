@@ -127,7 +127,7 @@ CUEMU_SEED := $(shell date +%s)
 endif
 PYTEST := AMPFUSE_CPP_BUILD_DIR=$(abspath $(BUILD_DIR)) AMPFUSE_REQUIRE_EMULATION=1 PYTHONPATH=python $(PY) -m pytest -q \
   -p no:cacheprovider --durations=8
-XDIST := -n $(MAX_JOBS) --dist loadfile
+XDIST := -n $(MAX_JOBS) --dist loadfile --no-loadscope-reorder
 XDIST_TESTS := -n $(MAX_JOBS) --dist load
 EMULATED := AMPFUSE_CPU_KERNELS=cuda-emulated
 NOT_EMULATED_CTEST := -E "ampfuse_cpp_consumer|cuemu_selftest"
