@@ -39,12 +39,15 @@ set(_cuemu_flags -include "${_cuemu_shim}" -ffp-contract=off -fno-strict-aliasin
     -fno-omit-frame-pointer -Wall -Wno-unknown-pragmas -Wno-unused-function)
 
 # Each .cu is compiled through a generated .cpp that includes it, so the sources stay as they are
-# and gcov reports their own lines.
+# and gcov reports their own lines. The include is found through the target's csrc include
+# directory, not by absolute path, so that the preprocessed text is the same in every checkout and
+# ccache serves one clone's objects to another.
 set(_cuemu_kernel_sources "")
 foreach(_cu IN LISTS AMPFUSE_CUDA_KERNEL_SOURCES)
   get_filename_component(_name "${_cu}" NAME_WE)
+  string(REGEX REPLACE "^csrc/" "" _cu_in_csrc "${_cu}")
   set(_wrapper "${CMAKE_CURRENT_BINARY_DIR}/cuemu/${_name}.cpp")
-  file(GENERATE OUTPUT "${_wrapper}" CONTENT "#include \"${PROJECT_SOURCE_DIR}/${_cu}\"\n")
+  file(GENERATE OUTPUT "${_wrapper}" CONTENT "#include \"${_cu_in_csrc}\"\n")
   list(APPEND _cuemu_kernel_sources "${_wrapper}")
 endforeach()
 
