@@ -90,11 +90,7 @@ endif()
 # access of a kernel is reported at its source line. The runtime is compiled with it too, so its
 # fiber switches are announced to ASan (CUEMU_ASAN). Loaded through AMPFUSE_CUEMU_LIBRARY by a
 # python started with libasan preloaded.
-# -fdebug-prefix-map: the debug info (and so ccache's hash of a -g compile, which includes the
-# working directory) does not depend on where the checkout is, so a clone's build is served from
-# another's objects.
-set(_cuemu_sanitize_flags -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g
-    "-fdebug-prefix-map=${PROJECT_SOURCE_DIR}=.")
+set(_cuemu_sanitize_flags -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g)
 add_library(ampfuse_cuemu_sanitized SHARED EXCLUDE_FROM_ALL ${_cuemu_kernel_sources} csrc/cuemu/export.cpp
             csrc/cuemu/runtime.cpp)
 target_include_directories(ampfuse_cuemu_sanitized PRIVATE csrc csrc/cuemu/include "${AMPFUSE_CUDA_RUNTIME_INCLUDE}"
