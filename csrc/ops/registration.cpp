@@ -74,7 +74,6 @@ TORCH_LIBRARY(ampfuse, m) {
       .def("hyper_width", &StepPlan::hyper_width)
       .def("add_bucket", &StepPlan::add_bucket)
       .def("add_idle", &StepPlan::add_idle)
-      .def("bind_grads", &StepPlan::bind_grads)
       .def("finalize", &StepPlan::finalize)
       .def("step", &StepPlan::step)
       .def("check", &StepPlan::check)

@@ -130,18 +130,6 @@ void StepPlan::add_idle(std::vector<at::Tensor> params) {
   for (auto& p : params) idle_.push_back(std::move(p));
 }
 
-void StepPlan::bind_grads(std::vector<at::Tensor> grads) {
-  TORCH_CHECK(!finalized_, "StepPlan.bind_grads: the plan is finalized.");
-  TORCH_CHECK(static_cast<int64_t>(grads.size()) == num_params_, "StepPlan.bind_grads: expected ",
-              num_params_, " gradients (one per param of the buckets), got ", grads.size(), ".");
-  size_t k = 0;
-  for (auto& b : buckets_) {
-    b.bound.assign(grads.begin() + static_cast<std::ptrdiff_t>(k),
-                   grads.begin() + static_cast<std::ptrdiff_t>(k + b.params.size()));
-    k += b.params.size();
-  }
-}
-
 void StepPlan::finalize() {
   TORCH_CHECK(!finalized_, "StepPlan.finalize: the plan is finalized.");
   // Everything the step writes, checked for sharing as the op checks it (naming the tensors).
@@ -181,11 +169,10 @@ bool StepPlan::touches_written(const at::Tensor& t) const {
 
 StepPlan::Gathered StepPlan::gather_grads(Bucket& b, bool want_rows) {
   const size_t n = b.params.size();
-  const bool bound = !b.bound.empty();
   bool rows = want_rows && b.rows_ok;
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = b.params[i];
-    const at::Tensor& g = bound ? b.bound[i] : p.grad();
+    const at::Tensor& g = p.grad();
     if (!g.defined() || g.layout() != c10::kStrided || g.scalar_type() != b.grad_dtype ||
         g.key_set().has(c10::DispatchKey::Python) ||
         g.device() != b.device || p.scalar_type() != b.param_dtype ||
@@ -200,7 +187,7 @@ StepPlan::Gathered StepPlan::gather_grads(Bucket& b, bool want_rows) {
         continue;
       }
       rows = false;  // a gradient the kernel cannot walk in the param's order: the general way
-      for (size_t j = 0; j < i; ++j) b.grads[j] = bound ? b.bound[j] : b.params[j].grad();
+      for (size_t j = 0; j < i; ++j) b.grads[j] = b.params[j].grad();
     }
     b.grads[i] = g;
   }

@@ -56,9 +56,6 @@ class StepPlan : public torch::CustomClassHolder {
                   bool fp32_grads);
   // Params the plan steps only while they have no gradient (none when it was built).
   void add_idle(std::vector<at::Tensor> params);
-  // Gradients to read instead of `param.grad`, one per param of the buckets in the order they
-  // were added (e.g. an accumulator's fp32 sums). Empty: `param.grad`.
-  void bind_grads(std::vector<at::Tensor> grads);
   // Done adding: checks that no tensor the step writes shares memory with another.
   void finalize();
 
@@ -91,7 +88,6 @@ class StepPlan : public torch::CustomClassHolder {
     std::vector<std::vector<int64_t>> sizes;    // each param's shape when the plan was built
     std::vector<std::vector<int64_t>> strides;  // and its strides
     std::vector<const void*> data;             // and its data
-    std::vector<at::Tensor> bound;             // bind_grads()
     std::vector<at::Tensor> grads;             // this call's gradients (the general way)
     // The kernel rows, prepared once when every row's tensors lie flat in the param's element
     // order (`rows_ok`): a call fills in the gradients' pointers only. `keep` holds the storage
