@@ -29,8 +29,11 @@ CUDA_ARCHS ?= 80;90
 BUILD_TYPE := $(if $(DEBUG),Debug,Release)
 MAX_JOBS ?= $(shell nproc)
 # ccache keys compiles on paths relative to the checkout, so a second clone (the pip-install test
-# builds one) reuses the objects of the first.
+# builds one) reuses the objects of the first. The sanitized emulator compiles with -g, for which
+# ccache would also hash the working directory (a miss in every new clone); the debug info's paths
+# are the only thing that differs, so it is told not to.
 export CCACHE_BASEDIR := $(CURDIR)
+export CCACHE_NOHASHDIR := 1
 
 .PHONY: all venv sysdeps build test test-cpp test-py test-emulated test-sanitize $(SANITIZED_LIB) demo bench clean \
   cuda-coverage cuda-mutants wheel test-torch-matrix test-oldest-torch
