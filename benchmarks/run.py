@@ -480,7 +480,7 @@ def measure_case(device, case, layout, n, dtype, quick, rng) -> dict:
     cands, bpp = build(case, shapes, dtype, device)
     nbytes = params * bpp
     cands.update(roof_candidates(device, nbytes))
-    budget = 2.0 if quick else (20.0 if nbytes > (256 << 20) else 8.0)
+    budget = 0.3 if quick else (20.0 if nbytes > (256 << 20) else 8.0)
     samples = run_rounds(device, cands, 3 if quick else MIN_ROUNDS, budget, rng)
     row: dict = {
         "case": case, "layout": layout, "params": params, "tensors": len(shapes), "dtype": str(dtype).replace("torch.", ""),
