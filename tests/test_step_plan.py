@@ -165,6 +165,66 @@ def test_steady_state_runs_no_op_and_no_per_param_python(monkeypatch):
     opt.step()  # the native plan, not the op
 
 
+def _strided_grad(p):
+    """A gradient that is not dense (every other element of a larger buffer)."""
+    buf = torch.zeros((2 * p.numel(),), dtype=p.grad.dtype)
+    view = buf[::2].view(p.shape) if p.dim() == 1 else buf[::2].unflatten(0, p.shape)
+    view.copy_(p.grad)
+    return view
+
+
+SCALER_CHANGES = {
+    # what changes before the scaler's pass of step 3, done alike on both sides; each meets one of
+    # the plan's per-call shortcuts (a gradient range already found clear of what the step writes,
+    # the last pass's disjoint gradients, dense gradients handed to the kernel without a copy)
+    "grad-not-dense": lambda ps: setattr(ps[1], "grad", _strided_grad(ps[1])),
+    "grad-moved": lambda ps: setattr(ps[2], "grad", ps[2].grad.clone()),
+    "grad-transposed": lambda ps: setattr(ps[3], "grad", ps[3].grad.t().contiguous().t()),
+    "grads-share-memory": lambda ps: setattr(ps[1], "grad", ps[0].grad.view(3, 4)),
+    "grad-in-another-grad": lambda ps: setattr(ps[2], "grad", ps[0].grad[3:9]),
+}
+
+
+@pytest.mark.parametrize("change", sorted(SCALER_CHANGES))
+@pytest.mark.parametrize("path", ["clip", "unscale"])
+def test_scaler_pass_after_changes_matches_the_validated_way(change, path):
+    """The plan's scaler pass after a change of gradients between steps: the same values, norm and
+    skips as the validated way, or the same error with nothing changed."""
+    params = _params(n=5, shapes=[(12,), (3, 4), (6,), (4, 5), (8,)])
+    opt, ref, ref_params = _pair(lambda ps: AdamW(ps, lr=1e-2), params)
+    scalers = [ampfuse.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) for _ in range(2)]
+    for step in range(5):
+        outs = []
+        for ps, o, sc in ((params, opt, scalers[0]), (ref_params, ref, scalers[1])):
+            sc.scale(torch.ones(()))
+            _set_grads(ps, step, scale=1024.0)
+            if step >= 3:
+                SCALER_CHANGES[change](ps)
+            try:
+                out = sc.unscale_and_clip_(o, 1.0) if path == "clip" else sc.unscale_(o)
+                sc.step(o)
+                sc.update()
+                outs.append((out, [p.grad.clone() for p in ps]))
+            except RuntimeError as e:
+                outs.append(e)
+        if isinstance(outs[0], Exception) or isinstance(outs[1], Exception):
+            # unscale_ writes the gradients in place (unscale_and_clip_ of a fused optimizer reads them)
+            assert path == "unscale" and change in ("grads-share-memory", "grad-in-another-grad") and step == 3, outs
+            assert type(outs[0]) is type(outs[1]) and str(outs[0]) == str(outs[1])
+            assert "share memory" in str(outs[0])
+            break
+        (na, ga), (nb, gb) = outs
+        if path == "clip":
+            assert torch.equal(na, nb)
+        _same(ga, gb)
+        _same(params, ref_params)
+        assert opt._native is not None
+    else:
+        assert path == "clip" or change not in ("grads-share-memory", "grad-in-another-grad")
+    _same(params, ref_params)
+    _same_state(opt, ref)
+
+
 def _fresh(kind="adamw", dtype=torch.bfloat16, n=5):
     params = _params(n=n, dtype=dtype)
     make = MAKERS["adam" if kind == "adamw" else "sgd"]

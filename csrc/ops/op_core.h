@@ -27,6 +27,13 @@ std::tuple<at::Tensor, at::Tensor> unscale_check(
     const detail::ScaleArg& scale, bool write_back, NormKind norm, std::optional<double> max_norm,
     const std::optional<at::Tensor>& per_tensor_found_inf, bool overwrite_found_inf,
     const char* op);
+// The same over references to dense tensors (each walked in memory order), their norm in fp64
+// when `norm_fp64` (one of them is fp64).
+std::tuple<at::Tensor, at::Tensor> unscale_check_refs(
+    const Backend& b, const std::vector<kernels::TensorRef>& refs, bool norm_fp64,
+    const at::Tensor& found_inf, const detail::ScaleArg& scale, bool write_back, NormKind norm,
+    std::optional<double> max_norm, const std::optional<at::Tensor>& per_tensor_found_inf,
+    bool overwrite_found_inf, const char* op);
 
 // The kernel dtypes of a fused optimizer call.
 struct OptimDTypes {

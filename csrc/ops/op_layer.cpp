@@ -64,11 +64,33 @@ std::tuple<at::Tensor, at::Tensor> unscale_check(
     const detail::ScaleArg& scale, bool write_back, NormKind norm, std::optional<double> max_norm,
     const std::optional<at::Tensor>& per_tensor_found_inf, bool overwrite_found_inf,
     const char* op) {
-  const c10::Device device = found_inf.device();
   // An fp64 tensor's norm may exceed the float range while every value is finite: with one in the
   // list the norm is accumulated and returned in fp64 (as torch's clip_grad_norm_ does).
   bool norm_fp64 = false;
   for (const auto& t : tensors) norm_fp64 |= t.scalar_type() == c10::kDouble;
+  std::vector<FlatTensor> copies;
+  std::vector<kernels::TensorRef> refs;
+  if (b.table != nullptr) {
+    const c10::DeviceGuard guard(found_inf.device());
+    refs.reserve(tensors.size());
+    for (const auto& t : tensors) {
+      refs.push_back({detail::flat_data(t, copies), t.numel(), detail::kernel_dtype(t.scalar_type())});
+    }
+  }
+  auto out = unscale_check_refs(b, refs, norm_fp64, found_inf, scale, write_back, norm, max_norm,
+                                per_tensor_found_inf, overwrite_found_inf, op);
+  if (write_back) {
+    for (const auto& f : copies) f.finish();
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> unscale_check_refs(
+    const Backend& b, const std::vector<kernels::TensorRef>& refs, bool norm_fp64,
+    const at::Tensor& found_inf, const detail::ScaleArg& scale, bool write_back, NormKind norm,
+    std::optional<double> max_norm, const std::optional<at::Tensor>& per_tensor_found_inf,
+    bool overwrite_found_inf, const char* op) {
+  const c10::Device device = found_inf.device();
   at::Tensor total_norm, clip_coef;
   if (norm != NormKind::None) {
     total_norm = at::empty({}, found_inf.options().dtype(norm_fp64 ? at::kDouble : at::kFloat));
@@ -76,12 +98,6 @@ std::tuple<at::Tensor, at::Tensor> unscale_check(
   }
   if (b.table == nullptr) return {total_norm, clip_coef};  // validation only
   const c10::DeviceGuard guard(device);
-  std::vector<FlatTensor> copies;
-  std::vector<kernels::TensorRef> refs;
-  refs.reserve(tensors.size());
-  for (const auto& t : tensors) {
-    refs.push_back({detail::flat_data(t, copies), t.numel(), detail::kernel_dtype(t.scalar_type())});
-  }
   kernels::UnscaleCheckArgs args{};
   args.tensors = refs.data();
   args.num_tensors = static_cast<int64_t>(refs.size());
@@ -101,9 +117,6 @@ std::tuple<at::Tensor, at::Tensor> unscale_check(
   void* ws = res.workspace(detail::CallResources::Kind::UnscaleCheck,
                            table.unscale_check_workspace(args, res.ctx()));
   check_status(table, table.unscale_check(args, ws, res.ctx()), res, op);
-  if (write_back) {
-    for (const auto& f : copies) f.finish();
-  }
   return {total_norm, clip_coef};
 }
 

@@ -76,15 +76,17 @@ void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
                              {"momentum_buffers", "exp_avg_sqs", "max_exp_avg_sqs"}, steps};
   detail::check_optim_args(l, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
   for (const auto& p : params) {
-    b.strides.emplace_back(p.strides().vec());
+    b.geom_at.push_back(b.geom.size());
+    b.geom.insert(b.geom.end(), p.sizes().begin(), p.sizes().end());
+    b.geom.insert(b.geom.end(), p.strides().begin(), p.strides().end());
     TORCH_CHECK(p.device() == b.device && p.scalar_type() == b.param_dtype,
                 "StepPlan.add_bucket: the params of a bucket must share one device and dtype.");
     TORCH_CHECK(!p.key_set().has(c10::DispatchKey::Python) && !p.is_meta(),
                 "StepPlan.add_bucket: tensor subclasses (e.g. DTensor) and meta tensors go "
                 "through the ops, not a plan.");
-    b.sizes.emplace_back(p.sizes().vec());
     b.data.push_back(p.const_data_ptr());
   }
+  b.geom_at.push_back(b.geom.size());
   b.params = std::move(params);
   b.masters = std::move(masters);
   b.states[0] = std::move(state0);
@@ -92,6 +94,8 @@ void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
   b.states[2] = std::move(state2);
   b.steps = std::move(steps);
   b.grads.resize(b.params.size());
+  b.refs.resize(b.params.size());
+  b.clear_of_written.assign(b.params.size(), {0, 0});
   b.dtypes = core::optim_dtypes(detail::OptimLists{
       b.params, probe, b.masters, {b.states[0], b.states[1], b.states[2]}, {"", "", ""}, b.steps});
   // The rows, when every tensor of every row lies flat in its param's element order.
@@ -159,7 +163,10 @@ void StepPlan::finalize() {
 
 bool StepPlan::touches_written(const at::Tensor& t) const {
   if (t.numel() == 0 || t.const_data_ptr() == nullptr) return false;
-  const Span s = span_of(t);
+  return touches_written(span_of(t));
+}
+
+bool StepPlan::touches_written(const Span& s) const {
   // The first written span that ends after s begins; the spans are disjoint and sorted, so their
   // ends are sorted too.
   auto it = std::upper_bound(written_.begin(), written_.end(), s.begin,
@@ -167,31 +174,91 @@ bool StepPlan::touches_written(const at::Tensor& t) const {
   return it != written_.end() && it->begin < s.end;
 }
 
-StepPlan::Gathered StepPlan::gather_grads(Bucket& b, bool want_rows) {
+namespace {
+
+// The gradient loop is bound by dependent loads (a model's tensors lie scattered on the heap:
+// param -> its autograd metadata -> its gradient -> the gradient's storage), not by its
+// arithmetic, so each is requested a few params ahead of its use, one link per distance.
+void prefetch_ahead(const at::Tensor* params, size_t n, size_t i) {
+  auto lines = [](const void* p, int count) {
+    for (int k = 0; k < count; ++k) __builtin_prefetch(static_cast<const char*>(p) + 64 * k);
+  };
+  if (i + 16 < n) lines(params[i + 16].unsafeGetTensorImpl(), 3);
+  if (i + 12 < n) {
+    if (const auto* meta = params[i + 12].unsafeGetTensorImpl()->autograd_meta()) lines(meta, 2);
+  }
+  if (i + 8 < n) {
+    const at::Tensor& g = params[i + 8].grad();
+    if (g.defined()) lines(g.unsafeGetTensorImpl(), 3);
+    lines(params[i + 8].unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), 2);
+  }
+  if (i + 4 < n) {
+    const at::Tensor& g = params[i + 4].grad();
+    if (g.defined() && g.has_storage()) {
+      lines(g.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), 2);
+    }
+  }
+}
+
+}  // namespace
+
+StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
   const size_t n = b.params.size();
-  bool rows = want_rows && b.rows_ok;
+  bool rows = want == Want::Rows && b.rows_ok;
+  b.refs_ok = want == Want::Refs;
+  const kernels::DType kdtype = detail::kernel_dtype(b.grad_dtype);
+  const at::Tensor* params = b.params.data();
   for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = b.params[i];
+    prefetch_ahead(params, n, i);
+    const at::Tensor& p = params[i];
     const at::Tensor& g = p.grad();
+    const int64_t* geom = b.geom.data() + b.geom_at[i];
+    const auto dim = static_cast<int64_t>((b.geom_at[i + 1] - b.geom_at[i]) / 2);
+    const c10::IntArrayRef sizes(geom, dim), strides(geom + dim, dim);
     if (!g.defined() || g.layout() != c10::kStrided || g.scalar_type() != b.grad_dtype ||
         g.key_set().has(c10::DispatchKey::Python) ||
         g.device() != b.device || p.scalar_type() != b.param_dtype ||
-        p.const_data_ptr() != b.data[i] || !p.sizes().equals(b.sizes[i]) ||
-        !p.strides().equals(b.strides[i]) || !g.sizes().equals(b.sizes[i]) ||
-        touches_written(g)) {
+        p.const_data_ptr() != b.data[i] || !p.sizes().equals(sizes) ||
+        !p.strides().equals(strides) || !g.sizes().equals(sizes)) {
       return Gathered::Stale;
     }
+    // A gradient about to be written in place is made writable first (a lazily cloned one gets
+    // its own memory), so the memory checked is the memory written.
+    const void* data = write ? g.data_ptr() : g.const_data_ptr();
+    if (data != nullptr && g.numel() > 0) {
+      // Against what the step writes; a range found clear before (that does not change after
+      // finalize) is not searched again.
+      const Span s = span_of(g);
+      auto& clear = b.clear_of_written[i];
+      if (s.begin != clear.first || s.end != clear.second) {
+        if (touches_written(s)) return Gathered::Stale;
+        clear = {s.begin, s.end};
+      }
+      if (want == Want::Refs) call_spans_.push_back(s);
+    }
     if (rows) {
-      if (g.is_non_overlapping_and_dense() && (g.numel() <= 1 || g.strides().equals(b.strides[i]))) {
-        b.rows[i].grad = g.const_data_ptr();
+      if (g.is_non_overlapping_and_dense() && (g.numel() <= 1 || g.strides().equals(strides))) {
+        b.rows[i].grad = data;
         continue;
       }
       rows = false;  // a gradient the kernel cannot walk in the param's order: the general way
-      for (size_t j = 0; j < i; ++j) b.grads[j] = b.params[j].grad();
+      for (size_t j = 0; j < i; ++j) b.grads[j] = params[j].grad();
+    }
+    if (b.refs_ok) {
+      if (g.is_non_overlapping_and_dense()) {  // walked in memory order
+        b.refs[i] = {const_cast<void*>(data), g.numel(), kdtype};
+        continue;
+      }
+      b.refs_ok = false;  // flattened through a copy: the general way
+      for (size_t j = 0; j < i; ++j) b.grads[j] = params[j].grad();
     }
     b.grads[i] = g;
   }
   return rows ? Gathered::Rows : Gathered::Lists;
+}
+
+void StepPlan::release_grads() {
+  for (auto& b : buckets_) std::fill(b.grads.begin(), b.grads.end(), at::Tensor());
 }
 
 bool StepPlan::idle_unchanged() const {
@@ -215,16 +282,21 @@ int64_t StepPlan::step(const std::vector<double>& hyper, const std::vector<at::T
     const auto lr_index = static_cast<int64_t>(hyper[b.group * width + 1]);
     TORCH_CHECK(lr_index < static_cast<int64_t>(lr_tensors.size()), "StepPlan.step: lr tensor ",
                 lr_index, " of group ", b.group, " is not in lr_tensors.");
-    const Gathered got = gather_grads(b, /*want_rows=*/true);
-    if (got == Gathered::Stale) return kStale;
+    const Gathered got = gather_grads(b, Want::Rows, /*write=*/false);
+    if (got == Gathered::Stale) {
+      release_grads();
+      return kStale;
+    }
     b.use_rows = got == Gathered::Rows;
   }
-  if (!idle_unchanged()) return kStale;
+  bool stale = !idle_unchanged();
   for (const auto* t : {&grad_scale, &found_inf, &clip_coef}) {
-    if (*t && touches_written(**t)) return kStale;
+    stale = stale || (*t && touches_written(**t));
   }
-  for (const auto& t : lr_tensors) {
-    if (touches_written(t)) return kStale;
+  for (const auto& t : lr_tensors) stale = stale || touches_written(t);
+  if (stale) {
+    release_grads();
+    return kStale;
   }
   auto lists = [](Bucket& b) {
     return detail::OptimLists{b.params, b.grads, b.masters,
@@ -268,9 +340,7 @@ int64_t StepPlan::step(const std::vector<double>& hyper, const std::vector<at::T
       core::sgd_step(*b.backend, l, sgd_hyper(b), b.device, lr_tensor, gs, fi, cc);
     }
   }
-  for (auto& b : buckets_) {
-    if (!b.use_rows) std::fill(b.grads.begin(), b.grads.end(), at::Tensor());
-  }
+  release_grads();
   return kOk;
 }
 
@@ -280,53 +350,80 @@ std::vector<at::Tensor> StepPlan::check(const at::Tensor& scale, bool write, boo
   if (with_norm) {
     detail::check_norm_args(norm_type, max_norm, std::nullopt, num_params_, scale.device());
   }
+  call_spans_.clear();
+  bool all_refs = true;
   for (auto& b : buckets_) {
-    if (gather_grads(b, /*want_rows=*/false) == Gathered::Stale) return {};
-  }
-  if (!idle_unchanged()) return {};
-  // The devices in the order their first bucket was added, with their gradients.
-  std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> per_device;
-  for (auto& b : buckets_) {
-    auto it = std::find_if(per_device.begin(), per_device.end(),
-                           [&](const auto& e) { return e.first == b.device; });
-    if (it == per_device.end()) {
-      per_device.emplace_back(b.device, std::vector<at::Tensor>{});
-      it = per_device.end() - 1;
+    if (gather_grads(b, Want::Refs, write) == Gathered::Stale) {
+      release_grads();
+      return {};
     }
-    it->second.insert(it->second.end(), b.grads.begin(), b.grads.end());
+    all_refs = all_refs && b.refs_ok;
   }
-  for (auto& b : buckets_) std::fill(b.grads.begin(), b.grads.end(), at::Tensor());
+  if (!idle_unchanged()) {
+    release_grads();
+    return {};
+  }
   if (write) {
-    // Gradients written in place must not share memory with each other or the scale.
-    std::vector<Span> spans;
-    for (const auto& [device, grads] : per_device) {
-      for (const auto& g : grads) {
-        if (g.numel() > 0) spans.push_back(span_of(g));
+    // Gradients written in place must not share memory with each other or the scale; the ranges
+    // of the last call that passed need no sort.
+    if (scale.numel() > 0) call_spans_.push_back(span_of(scale));
+    auto same = [](const Span& x, const Span& y) { return x.begin == y.begin && x.end == y.end; };
+    if (!std::equal(call_spans_.begin(), call_spans_.end(), disjoint_grads_.begin(),
+                    disjoint_grads_.end(), same)) {
+      std::vector<Span> sorted = call_spans_;
+      std::sort(sorted.begin(), sorted.end(),
+                [](const Span& x, const Span& y) { return x.begin < y.begin; });
+      for (size_t i = 1; i < sorted.size(); ++i) {
+        if (sorted[i].begin < sorted[i - 1].end) {
+          release_grads();
+          return {};
+        }
       }
+      disjoint_grads_ = call_spans_;
     }
-    if (scale.numel() > 0) spans.push_back(span_of(scale));
-    std::sort(spans.begin(), spans.end(),
-              [](const Span& a, const Span& b) { return a.begin < b.begin; });
-    for (size_t i = 1; i < spans.size(); ++i) {
-      if (spans[i].begin < spans[i - 1].end) return {};
+  }
+  // One pass per device, in the order of its first bucket, over its buckets' gradients.
+  std::vector<c10::Device> devices;
+  for (const auto& b : buckets_) {
+    if (std::find(devices.begin(), devices.end(), b.device) == devices.end()) {
+      devices.push_back(b.device);
     }
   }
   const NormKind norm = with_norm ? detail::norm_kind(norm_type) : NormKind::None;
+  const char* op = write ? "unscale_check_" : "check_norm_";
   std::vector<at::Tensor> out;
-  for (const auto& [device, grads] : per_device) {
+  for (const auto& device : devices) {
     const Backend* backend = device_backend(device.type());
     at::Tensor found_inf = at::empty({}, scale.options().device(device).dtype(c10::kFloat));
     const at::Tensor s = scalar_on(scale, device);
     const detail::ScaleArg arg{&s, "scale", false};
-    auto [total_norm, coef] =
-        core::unscale_check(*backend, grads, found_inf, arg, write, norm, max_norm, std::nullopt,
-                            /*overwrite_found_inf=*/true, write ? "unscale_check_" : "check_norm_");
+    std::tuple<at::Tensor, at::Tensor> norm_coef;
+    if (all_refs) {
+      std::vector<kernels::TensorRef> refs;
+      bool norm_fp64 = false;
+      for (const auto& b : buckets_) {
+        if (b.device != device) continue;
+        refs.insert(refs.end(), b.refs.begin(), b.refs.end());
+        norm_fp64 |= b.grad_dtype == c10::kDouble;
+      }
+      norm_coef = core::unscale_check_refs(*backend, refs, norm_fp64, found_inf, arg, write, norm,
+                                           max_norm, std::nullopt,
+                                           /*overwrite_found_inf=*/true, op);
+    } else {
+      std::vector<at::Tensor> grads;
+      for (const auto& b : buckets_) {
+        if (b.device == device) grads.insert(grads.end(), b.grads.begin(), b.grads.end());
+      }
+      norm_coef = core::unscale_check(*backend, grads, found_inf, arg, write, norm, max_norm,
+                                      std::nullopt, /*overwrite_found_inf=*/true, op);
+    }
     out.push_back(found_inf);
     if (with_norm) {
-      out.push_back(total_norm);
-      out.push_back(coef);
+      out.push_back(std::get<0>(norm_coef));
+      out.push_back(std::get<1>(norm_coef));
     }
   }
+  release_grads();
   return out;
 }
 

@@ -85,10 +85,18 @@ class StepPlan : public torch::CustomClassHolder {
     c10::ScalarType grad_dtype = c10::kFloat;
     std::vector<at::Tensor> params, masters, steps;
     std::vector<at::Tensor> states[3];
-    std::vector<std::vector<int64_t>> sizes;    // each param's shape when the plan was built
-    std::vector<std::vector<int64_t>> strides;  // and its strides
-    std::vector<const void*> data;             // and its data
-    std::vector<at::Tensor> grads;             // this call's gradients (the general way)
+    // Each param's shape and strides when the plan was built, side by side in one array (dims
+    // sizes then dims strides from geom_at[i]), and its data.
+    std::vector<int64_t> geom;
+    std::vector<size_t> geom_at;
+    std::vector<const void*> data;
+    std::vector<at::Tensor> grads;  // this call's gradients (the general way)
+    // Per param, the memory of the last gradient found not to touch anything the step writes
+    // (what the step writes does not change after finalize, so the same range needs no search).
+    std::vector<std::pair<uintptr_t, uintptr_t>> clear_of_written;
+    // This call's gradients for the scaler's pass, when every one is dense (`refs_ok`).
+    std::vector<kernels::TensorRef> refs;
+    bool refs_ok = false;
     // The kernel rows, prepared once when every row's tensors lie flat in the param's element
     // order (`rows_ok`): a call fills in the gradients' pointers only. `keep` holds the storage
     // of every master, state and step counter the rows point into.
@@ -99,15 +107,21 @@ class StepPlan : public torch::CustomClassHolder {
     std::vector<c10::Storage> keep;
   };
   enum class Gathered { Stale, Rows, Lists };
+  enum class Want { Rows, Refs };
   struct Span {
     uintptr_t begin, end;
   };
 
-  // This call's gradients of `b`, checked: Rows (the prepared rows hold their pointers), Lists
-  // (b.grads holds them: a gradient is not flat in the param's order), or Stale.
-  Gathered gather_grads(Bucket& b, bool want_rows);
+  // This call's gradients of `b`, checked. For the step (Want::Rows): Rows (the prepared rows
+  // hold their pointers) or Lists (b.grads holds them: a gradient is not flat in the param's
+  // order). For the scaler's pass (Want::Refs): b.grads holds them, and b.refs too when every
+  // one is dense (b.refs_ok). Or Stale.
+  // `write`: the scaler's pass writes the gradients in place.
+  Gathered gather_grads(Bucket& b, Want want, bool write);
+  void release_grads();
   bool idle_unchanged() const;
   bool touches_written(const at::Tensor& t) const;
+  bool touches_written(const Span& s) const;
   static Span span_of(const at::Tensor& t);
 
   bool adam_;
@@ -116,6 +130,10 @@ class StepPlan : public torch::CustomClassHolder {
   std::vector<Bucket> buckets_;
   std::vector<at::Tensor> idle_;
   std::vector<Span> written_;  // sorted, disjoint: the memory the step writes
+  // The gradients and scale of the last check() that wrote in place, found not to share memory:
+  // the same ranges need no sort.
+  std::vector<Span> disjoint_grads_;
+  std::vector<Span> call_spans_;  // this check()'s gradients' ranges
 };
 
 // The accumulator's plan (GradAccumulator, fp32 accumulation): fp16/bf16 params and their fp32
