@@ -274,6 +274,36 @@ def test_changes_between_steps_match_the_validated_way(change):
     _same_state(opt, ref)
 
 
+@pytest.mark.parametrize("edit", ["betas-list-in-place", "lr-tensor-in-place", "lr-same-value", "new-group-key"])
+def test_hyper_parameters_checked_once_still_follow_every_edit(edit):
+    """The plan reuses a group's checked hyper-parameters while no value in the group dict was
+    replaced; a value that can change in place (a list) is read at every step, and the lr tensor's
+    value is read by the kernel."""
+    make = MAKERS["adamw-tensor-lr" if edit == "lr-tensor-in-place" else "adam"]
+    params = _params()
+    opt, ref, ref_params = _pair(make, params)
+    for step in range(6):
+        for ps, o in ((params, opt), (ref_params, ref)):
+            _set_grads(ps, step)
+            g = o.param_groups[0]
+            if edit == "betas-list-in-place":
+                if step == 1:
+                    g["betas"] = [0.9, 0.999]
+                elif step >= 3:
+                    g["betas"][1] = 0.9 - 0.1 * step  # the same list, a new value
+            elif edit == "lr-tensor-in-place" and step >= 3:
+                g["lr"].fill_(0.02 * step)
+            elif edit == "lr-same-value" and step >= 3:
+                g["lr"] = float(str(g["lr"]))  # an equal float, another object
+            elif edit == "new-group-key" and step == 3:
+                g["eps"] = 0.5
+                g["note"] = "added"
+            o.step()
+        _same(params, ref_params)
+        assert opt._native is not None or step == 0
+    _same_state(opt, ref)
+
+
 def _raises_same(fn_a, fn_b):
     with pytest.raises(Exception) as ea:
         fn_a()

@@ -250,7 +250,7 @@ class _NativePlan:
     owner's to check (O(groups) plus one C-level pass over the ids); the plan checks the rest
     (gradients, param data) natively at every call."""
 
-    __slots__ = ("plan", "state", "generation", "groups", "devices", "fp16_grads")
+    __slots__ = ("plan", "state", "generation", "groups", "devices", "fp16_grads", "hyper")
 
     def __init__(self, plan, state, generation, groups, devices, fp16_grads) -> None:
         self.plan = plan
@@ -259,6 +259,37 @@ class _NativePlan:
         self.groups = groups  # [(params list, a copy of its entries, signature)]
         self.devices = devices  # how many devices its buckets are on
         self.fp16_grads = fp16_grads  # whether it reads fp16 gradients
+        # The last checked hyper-parameters, when every group's values are immutable: (per group
+        # its _hyper_snapshot, hyper numbers, lr tensors)
+        self.hyper: tuple[list[tuple[tuple, tuple]], list[float], list[torch.Tensor]] | None = None
+
+
+# Values that cannot change without being replaced in the group dict (identity tells a change).
+_IMMUTABLE_HYPER = (float, int, bool, str, type(None), torch.dtype)
+
+
+def _hyper_snapshot(group: dict[str, Any]) -> tuple[tuple, tuple]:
+    """A group's keys and values, for an identity comparison with the next step's (C-level)."""
+    return tuple(group), tuple(group.values())
+
+
+def _immutable_hyper(group: dict[str, Any]) -> bool:
+    """Whether no value of the group (params and the lr tensor aside: the owner checks the params
+    list, and the plan reads the lr tensor's value at every step) can change in place."""
+    for k, v in group.items():
+        t = type(v)
+        if t in _IMMUTABLE_HYPER or k == "params" or (k == "lr" and isinstance(v, torch.Tensor)):
+            continue
+        if t is not tuple or not all(type(x) in _IMMUTABLE_HYPER for x in v):
+            return False
+    return True
+
+
+def _same_snapshots(a: list[tuple[tuple, tuple]], b: list[tuple[tuple, tuple]]) -> bool:
+    return len(a) == len(b) and all(
+        len(ka) == len(kb) and len(va) == len(vb) and all(map(operator.is_, ka, kb)) and all(map(operator.is_, va, vb))
+        for (ka, va), (kb, vb) in zip(a, b)
+    )
 
 
 class _FusedOptimizer(torch.optim.Optimizer):
@@ -724,6 +755,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _native_hyper(self) -> tuple[list[float], list[torch.Tensor]]:
         """Every group's hyper-parameters, checked (as the validated way checks them), as the
         plan's ``hyper`` numbers and lr tensors."""
+        snapshots = [_hyper_snapshot(g) for g in self.param_groups]
+        native = self._native
+        cached = native.hyper if native is not None else None
+        if (cached is not None and _same_snapshots(snapshots, cached[0])
+                and all(t.numel() == 1 for t in cached[2])):
+            return cached[1], cached[2]  # no value replaced since they were checked
         hyper: list[float] = []
         lr_tensors: list[torch.Tensor] = []
         for gi, group in enumerate(self.param_groups):
@@ -735,6 +772,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
             else:
                 hyper += (float(lr), -1.0)
             hyper += self._native_group_hyper(group)
+        if native is not None:
+            immutable = all(map(_immutable_hyper, self.param_groups))
+            native.hyper = (snapshots, hyper, lr_tensors) if immutable else None
         return hyper, lr_tensors
 
     def _native_group_hyper(self, group: dict[str, Any]) -> tuple[float, ...]:
