@@ -95,7 +95,7 @@ void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
   b.steps = std::move(steps);
   b.grads.resize(b.params.size());
   b.refs.resize(b.params.size());
-  b.clear_of_written.assign(b.params.size(), {0, 0});
+  b.clear_of_written.assign(b.params.size(), Span{});
   b.dtypes = core::optim_dtypes(detail::OptimLists{
       b.params, probe, b.masters, {b.states[0], b.states[1], b.states[2]}, {"", "", ""}, b.steps});
   // The rows, when every tensor of every row lies flat in its param's element order.
@@ -229,27 +229,25 @@ StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
       // Against what the step writes; a range found clear before (that does not change after
       // finalize) is not searched again.
       const Span s = span_of(g);
-      auto& clear = b.clear_of_written[i];
-      if (s.begin != clear.first || s.end != clear.second) {
+      if (!(s == b.clear_of_written[i])) {
         if (touches_written(s)) return Gathered::Stale;
-        clear = {s.begin, s.end};
+        b.clear_of_written[i] = s;
       }
       if (want == Want::Refs) call_spans_.push_back(s);
     }
-    if (rows) {
-      if (g.is_non_overlapping_and_dense() && (g.numel() <= 1 || g.strides().equals(strides))) {
-        b.rows[i].grad = data;
+    if (rows || b.refs_ok) {
+      const bool dense = g.is_non_overlapping_and_dense();
+      if (rows && dense && (g.numel() <= 1 || g.strides().equals(strides))) {
+        b.rows[i].grad = data;  // walked in the param's element order
         continue;
       }
-      rows = false;  // a gradient the kernel cannot walk in the param's order: the general way
-      for (size_t j = 0; j < i; ++j) b.grads[j] = params[j].grad();
-    }
-    if (b.refs_ok) {
-      if (g.is_non_overlapping_and_dense()) {  // walked in memory order
-        b.refs[i] = {const_cast<void*>(data), g.numel(), kdtype};
+      if (b.refs_ok && dense) {
+        b.refs[i] = {const_cast<void*>(data), g.numel(), kdtype};  // walked in memory order
         continue;
       }
-      b.refs_ok = false;  // flattened through a copy: the general way
+      // A gradient the prepared way cannot take (the step: not in the param's order; the
+      // scaler's pass: flattened through a copy): the general way, from the first param.
+      rows = b.refs_ok = false;
       for (size_t j = 0; j < i; ++j) b.grads[j] = params[j].grad();
     }
     b.grads[i] = g;
@@ -367,9 +365,7 @@ std::vector<at::Tensor> StepPlan::check(const at::Tensor& scale, bool write, boo
     // Gradients written in place must not share memory with each other or the scale; the ranges
     // of the last call that passed need no sort.
     if (scale.numel() > 0) call_spans_.push_back(span_of(scale));
-    auto same = [](const Span& x, const Span& y) { return x.begin == y.begin && x.end == y.end; };
-    if (!std::equal(call_spans_.begin(), call_spans_.end(), disjoint_grads_.begin(),
-                    disjoint_grads_.end(), same)) {
+    if (call_spans_ != disjoint_grads_) {
       std::vector<Span> sorted = call_spans_;
       std::sort(sorted.begin(), sorted.end(),
                 [](const Span& x, const Span& y) { return x.begin < y.begin; });

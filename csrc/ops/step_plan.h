@@ -77,6 +77,10 @@ class StepPlan : public torch::CustomClassHolder {
   std::string kind() const { return adam_ ? "adam" : "sgd"; }
 
  private:
+  struct Span {
+    uintptr_t begin = 0, end = 0;
+    bool operator==(const Span& o) const { return begin == o.begin && end == o.end; }
+  };
   struct Bucket {
     int64_t group = 0;
     c10::Device device{c10::kCPU};
@@ -93,7 +97,7 @@ class StepPlan : public torch::CustomClassHolder {
     std::vector<at::Tensor> grads;  // this call's gradients (the general way)
     // Per param, the memory of the last gradient found not to touch anything the step writes
     // (what the step writes does not change after finalize, so the same range needs no search).
-    std::vector<std::pair<uintptr_t, uintptr_t>> clear_of_written;
+    std::vector<Span> clear_of_written;
     // This call's gradients for the scaler's pass, when every one is dense (`refs_ok`).
     std::vector<kernels::TensorRef> refs;
     bool refs_ok = false;
@@ -108,9 +112,6 @@ class StepPlan : public torch::CustomClassHolder {
   };
   enum class Gathered { Stale, Rows, Lists };
   enum class Want { Rows, Refs };
-  struct Span {
-    uintptr_t begin, end;
-  };
 
   // This call's gradients of `b`, checked. For the step (Want::Rows): Rows (the prepared rows
   // hold their pointers) or Lists (b.grads holds them: a gradient is not flat in the param's
