@@ -27,14 +27,16 @@ struct ChunkResult {
 
 // Unscales elements [0, n) of `data` (a reduced type or fp32): math in fp32, identical in the
 // vector body and the scalar tail, matching torch's CPU kernel bit for bit.
-template <typename T, NormKind norm, bool scale, bool store>
-ChunkResult unscale_span(T* data, int64_t n, float inv) {
+// ahead(i): requests the memory kAheadElements past element i (see vec_utils.h).
+template <typename T, NormKind norm, bool scale, bool store, typename Ahead>
+ChunkResult unscale_span(T* data, int64_t n, float inv, const Ahead& ahead) {
   using L = FloatLanes<T>;
   const FVec vinv(inv);
   FVec bad(0.0f);
   FVec acc0(0.0f), acc1(0.0f);
   int64_t i = 0;
   for (; i + L::kLanes <= n; i += L::kLanes) {
+    ahead(i);
     FVec v[L::kVecs];
     L::load(data + i, v);
     for (int k = 0; k < L::kVecs; ++k) bad = bad | nonfinite_bits(v[k]);
@@ -169,22 +171,28 @@ ChunkResult unscale_chunk_wide(const TensorRef& s, int64_t begin, int64_t end, f
   return {false, 0.0};
 }
 
-template <NormKind norm, bool scale, bool store>
-ChunkResult unscale_chunk(const TensorRef& s, int64_t begin, int64_t end, float inv) {
+template <NormKind norm, bool scale, bool store, typename Ahead>
+ChunkResult unscale_chunk(const TensorRef& s, int64_t begin, int64_t end, float inv,
+                          const Ahead& ahead) {
   const int64_t n = end - begin;
   switch (s.dtype) {
     case DType::Float:
-      return unscale_span<float, norm, scale, store>(static_cast<float*>(s.data) + begin, n, inv);
+      return unscale_span<float, norm, scale, store>(static_cast<float*>(s.data) + begin, n, inv,
+                                                     ahead);
     case DType::Half:
       return unscale_span<c10::Half, norm, scale, store>(static_cast<c10::Half*>(s.data) + begin,
-                                                         n, inv);
+                                                         n, inv, ahead);
     case DType::BFloat16:
       return unscale_span<c10::BFloat16, norm, scale, store>(
-          static_cast<c10::BFloat16*>(s.data) + begin, n, inv);
+          static_cast<c10::BFloat16*>(s.data) + begin, n, inv, ahead);
     case DType::Double:
       return unscale_span_double(static_cast<double*>(s.data) + begin, n, inv, store, norm);
   }
   return {false, 0.0};  // unreachable: dtypes are validated by the op layer
+}
+
+int64_t element_size(DType d) {
+  return d == DType::Double ? 8 : d == DType::Float ? 4 : 2;
 }
 
 template <NormKind norm, bool scale, bool store>
@@ -192,10 +200,17 @@ void unscale_all(const UnscaleCheckArgs& a, float inv, const std::vector<Chunk>&
                  std::vector<ChunkResult>& results) {
   parallel_chunks(chunks, [&](int64_t c) {
     const Chunk& ch = chunks[c];
+    // one cache line per vector of any dtype (inlined: see prefetch_bytes)
+    auto ahead = [&](int64_t i) __attribute__((always_inline)) {
+      const auto [ac, aj] = ahead_of(chunks, c, ch.begin + i);
+      if (ac < 0) return;
+      const TensorRef& r = a.tensors[chunks[ac].tensor];
+      prefetch_bytes<64>(static_cast<const char*>(r.data) + aj * element_size(r.dtype));
+    };
     results[c] = a.norm_fp64 ? unscale_chunk_wide<norm>(a.tensors[ch.tensor], ch.begin, ch.end,
                                                         inv, scale, store)
                              : unscale_chunk<norm, scale, store>(a.tensors[ch.tensor], ch.begin,
-                                                                 ch.end, inv);
+                                                                 ch.end, inv, ahead);
   });
 }
 

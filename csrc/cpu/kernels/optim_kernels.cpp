@@ -1,9 +1,9 @@
 // CPU kernels of the fused optimizers (compiled once per CPU capability; see kernels.h).
 //
 // One pass per call: every element of every tensor is read once (grad, param or fp32 master,
-// state) and written once (param, master, state). The math is in fp32, written once as a template
-// over the lane type so that the vectorised body and the scalar tail compute exactly the same
-// thing (the kernels are compiled with -ffp-contract=off: no silent FMA in either).
+// state) and written once (param, master, state). The math is in fp32 on float vectors; a
+// tensor's last elements that do not fill a vector go through the same code on zero-padded
+// copies (the kernels are compiled with -ffp-contract=off: no silent FMA).
 #include "cpu/kernels/vec_utils.h"
 
 #include <cmath>
@@ -43,24 +43,14 @@ bool call_scalars(const OptimArgs& a, const Hyper& h, CallScalars& out) {
   return true;
 }
 
-// neg/sqrt/max for the shared update rules (ops/rules.h), per lane type.
+// neg/sqrt/max/fma for the shared update rules (ops/rules.h), on float vectors (every element,
+// a tensor's last ones included, goes through the vector code).
 struct CpuMath {
-  static float neg(float x) { return -x; }
   static AMPFUSE_CPU_INLINE FVec neg(const FVec& x) { return x.neg(); }
-  static float sqrt(float x) { return std::sqrt(x); }
   static AMPFUSE_CPU_INLINE FVec sqrt(const FVec& x) { return x.sqrt(); }
   // NaN-propagating maximum, as torch.maximum.
-  static float max(float a, float b) { return (a != a || b != b) ? a + b : (a > b ? a : b); }
   static AMPFUSE_CPU_INLINE FVec max(const FVec& a, const FVec& b) { return at::vec::maximum(a, b); }
-  // Fused where the build has FMA (as at::vec::fmadd), two roundings otherwise: the scalar tail
-  // must round exactly as the vector body.
-  static float fma(float a, float b, float c) {
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-    return std::fma(a, b, c);
-#else
-    return a * b + c;
-#endif
-  }
+  // Fused where the build has FMA, two roundings otherwise (at::vec::fmadd).
   static AMPFUSE_CPU_INLINE FVec fma(const FVec& a, const FVec& b, const FVec& c) { return at::vec::fmadd(a, b, c); }
 };
 
@@ -189,29 +179,11 @@ struct Master {
       Pair<T>::store(param + i, p0, p1);
     }
   }
-  static float load1(const T* param, const Storage* master, int64_t i) {
-    if constexpr (MK == MasterKind::Remainder) {
-      return join_master(reinterpret_cast<const uint16_t*>(param)[i], master[i]);
-    } else if constexpr (MK == MasterKind::Float) {
-      return synced_master(master[i], static_cast<float>(static_cast<T>(master[i])),
-                           static_cast<float>(param[i]));
-    } else {
-      return static_cast<float>(param[i]);
-    }
-  }
-  static void store1(T* param, Storage* master, int64_t i, float p) {
-    if constexpr (MK == MasterKind::Remainder) {
-      split_master(p, reinterpret_cast<uint16_t*>(param) + i, master + i);
-    } else {
-      if constexpr (MK == MasterKind::Float) master[i] = p;
-      param[i] = static_cast<T>(p);
-    }
-  }
 };
 
 // ---- the optimizers ------------------------------------------------------------------------------
 
-// The update of one optimizer on lanes V (FVec or float), with its state in `st`.
+// The update of one optimizer on float vectors V, with its state in `st`.
 struct SgdKind {
   using Hyper = SgdHyper;
   using Scalars = SgdScalars;
@@ -244,53 +216,100 @@ struct AdamKind {
 
 // ---- the pass ------------------------------------------------------------------------------------
 
-// Elements [begin, end) of tensor t: param (through its master), grad (prepared), state of dtype S
-// (fp32 math, stored rounded to nearest even) updated by Kind.
+// One vector's worth (Pair<T>::kLanes elements from index i) of the update: param (through its
+// master), grad (prepared), state of dtype S (fp32 math, stored rounded to nearest even) updated
+// by Kind.
 template <class Kind, typename T, typename G, MasterKind MK, typename S>
-void optim_chunk(const OptimArgs& a, const CallScalars& cs, const typename Kind::Scalars& s,
-                 int64_t t, int64_t begin, int64_t end) {
+AMPFUSE_CPU_INLINE void optim_lanes(T* __restrict param, const G* __restrict grad,
+                                    typename Master<MK, T>::Storage* __restrict master,
+                                    S* const* state, int64_t i, const CallScalars& cs,
+                                    const typename Kind::Scalars& s, bool read, bool write) {
   constexpr int NS = Kind::kStates;
   using M = Master<MK, T>;
+  FVec p0, p1, g0, g1;
+  M::load(param, master, i, p0, p1);
+  Pair<G>::load(grad + i, g0, g1);
+  g0 = prepare_grad(g0, cs.grad_scale, cs.divide, cs.clip);
+  g1 = prepare_grad(g1, cs.grad_scale, cs.divide, cs.clip);
+  FVec st0[NS], st1[NS];
+  for (int k = 0; k < NS; ++k) {
+    st0[k] = FVec(0.0f);
+    st1[k] = FVec(0.0f);
+    if (read) Pair<S>::load(state[k] + i, st0[k], st1[k]);
+  }
+  p0 = Kind::update(p0, g0, st0, s);
+  p1 = Kind::update(p1, g1, st1, s);
+  M::store(param, master, i, p0, p1);
+  if (write) {
+    for (int k = 0; k < NS; ++k) Pair<S>::store(state[k] + i, st0[k], st1[k]);
+  }
+}
+
+// Chunk c: elements [begin, end) of its tensor. The last elements of a tensor that do not fill a
+// vector go through the same vector code on zero-padded copies (the lanes are independent, so
+// each element gets the vector body's result; a scalar tail per tensor was the largest per-tensor
+// cost of the kernel on small tensors).
+template <class Kind, typename T, typename G, MasterKind MK, typename S>
+AMPFUSE_CPU_INLINE void prefetch_row(const kernels::OptimTensor& o, int64_t j) {
+  constexpr int64_t L = Pair<T>::kLanes;
+  prefetch_bytes<L * sizeof(T)>(static_cast<const T*>(o.param) + j);
+  prefetch_bytes<L * sizeof(G)>(static_cast<const G*>(o.grad) + j);
+  if constexpr (MK != MasterKind::None) {
+    prefetch_bytes<L * sizeof(typename Master<MK, T>::Storage)>(
+        static_cast<const typename Master<MK, T>::Storage*>(o.master) + j);
+  }
+  for (int k = 0; k < Kind::kStates; ++k) {
+    if (o.state[k] != nullptr) prefetch_bytes<L * sizeof(S)>(static_cast<const S*>(o.state[k]) + j);
+  }
+}
+
+template <class Kind, typename T, typename G, MasterKind MK, typename S>
+void optim_chunk(const OptimArgs& a, const CallScalars& cs, const typename Kind::Scalars& s,
+                 const std::vector<Chunk>& chunks, int64_t c) {
+  const int64_t t = chunks[c].tensor, begin = chunks[c].begin, end = chunks[c].end;
+  constexpr int NS = Kind::kStates;
+  constexpr int64_t L = Pair<T>::kLanes;
+  static_assert(Pair<G>::kLanes == L && Pair<S>::kLanes == L);
+  using Storage = typename Master<MK, T>::Storage;
   const kernels::OptimTensor& o = a.tensors[t];
   // Every list is its own memory (the op layer checked): restrict lets the compiler keep values in
   // registers across the 16-bit stores of param and remainder.
   T* __restrict param = static_cast<T*>(o.param);
   const G* __restrict grad = static_cast<const G*>(o.grad);
-  auto* __restrict master = static_cast<typename M::Storage*>(o.master);
+  auto* __restrict master = static_cast<Storage*>(o.master);
   S* state[NS];
   for (int k = 0; k < NS; ++k) state[k] = static_cast<S*>(o.state[k]);
   const bool read = Kind::reads_state(s);
   const bool write = Kind::writes_state(s);
   int64_t i = begin;
-  for (; i + Pair<T>::kLanes <= end; i += Pair<T>::kLanes) {
-    FVec p0, p1, g0, g1;
-    M::load(param, master, i, p0, p1);
-    Pair<G>::load(grad + i, g0, g1);
-    g0 = prepare_grad(g0, cs.grad_scale, cs.divide, cs.clip);
-    g1 = prepare_grad(g1, cs.grad_scale, cs.divide, cs.clip);
-    FVec st0[NS], st1[NS];
-    for (int k = 0; k < NS; ++k) {
-      st0[k] = FVec(0.0f);
-      st1[k] = FVec(0.0f);
-      if (read) Pair<S>::load(state[k] + i, st0[k], st1[k]);
-    }
-    p0 = Kind::update(p0, g0, st0, s);
-    p1 = Kind::update(p1, g1, st1, s);
-    M::store(param, master, i, p0, p1);
-    if (write) {
-      for (int k = 0; k < NS; ++k) Pair<S>::store(state[k] + i, st0[k], st1[k]);
-    }
+  for (; i + L <= end; i += L) {
+    const auto [ac, aj] = ahead_of(chunks, c, i);
+    if (ac >= 0) prefetch_row<Kind, T, G, MK, S>(a.tensors[chunks[ac].tensor], aj);
+    optim_lanes<Kind, T, G, MK, S>(param, grad, master, state, i, cs, s, read, write);
   }
-  for (; i < end; ++i) {
-    float p = M::load1(param, master, i);
-    const float g = prepare_grad(static_cast<float>(grad[i]), cs.grad_scale, cs.divide, cs.clip);
-    float st[NS];
-    for (int k = 0; k < NS; ++k) st[k] = read ? static_cast<float>(state[k][i]) : 0.0f;
-    p = Kind::update(p, g, st, s);
-    M::store1(param, master, i, p);
-    if (write) {
-      for (int k = 0; k < NS; ++k) state[k][i] = static_cast<S>(st[k]);
-    }
+  if (i == end) return;
+  const auto n = static_cast<size_t>(end - i);
+  alignas(64) T tp[L];
+  alignas(64) G tg[L];
+  alignas(64) Storage tm[L];
+  alignas(64) S ts[NS][L];
+  S* tsp[NS];
+  std::memset(tp, 0, sizeof(tp));
+  std::memset(tg, 0, sizeof(tg));
+  std::memset(tm, 0, sizeof(tm));
+  std::memset(ts, 0, sizeof(ts));
+  std::memcpy(tp, param + i, n * sizeof(T));
+  std::memcpy(tg, grad + i, n * sizeof(G));
+  if constexpr (MK != MasterKind::None) std::memcpy(tm, master + i, n * sizeof(Storage));
+  for (int k = 0; k < NS; ++k) {
+    tsp[k] = ts[k];
+    if (read) std::memcpy(ts[k], state[k] + i, n * sizeof(S));
+  }
+  optim_lanes<Kind, T, G, MK, S>(tp, tg, tm, tsp, 0, cs, s, read, write);
+  std::memcpy(param + i, tp, n * sizeof(T));
+  if constexpr (MK != MasterKind::None) std::memcpy(master + i, tm, n * sizeof(Storage));
+  if (write) {
+    for (int k = 0; k < NS; ++k) std::memcpy(state[k] + i, ts[k], n * sizeof(S));
   }
 }
 
@@ -301,8 +320,7 @@ void optim_pass(const OptimArgs& a, const CallScalars& cs,
                 const std::vector<typename Kind::Scalars>& scalars) {
   const auto chunks = make_chunks(a.num_tensors, [&](int64_t t) { return a.tensors[t].numel; });
   parallel_chunks(chunks, [&](int64_t c) {
-    const Chunk& ch = chunks[c];
-    optim_chunk<Kind, T, G, MK, S>(a, cs, scalars[ch.tensor], ch.tensor, ch.begin, ch.end);
+    optim_chunk<Kind, T, G, MK, S>(a, cs, scalars[chunks[c].tensor], chunks, c);
   });
   for (int64_t t = 0; t < a.num_tensors; ++t) *a.tensors[t].step += 1.0f;
 }

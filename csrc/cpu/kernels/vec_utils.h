@@ -10,9 +10,11 @@
 #include <c10/util/Half.h>
 
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "cpu/kernels/kernels.h"
+
 
 namespace ampfuse::cpu {
 namespace CPU_CAPABILITY {
@@ -46,6 +48,35 @@ void parallel_chunks(const std::vector<Chunk>& chunks, const Fn& fn) {
   at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t c = b; c < e; ++c) fn(c);
   });
+}
+
+// Software prefetch for walks over many small tensors. A tensor's data is one short stream per
+// list (param, grad, master, states), each of a few pages; the hardware prefetchers need several
+// accesses to find a stream and stop at page ends, so without help every stream of every small
+// tensor starts with a run of misses. The kernels request memory kAheadElements ahead of the
+// element they work on, past the end of a chunk into the next one (the next chunk of a thread's
+// range is the next in the list).
+constexpr int64_t kAheadElements = 512;
+
+// Always inlined: a prefetch has no side effects the compiler can see, so a helper function
+// holding nothing but prefetches is found to be const, and a call to it is deleted as dead.
+template <int64_t kBytes>
+inline __attribute__((always_inline)) void prefetch_bytes(const void* p) {
+  for (int64_t off = 0; off < kBytes; off += 64) {
+    __builtin_prefetch(static_cast<const char*>(p) + off);
+  }
+}
+
+// Where the element kAheadElements past element i of the chunk [begin, end) is: (chunk, element)
+// in this chunk or the next one, or chunk -1 when it lies beyond both.
+inline std::pair<int64_t, int64_t> ahead_of(const std::vector<Chunk>& chunks, int64_t c, int64_t i) {
+  const int64_t j = i + kAheadElements;
+  const Chunk& ch = chunks[c];
+  if (j < ch.end) return {c, j};
+  if (c + 1 >= static_cast<int64_t>(chunks.size())) return {-1, 0};
+  const Chunk& next = chunks[c + 1];
+  const int64_t k = next.begin + (j - ch.end);
+  return k < next.end ? std::pair<int64_t, int64_t>{c + 1, k} : std::pair<int64_t, int64_t>{-1, 0};
 }
 
 // Loads/stores kLanes elements of T as float vectors (reduced types widen to fp32).
