@@ -398,36 +398,41 @@ def test_plan_object_rejects_bad_construction():
 
 
 class _Tiny(torch.nn.Module):
-    def __init__(self, dtype):
+    def __init__(self, dtype, fp32_bias=False):
         super().__init__()
         g = torch.Generator().manual_seed(3)
         self.a = torch.nn.Parameter(torch.randn(16, 8, generator=g).to(dtype))
-        self.b = torch.nn.Parameter(torch.randn(8, generator=g).to(dtype))
+        self.b = torch.nn.Parameter(torch.randn(8, generator=g).to(torch.float32 if fp32_bias else dtype))
         self.c = torch.nn.Parameter(torch.randn(8, 4, generator=g).to(dtype))
 
     def forward(self, x, use_c=True):
-        h = x @ self.a + self.b
+        h = (x @ self.a + self.b).to(self.a.dtype)
         return (h @ self.c).square().mean() if use_c else h.square().mean()
 
 
-def _train_windows(plan: str, monkeypatch, *, unfreeze_at=None, skip_c_at=(), windows=4, steps=3):
+def _train_windows(plan: str, monkeypatch, *, unfreeze_at=None, skip_c_at=(), windows=4, steps=3,
+                   scaler=True, max_grad_norm=1.0, inf_at=(), flush_after=None, fp32_bias=False):
     monkeypatch.setenv("AMPFUSE_STEP_PLAN", plan)
     torch.manual_seed(0)
-    model = _Tiny(torch.bfloat16)
+    model = _Tiny(torch.bfloat16, fp32_bias)
     if unfreeze_at is not None:
         model.c.requires_grad_(False)
     opt = AdamW(model.parameters(), lr=1e-2)
-    scaler = ampfuse.GradScaler("cpu", init_scale=2.0**8)
-    acc = ampfuse.GradAccumulator(model, opt, scaler, steps=steps, max_grad_norm=1.0)
+    sc = ampfuse.GradScaler("cpu", init_scale=2.0**8) if scaler else None
+    acc = ampfuse.GradAccumulator(model, opt, sc, steps=steps, max_grad_norm=max_grad_norm)
     g = torch.Generator().manual_seed(5)
     used_plan = []
     for mb in range(windows * steps):
         if unfreeze_at is not None and mb == unfreeze_at:
             model.c.requires_grad_(True)
         x = torch.randn(4, 16, generator=g).to(torch.bfloat16)
+        if mb in inf_at:
+            x[0, 0] = float("inf")
         with acc.accumulate():
             acc.backward(model(x, use_c=mb not in skip_c_at))
         used_plan.append(acc._acc_plan is not None)
+        if flush_after is not None and mb == flush_after:
+            acc.flush()
     return [p.detach().clone() for p in model.parameters()], used_plan, acc
 
 
@@ -458,3 +463,103 @@ def test_accumulator_plan_refuses_a_sparse_gradient_as_before(monkeypatch):
         with acc.accumulate():
             acc.backward(acc.model(torch.randn(4, 16).to(torch.bfloat16)))
             acc.model.a.grad = torch.zeros_like(acc.model.a).to_sparse()
+
+
+_WINDOW_CASES = {
+    "scaler-clip": {},
+    "scaler": {"max_grad_norm": None},
+    "clip": {"scaler": False},
+    "plain": {"scaler": False, "max_grad_norm": None},
+    "overflow-window": {"inf_at": (4,)},
+    "flush": {"flush_after": 4},
+    "fp32-param": {"fp32_bias": True},
+    "fp32-param-no-clip": {"fp32_bias": True, "max_grad_norm": None},
+    "param-idle-for-a-window": {"skip_c_at": (6, 7, 8)},
+}
+
+
+@pytest.mark.parametrize("case", list(_WINDOW_CASES))
+def test_accumulator_window_step_reads_the_sums_natively_and_matches_the_validated_way(case, monkeypatch):
+    """The window's step reads the fp32 sums through the accumulator's plan (no mapping of them is
+    built) and gives bit for bit what the validated way gives: with and without the scaler and
+    clipping, a skipped window, an incomplete one, an fp32 param summing in its own .grad, a
+    param without a gradient for a whole window (not stepped)."""
+    kw = _WINDOW_CASES[case]
+    built = []
+    real_build = ampfuse.accumulation.GradAccumulator._window_grads
+
+    def counting(self):
+        built.append(1)
+        return real_build(self)
+
+    monkeypatch.setattr(ampfuse.accumulation.GradAccumulator, "_window_grads", counting)
+    with_plan, _, acc = _train_windows("1", monkeypatch, **kw)
+    native = acc.optimizer._native
+    assert native is not None and native.source is acc._acc_plan
+    planned_windows = acc.windows - len(built)
+    built.clear()
+    without, _, _ = _train_windows("0", monkeypatch, **kw)
+    _same(with_plan, without)
+    assert len(built) == acc.windows  # the validated way built the mapping every window
+    # the first window goes the validated way (the plans are built from it); an incomplete one
+    # (flush), and a change of which params have a gradient (and the window after it) too
+    assert planned_windows >= acc.windows - (2 if "flush_after" in kw else 3 if "skip_c_at" in kw else 1)
+
+
+def test_accumulator_window_runs_no_per_param_python(monkeypatch):
+    """A whole window (micro-batches and the step) in the steady state: no op called from Python,
+    and the same Python work (calls and lines executed, traced) for 10 and for 300 params."""
+
+    def trace_window(n):
+        params = _params(n=n, shapes=[(4,)] * n)
+        opt = AdamW(params, lr=1e-3)
+        sc = ampfuse.GradScaler("cpu", init_scale=8.0)
+        acc = ampfuse.GradAccumulator(torch.nn.ParameterList(params), opt, sc, steps=2, max_grad_norm=1.0)
+
+        def loss():
+            return torch.cat([p.reshape(-1) for p in params]).float().square().sum()
+
+        def window(losses):
+            for lo in losses:
+                with acc.accumulate():
+                    acc.backward(lo)
+
+        for _ in range(2):
+            window([loss(), loss()])
+        assert acc.optimizer._native.source is acc._acc_plan
+        losses = [loss(), loss()]  # built outside the trace: the model's forward is the user's
+        events = []
+
+        def tracer(frame, event, arg):
+            events.append(event)
+            return tracer
+
+        with monkeypatch.context() as m:
+            for name in ("adam_step_", "check_norm_", "unscale_check_", "accumulate_grads_"):
+                m.setattr(ops, name, lambda *a, **k: pytest.fail("an op ran from Python in the steady state"))
+            sys.settrace(tracer)
+            try:
+                window(losses)
+            finally:
+                sys.settrace(None)
+        assert acc.windows == 3
+        return len(events)
+
+    small, large = trace_window(10), trace_window(300)
+    assert small == large, (small, large)
+
+
+def test_accumulator_plan_flags_follow_a_rebuilt_layout(monkeypatch):
+    """The window's flags move between the native plan and Python when the plan is dropped or
+    rebuilt (a layer unfrozen mid-window): a checkpoint taken mid-window lists them."""
+    _, _, acc = _train_windows("1", monkeypatch, windows=1, steps=3, unfreeze_at=None)
+    x = torch.randn(4, 16).to(torch.bfloat16)
+    with acc.accumulate():
+        acc.backward(acc.model(x, use_c=False))  # c has no gradient in this micro-batch
+    assert acc._acc_plan is not None
+    assert acc._has_grad == [True, True, False]
+    acc._acc_plan = None
+    assert acc._has_grad == [True, True, False]
+    with acc.accumulate():
+        acc.backward(acc.model(x))
+    assert acc._has_grad == [True, True, True] and acc.state_dict()["has_grad"] == [True, True, True]

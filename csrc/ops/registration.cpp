@@ -65,29 +65,37 @@ TORCH_LIBRARY(ampfuse, m) {
       "float beta2=0.999, float eps=1e-8, float weight_decay=0., bool amsgrad=False, "
       "bool maximize=False, bool decoupled_weight_decay=False, Tensor? grad_scale=None, "
       "Tensor? found_inf=None, Tensor? clip_coef=None) -> ()");
+  using ampfuse::ops::AccumulatePlan;
+  using ampfuse::ops::StepPlan;
+  // GradAccumulator's plan (ops/step_plan.h): a micro-batch's fp32 accumulation in one native
+  // call, and the window's flags a StepPlan reads its sums by. Eager only, as StepPlan.
+  m.class_<AccumulatePlan>("AccumulatePlan")
+      .def(torch::init<>())
+      .def("add", &AccumulatePlan::add)
+      .def("add_watched", &AccumulatePlan::add_watched)
+      .def("add_free", &AccumulatePlan::add_free)
+      .def("finalize", &AccumulatePlan::finalize)
+      .def("collect", &AccumulatePlan::collect)
+      .def("has_grad", &AccumulatePlan::has_grad)
+      .def("set_has_grad", &AccumulatePlan::set_has_grad)
+      .def("end_window", &AccumulatePlan::end_window)
+      .def("no_grads", &AccumulatePlan::no_grads)
+      .def("same_layout", &AccumulatePlan::same_layout);
   // The persistent step plan of an optimizer (ops/step_plan.h): its tensors validated once, a
   // step (or the scaler's check) one native call whatever the number of params. Eager only:
-  // compiled and traced steps go through the ops above.
-  using ampfuse::ops::StepPlan;
+  // compiled and traced steps go through the ops above. (Registered after AccumulatePlan, which
+  // bind_source takes.)
   m.class_<StepPlan>("StepPlan")
       .def(torch::init<std::string>())
       .def("hyper_width", &StepPlan::hyper_width)
       .def("add_bucket", &StepPlan::add_bucket)
       .def("add_idle", &StepPlan::add_idle)
+      .def("bind_source", &StepPlan::bind_source)
       .def("finalize", &StepPlan::finalize)
       .def("step", &StepPlan::step)
       .def("check", &StepPlan::check)
       .def("num_params", &StepPlan::num_params)
       .def("kind", &StepPlan::kind);
-  // GradAccumulator's plan (ops/step_plan.h): a micro-batch's fp32 accumulation in one native
-  // call. Eager only, as StepPlan.
-  using ampfuse::ops::AccumulatePlan;
-  m.class_<AccumulatePlan>("AccumulatePlan")
-      .def(torch::init<>())
-      .def("add", &AccumulatePlan::add)
-      .def("add_watched", &AccumulatePlan::add_watched)
-      .def("finalize", &AccumulatePlan::finalize)
-      .def("collect", &AccumulatePlan::collect);
 }
 
 namespace ampfuse {

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <unordered_map>
 
 #include "ops/flatten.h"
 #include "ops/op_core.h"
@@ -134,6 +135,34 @@ void StepPlan::add_idle(std::vector<at::Tensor> params) {
   for (auto& p : params) idle_.push_back(std::move(p));
 }
 
+void StepPlan::bind_source(c10::intrusive_ptr<AccumulatePlan> source) {
+  TORCH_CHECK(!finalized_, "StepPlan.bind_source: the plan is finalized.");
+  TORCH_CHECK(source, "StepPlan.bind_source: source must be an AccumulatePlan.");
+  std::unordered_map<const c10::TensorImpl*, int64_t> index;
+  const auto& buffered = source->buffered_params();
+  for (size_t k = 0; k < buffered.size(); ++k) {
+    index.emplace(buffered[k].unsafeGetTensorImpl(), static_cast<int64_t>(k));
+  }
+  auto index_of = [&](const at::Tensor& p) {
+    const auto it = index.find(p.unsafeGetTensorImpl());
+    return it == index.end() ? int64_t{-1} : it->second;
+  };
+  for (auto& b : buckets_) {
+    b.source_index.clear();
+    bool any = false;
+    for (const auto& p : b.params) {
+      b.source_index.push_back(index_of(p));
+      any = any || b.source_index.back() >= 0;
+    }
+    // The sums are fp32: a bucket reading one reads fp32 gradients.
+    TORCH_CHECK(!any || b.grad_dtype == c10::kFloat, "StepPlan.bind_source: a bucket of ",
+                b.grad_dtype, " gradients holds a param the source buffers in fp32.");
+  }
+  idle_source_index_.clear();
+  for (const auto& p : idle_) idle_source_index_.push_back(index_of(p));
+  source_ = std::move(source);
+}
+
 void StepPlan::finalize() {
   TORCH_CHECK(!finalized_, "StepPlan.finalize: the plan is finalized.");
   // Everything the step writes, checked for sharing as the op checks it (naming the tensors).
@@ -202,6 +231,14 @@ void prefetch_ahead(const at::Tensor* params, size_t n, size_t i) {
 
 }  // namespace
 
+const at::Tensor& StepPlan::grad_of(const Bucket& b, size_t i) const {
+  if (!b.source_index.empty()) {
+    const int64_t k = b.source_index[i];
+    if (k >= 0) return source_->window_grad(k);
+  }
+  return b.params[i].grad();
+}
+
 StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
   const size_t n = b.params.size();
   bool rows = want == Want::Rows && b.rows_ok;
@@ -211,7 +248,7 @@ StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
   for (size_t i = 0; i < n; ++i) {
     prefetch_ahead(params, n, i);
     const at::Tensor& p = params[i];
-    const at::Tensor& g = p.grad();
+    const at::Tensor& g = grad_of(b, i);
     const int64_t* geom = b.geom.data() + b.geom_at[i];
     const auto dim = static_cast<int64_t>((b.geom_at[i + 1] - b.geom_at[i]) / 2);
     const c10::IntArrayRef sizes(geom, dim), strides(geom + dim, dim);
@@ -248,7 +285,7 @@ StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
       // A gradient the prepared way cannot take (the step: not in the param's order; the
       // scaler's pass: flattened through a copy): the general way, from the first param.
       rows = b.refs_ok = false;
-      for (size_t j = 0; j < i; ++j) b.grads[j] = params[j].grad();
+      for (size_t j = 0; j < i; ++j) b.grads[j] = grad_of(b, j);
     }
     b.grads[i] = g;
   }
@@ -260,8 +297,9 @@ void StepPlan::release_grads() {
 }
 
 bool StepPlan::idle_unchanged() const {
-  for (const auto& p : idle_) {
-    if (p.grad().defined()) return false;
+  for (size_t i = 0; i < idle_.size(); ++i) {
+    const int64_t k = idle_source_index_.empty() ? -1 : idle_source_index_[i];
+    if ((k >= 0 ? source_->window_grad(k) : idle_[i].grad()).defined()) return false;
   }
   return true;
 }
@@ -449,6 +487,9 @@ void AccumulatePlan::add(std::vector<at::Tensor> params, std::vector<at::Tensor>
                 "AccumulatePlan.add: buffer ", i, " must be contiguous with its param's shape.");
     e.acc.push_back(b.mutable_data_ptr<float>());
   }
+  params_.insert(params_.end(), params.begin(), params.end());
+  buffers_.insert(buffers_.end(), buffers.begin(), buffers.end());
+  has_grad_.resize(params_.size(), 0);
   e.params = std::move(params);
   e.buffers = std::move(buffers);
   e.found_inf = std::move(found_inf);
@@ -458,7 +499,18 @@ void AccumulatePlan::add(std::vector<at::Tensor> params, std::vector<at::Tensor>
 
 void AccumulatePlan::add_watched(std::vector<at::Tensor> params) {
   TORCH_CHECK(!finalized_, "AccumulatePlan.add_watched: the plan is finalized.");
-  for (auto& p : params) watched_.push_back(std::move(p));
+  for (auto& p : params) {
+    watched_dtypes_.push_back(p.scalar_type());
+    watched_.push_back(std::move(p));
+  }
+}
+
+void AccumulatePlan::add_free(std::vector<at::Tensor> params) {
+  TORCH_CHECK(!finalized_, "AccumulatePlan.add_free: the plan is finalized.");
+  for (auto& p : params) {
+    free_dtypes_.push_back(p.scalar_type());
+    free_.push_back(std::move(p));
+  }
 }
 
 void AccumulatePlan::finalize() {
@@ -502,27 +554,25 @@ bool AccumulatePlan::check(const Entry& e, const at::Tensor& g, size_t i) const 
   return it == written_.end() || it->first >= hi;
 }
 
-std::vector<int64_t> AccumulatePlan::collect() {
+bool AccumulatePlan::collect() {
   TORCH_CHECK(finalized_, "AccumulatePlan.collect: the plan is not finalized.");
   for (const auto& p : watched_) {
-    if (p.grad().defined()) return {};
+    if (p.grad().defined()) return false;
   }
-  std::vector<int64_t> taken;
-  taken.reserve(static_cast<size_t>(num_params_));
+  std::vector<size_t> taken;
+  taken.reserve(params_.size());
+  size_t k = 0;
   for (auto& e : entries_) {
     e.grads.clear();
     e.acc_taken.clear();
-    for (size_t i = 0; i < e.params.size(); ++i) {
+    for (size_t i = 0; i < e.params.size(); ++i, ++k) {
       const at::Tensor& g = e.params[i].grad();
-      if (!g.defined()) {
-        taken.push_back(0);
-        continue;
-      }
-      if (!check(e, g, i)) return {};
+      if (!g.defined()) continue;
+      if (!check(e, g, i)) return false;
       e.grads.push_back(kernels::TensorRef{const_cast<void*>(g.const_data_ptr()), g.numel(),
                                            detail::kernel_dtype(g.scalar_type())});
       e.acc_taken.push_back(e.acc[i]);
-      taken.push_back(1);
+      taken.push_back(k);
     }
   }
   for (auto& e : entries_) {
@@ -530,12 +580,58 @@ std::vector<int64_t> AccumulatePlan::collect() {
                           static_cast<int64_t>(e.grads.size()), /*zero_grads=*/false, e.found_inf);
   }
   // The sums hold the gradients now: as the validated way, `.grad = None`.
-  for (auto& e : entries_) {
-    for (auto& p : e.params) {
+  for (size_t t : taken) {
+    has_grad_[t] = 1;
+    params_[t].mutable_grad() = at::Tensor();
+  }
+  return true;
+}
+
+c10::List<bool> AccumulatePlan::has_grad() const {
+  c10::List<bool> out;
+  out.reserve(has_grad_.size());
+  for (uint8_t h : has_grad_) out.push_back(h != 0);
+  return out;
+}
+
+void AccumulatePlan::set_has_grad(const c10::List<bool>& flags) {
+  TORCH_CHECK(flags.size() == has_grad_.size(), "AccumulatePlan.set_has_grad: expected ",
+              has_grad_.size(), " flags (one per buffered param), got ", flags.size(), ".");
+  for (size_t k = 0; k < has_grad_.size(); ++k) has_grad_[k] = flags.get(k) ? 1 : 0;
+}
+
+void AccumulatePlan::end_window() {
+  std::fill(has_grad_.begin(), has_grad_.end(), 0);
+  for (auto* list : {&params_, &watched_}) {
+    for (auto& p : *list) {
       if (p.grad().defined()) p.mutable_grad() = at::Tensor();
     }
   }
-  return taken;
+}
+
+bool AccumulatePlan::no_grads() const {
+  for (const auto* list : {&params_, &watched_}) {
+    for (const auto& p : *list) {
+      if (p.grad().defined()) return false;
+    }
+  }
+  return true;
+}
+
+bool AccumulatePlan::same_layout() const {
+  auto low = [](c10::ScalarType t) { return t == c10::kHalf || t == c10::kBFloat16; };
+  for (const auto& p : params_) {
+    if (!p.requires_grad() || !low(p.scalar_type())) return false;
+  }
+  for (size_t i = 0; i < watched_.size(); ++i) {
+    const at::Tensor& p = watched_[i];
+    if (p.requires_grad() && low(p.scalar_type())) return false;
+    if (p.scalar_type() != watched_dtypes_[i]) return false;
+  }
+  for (size_t i = 0; i < free_.size(); ++i) {
+    if (free_[i].scalar_type() != free_dtypes_[i]) return false;
+  }
+  return true;
 }
 
 }  // namespace ampfuse::ops

@@ -32,6 +32,8 @@
 
 namespace ampfuse::ops {
 
+class AccumulatePlan;
+
 class StepPlan : public torch::CustomClassHolder {
  public:
   static constexpr int64_t kOk = 0;
@@ -56,6 +58,11 @@ class StepPlan : public torch::CustomClassHolder {
                   bool fp32_grads);
   // Params the plan steps only while they have no gradient (none when it was built).
   void add_idle(std::vector<at::Tensor> params);
+  // Reads the gradients of the params `source` buffers from it (GradAccumulator's window step,
+  // `step(grads=...)` with its fp32 sums): a buffered param's gradient is its sum while the window
+  // holds one, else none (its `.grad` is not read, as a `grads` mapping overrides it). Before
+  // finalize.
+  void bind_source(c10::intrusive_ptr<AccumulatePlan> source);
   // Done adding: checks that no tensor the step writes shares memory with another.
   void finalize();
 
@@ -109,6 +116,8 @@ class StepPlan : public torch::CustomClassHolder {
     std::vector<kernels::OptimTensor> rows;
     core::OptimDTypes dtypes;
     std::vector<c10::Storage> keep;
+    // Per param, its index in the bound source, or -1 (`.grad`); empty without a source.
+    std::vector<int64_t> source_index;
   };
   enum class Gathered { Stale, Rows, Lists };
   enum class Want { Rows, Refs };
@@ -119,6 +128,8 @@ class StepPlan : public torch::CustomClassHolder {
   // one is dense (b.refs_ok). Or Stale.
   // `write`: the scaler's pass writes the gradients in place.
   Gathered gather_grads(Bucket& b, Want want, bool write);
+  // The gradient the step reads for param i of `b`: `.grad`, or the bound source's sum.
+  const at::Tensor& grad_of(const Bucket& b, size_t i) const;
   void release_grads();
   bool idle_unchanged() const;
   bool touches_written(const at::Tensor& t) const;
@@ -130,6 +141,8 @@ class StepPlan : public torch::CustomClassHolder {
   int64_t num_params_ = 0;
   std::vector<Bucket> buckets_;
   std::vector<at::Tensor> idle_;
+  std::vector<int64_t> idle_source_index_;  // as Bucket::source_index
+  c10::intrusive_ptr<AccumulatePlan> source_;
   std::vector<Span> written_;  // sorted, disjoint: the memory the step writes
   // The gradients and scale of the last check() that wrote in place, found not to share memory:
   // the same ranges need no sort.
@@ -151,10 +164,31 @@ class AccumulatePlan : public torch::CustomClassHolder {
   void add(std::vector<at::Tensor> params, std::vector<at::Tensor> buffers, at::Tensor found_inf);
   // Params whose gradient the owner must see (not buffered): a gradient on one is stale.
   void add_watched(std::vector<at::Tensor> params);
+  // The owner's other params (fp32 ones, whose `.grad` sums itself): only their dtype is watched.
+  void add_free(std::vector<at::Tensor> params);
   void finalize();
-  // One micro-batch. Returns, per param in the order added, whether it had a gradient (summed
-  // and cleared); empty when stale (nothing done).
-  std::vector<int64_t> collect();
+  // One micro-batch: each buffered param with a gradient has it summed and cleared, and is
+  // marked as holding one this window. False when stale (nothing done).
+  bool collect();
+
+  // The window: per buffered param (in the order added) whether its buffer holds a gradient.
+  c10::List<bool> has_grad() const;
+  void set_has_grad(const c10::List<bool>& flags);
+  // The window ended: no buffer holds a gradient, and no buffered or watched param has a `.grad`.
+  void end_window();
+  // Whether no buffered or watched param has a `.grad`.
+  bool no_grads() const;
+  // Whether the owner would buffer the same params now: every buffered param still requires
+  // grad, every watched one does not, and each param kept its dtype.
+  bool same_layout() const;
+
+  // For StepPlan::bind_source: the buffered params in the order added, and the gradient the
+  // window holds for the k-th (its buffer, or an undefined tensor).
+  const std::vector<at::Tensor>& buffered_params() const { return params_; }
+  const at::Tensor& window_grad(int64_t k) const {
+    static const at::Tensor none;
+    return has_grad_[static_cast<size_t>(k)] ? buffers_[static_cast<size_t>(k)] : none;
+  }
 
  private:
   struct Entry {
@@ -168,7 +202,12 @@ class AccumulatePlan : public torch::CustomClassHolder {
   };
   bool check(const Entry& e, const at::Tensor& g, size_t i) const;
   std::vector<Entry> entries_;
-  std::vector<at::Tensor> watched_;
+  std::vector<at::Tensor> watched_, free_;
+  std::vector<c10::ScalarType> watched_dtypes_, free_dtypes_;
+  // Every entry's params and buffers in the order added, and per param whether its buffer holds
+  // a gradient this window.
+  std::vector<at::Tensor> params_, buffers_;
+  std::vector<uint8_t> has_grad_;
   std::vector<std::pair<uintptr_t, uintptr_t>> written_;  // sorted, disjoint
   int64_t num_params_ = 0;
   bool finalized_ = false;

@@ -74,7 +74,7 @@ import torch
 
 from ampfuse import ops
 from ampfuse.grad_scaler import GradScaler as _AmpfuseScaler, _fresh_optimizer_state
-from ampfuse.optim import StepScaling, _FusedOptimizer
+from ampfuse.optim import StepScaling, _FusedOptimizer, _SourcedGrads
 
 __all__ = ["GradAccumulator"]
 
@@ -191,16 +191,46 @@ class GradAccumulator:
         self._flat: dict[torch.device, torch.Tensor] = {}
         self._buffers: list[torch.Tensor] = []
         self._found_inf: dict[torch.device, torch.Tensor] = {}
-        self._has_grad: list[bool] = []
-        # The native plan of the micro-batch pass (torch.classes.ampfuse.AccumulatePlan) and the
-        # param groups it was built for (each list and a copy of its entries).
-        self._acc_plan: Any = None
+        # Per buffered param, whether its buffer holds a gradient this window (while a native
+        # plan runs the micro-batches it holds them: see the _has_grad property).
+        self._flags: list[bool] = []
+        # The native plan of the micro-batch pass (torch.classes.ampfuse.AccumulatePlan), the
+        # param groups it was built for (each list and a copy of its entries), and the params it
+        # does not buffer or watch (not fp16/bf16: their .grad sums itself).
+        self._plan: Any = None
         self._acc_plan_groups: list[tuple[list, list]] = []
+        self._acc_free: list[torch.Tensor] = []
+        self._unit_scale: dict[torch.device, torch.Tensor] = {}  # the clip pass's scale (no scaler)
         self._layout(self._wanted_low())
         if self._ddp and len({p.device for p in params}) > 1:
             raise ValueError("GradAccumulator under DDP supports one device per process (as DDP recommends).")
         # The gradients handed to the fused step (one dict, updated every window).
-        self._step_grads: dict[torch.Tensor, torch.Tensor | None] = {}
+        self._step_grads: Mapping[torch.Tensor, torch.Tensor | None] = {}
+
+    @property
+    def _acc_plan(self) -> Any:
+        return self._plan
+
+    @_acc_plan.setter
+    def _acc_plan(self, plan: Any) -> None:
+        """A plan keeps the window's flags while it runs: they move into it and back out."""
+        if self._plan is not None:
+            self._flags = list(self._plan.has_grad())
+        if plan is not None:
+            plan.set_has_grad(self._flags)
+        self._plan = plan
+
+    @property
+    def _has_grad(self) -> list[bool]:
+        """Per buffered param, whether its buffer holds a gradient this window (a copy while a
+        plan holds them)."""
+        return list(self._plan.has_grad()) if self._plan is not None else self._flags
+
+    @_has_grad.setter
+    def _has_grad(self, flags: list[bool]) -> None:
+        self._flags = list(flags)
+        if self._plan is not None:
+            self._plan.set_has_grad(self._flags)
 
     # ---- the loop ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -211,8 +241,8 @@ class GradAccumulator:
         if self._in_context:
             raise RuntimeError("GradAccumulator.accumulate() contexts cannot be nested.")
         self.window_ended = False
-        if self.micro_step == 0:  # a window starts: buffer the params that require grad now
-            self._layout(self._wanted_low())
+        if self.micro_step == 0 and not self._same_layout():
+            self._layout(self._wanted_low())  # a window starts: buffer the params that require grad now
         last = self.micro_step == self.steps - 1
         sync = last and not self._low
         ctx = self.model.no_sync() if (self._ddp and not sync) else contextlib.nullcontext()
@@ -283,6 +313,7 @@ class GradAccumulator:
         widened inside a window when a param without a buffer gets a gradient."""
         if [id(p) for p in low] == [id(p) for p in self._low]:
             return
+        self._acc_plan = None  # its flags come back into self._has_grad
         old = {id(p): (b, h) for p, b, h in zip(self._low, self._buffers, self._has_grad)}
         flat_by_device: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
@@ -309,7 +340,6 @@ class GradAccumulator:
                 self._found_inf[p.device] = torch.zeros((), dtype=torch.float32, device=p.device)
         self._has_grad = [old[id(p)][1] if id(p) in old else False for p in low]
         self._low, self._buffers, self._flat = list(low), buffers, flat_by_device
-        self._acc_plan = None
 
     def _collect(self) -> None:
         """After a micro-batch's backward: fp16/bf16 grads into the fp32 buffers (one fused pass
@@ -321,14 +351,29 @@ class GradAccumulator:
         gradient) sends the pass the validated way below, which names the problem or rebuilds
         the plan."""
         plan = self._acc_plan
-        if plan is not None and self._acc_plan_live():
-            taken = plan.collect()
-            if taken:
-                self._has_grad = list(map(bool, map(operator.or_, self._has_grad, taken)))
-                return
+        if plan is not None and self._acc_plan_live() and plan.collect():
+            return
         self._acc_plan = None
         self._collect_validated()
         self._acc_plan = self._build_acc_plan()
+
+    def _same_layout(self) -> bool:
+        """Whether the params buffered now are those :meth:`_wanted_low` would choose, told by
+        the live plan (no Python per param); False without one."""
+        plan = self._acc_plan
+        return plan is not None and self._acc_plan_live() and plan.same_layout()
+
+    def _no_grads(self) -> bool:
+        """Whether no param of the optimizer has a ``.grad``."""
+        plan = self._acc_plan
+        if plan is not None and self._acc_plan_live():
+            return plan.no_grads() and all(p.grad is None for p in self._acc_free)
+        return not any(p.grad is not None for p in self._all_params())
+
+    def _window_grads(self) -> dict[torch.Tensor, torch.Tensor | None]:
+        """The gradients the window's fused step reads: each buffered param's fp32 sum (None: it
+        had no gradient this window, and is not stepped)."""
+        return {p: (b if h else None) for p, b, h in zip(self._low, self._buffers, self._has_grad)}
 
     def _acc_plan_live(self) -> bool:
         if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
@@ -358,6 +403,9 @@ class GradAccumulator:
         watched = [p for p in self._all_params() if p.dtype in _LOW and id(p) not in buffered]
         if watched:
             plan.add_watched(watched)
+        self._acc_free = [p for p in self._all_params() if p.dtype not in _LOW]
+        if self._acc_free:
+            plan.add_free(self._acc_free)
         plan.finalize()
         self._acc_plan_groups = [(g["params"], list(g["params"])) for g in self.optimizer.param_groups]
         return plan
@@ -433,28 +481,32 @@ class GradAccumulator:
 
     def _end_window(self, micro_batches: int) -> None:
         """Step (or skip) the window; whatever happens, the next window starts clean."""
+        plan = self._acc_plan
+        planned = plan is not None and self._acc_plan_live()
         try:
-            buffered = {id(p) for p in self._low}
-            others = [p for p in self._all_params() if id(p) not in buffered and p.grad is not None]
-            with torch.no_grad():
-                if self._ddp and self._low:
-                    # Every micro-batch ran under no_sync: one exchange, the same on every rank.
-                    self._sync_ddp()
-                    others = [p for p in self._all_params() if id(p) not in buffered and p.grad is not None]
-                if micro_batches != self.steps:  # incomplete window: the sums hold sum / steps
-                    tensors = list(self._flat.values()) + [p.grad for p in others]
-                    if self._fsdp:
-                        tensors += [b for b, h in zip(self._buffers, self._has_grad) if h]
-                    for t in tensors:
-                        t.mul_(self.steps / micro_batches)
-                if self._low and not self._step_reads_buffers:
-                    # The optimizer (or torch's scaler) reads .grad: hand it the sums, rounded once.
-                    for k, (p, b) in enumerate(zip(self._low, self._buffers)):
-                        p.grad = b.to(p.dtype) if self._has_grad[k] else None
-            self._step_grads.clear()
-            if self._step_reads_buffers:
-                for k, (p, b) in enumerate(zip(self._low, self._buffers)):
-                    self._step_grads[p] = b if self._has_grad[k] else None  # None: not stepped
+            if (planned and self._step_reads_buffers and not self._ddp and micro_batches == self.steps):
+                # The steady state: the step plan reads the sums from the accumulator's plan (the
+                # mapping is built only if something goes the validated way).
+                self._step_grads = _SourcedGrads(plan, self._window_grads)
+            else:
+                buffered = {id(p) for p in self._low}
+                others = [p for p in self._all_params() if id(p) not in buffered and p.grad is not None]
+                with torch.no_grad():
+                    if self._ddp and self._low:
+                        # Every micro-batch ran under no_sync: one exchange, the same on every rank.
+                        self._sync_ddp()
+                        others = [p for p in self._all_params() if id(p) not in buffered and p.grad is not None]
+                    if micro_batches != self.steps:  # incomplete window: the sums hold sum / steps
+                        tensors = list(self._flat.values()) + [p.grad for p in others]
+                        if self._fsdp:
+                            tensors += [b for b, h in zip(self._buffers, self._has_grad) if h]
+                        for t in tensors:
+                            t.mul_(self.steps / micro_batches)
+                    if self._low and not self._step_reads_buffers:
+                        # The optimizer (or torch's scaler) reads .grad: hand it the sums, rounded once.
+                        for k, (p, b) in enumerate(zip(self._low, self._buffers)):
+                            p.grad = b.to(p.dtype) if self._has_grad[k] else None
+                self._step_grads = self._window_grads() if self._step_reads_buffers else {}
             self.last_window_skipped = self._step()
         except BaseException:
             if self.scaler is not None:  # a failed step must not leave this iteration half-recorded
@@ -469,9 +521,16 @@ class GradAccumulator:
                         b.zero_()
                 for fi in self._found_inf.values():
                     fi.zero_()
-            for p in self._all_params():
-                p.grad = None
-            self._has_grad = [False] * len(self._low)
+            plan = self._acc_plan
+            if plan is not None and self._acc_plan_live():
+                plan.end_window()  # no flags, no .grad on the params it buffers or watches
+                for p in self._acc_free:
+                    p.grad = None
+            else:
+                for p in self._all_params():
+                    p.grad = None
+                self._has_grad = [False] * len(self._low)
+            self._step_grads = {}
             self.micro_step = 0
             self.windows += 1
             self.window_ended = True
@@ -497,7 +556,7 @@ class GradAccumulator:
             else:
                 scaler.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(self._params_with_grad(), self.max_grad_norm, self.norm_type)
-        elif self._low and grads is not None and not any(p.grad is not None for p in self._all_params()):
+        elif self._low and grads is not None and self._no_grads():
             # Every gradient the step reads is an fp32 sum the accumulation kernel already checked:
             # no check pass at the end of the window.
             scaler.record_inf_check(opt, dict(self._found_inf))
@@ -520,8 +579,17 @@ class GradAccumulator:
     def _params_with_grad(self) -> list[torch.Tensor]:
         return [p for p in self._all_params() if p.grad is not None]
 
-    def _clip_coef(self, grads: dict | None) -> torch.Tensor | None:
+    def _clip_coef(self, grads: Mapping | None) -> torch.Tensor | None:
         """The clip coefficient of the gradients the fused step reads (no scaler: unscaled)."""
+        native = self.optimizer._live_native(grads.source) if isinstance(grads, _SourcedGrads) else None
+        if native is not None and native.devices <= 1:
+            device = self._low[0].device
+            one = self._unit_scale.get(device)
+            if one is None:
+                self._unit_scale[device] = one = torch.ones((), device=device)
+            out = native.plan.check(one, False, True, self.norm_type, float(self.max_grad_norm))
+            if out:
+                return out[2]
         tensors = [g for g in (grads.get(p, p.grad) if grads is not None else p.grad for p in self._all_params()) if g is not None]
         if not tensors:
             return None

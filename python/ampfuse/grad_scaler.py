@@ -31,7 +31,7 @@ import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 
 from ampfuse import ops
-from ampfuse.optim import StepScaling, _check_grads_keys, _FusedOptimizer
+from ampfuse.optim import StepScaling, _check_grads_keys, _FusedOptimizer, _grads_source
 
 __all__ = ["GradScaler", "OverflowReport"]
 
@@ -91,11 +91,12 @@ def _dense_grads_per_group_device(optimizer: torch.optim.Optimizer, allow_fp16: 
 
 def _live_native(optimizer: torch.optim.Optimizer, grads: Grads | None, allow_fp16: bool) -> Any:
     """The native step plan of an ampfuse optimizer, when it is current and its gradients are the
-    ones this pass is for (``.grad``; fp16 ones only where allowed), else None: the caller then
-    goes the general way, which also names what is wrong."""
-    if grads is not None or not isinstance(optimizer, _FusedOptimizer):
+    ones this pass is for (``.grad``, or the native source of ``grads``; fp16 ones only where
+    allowed), else None: the caller then goes the general way, which also names what is wrong."""
+    source = _grads_source(grads)
+    if (grads is not None and source is None) or not isinstance(optimizer, _FusedOptimizer):
         return None
-    native = optimizer._live_native()
+    native = optimizer._live_native(source)
     if native is None or (native.fp16_grads and not allow_fp16):
         return None
     return native

@@ -65,7 +65,7 @@ import math
 import numbers
 import operator
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from copy import deepcopy
 from itertools import chain
 from typing import Any, Callable, Literal, NamedTuple, Union
@@ -250,10 +250,11 @@ class _NativePlan:
     owner's to check (O(groups) plus one C-level pass over the ids); the plan checks the rest
     (gradients, param data) natively at every call."""
 
-    __slots__ = ("plan", "state", "generation", "groups", "devices", "fp16_grads", "hyper")
+    __slots__ = ("plan", "state", "generation", "groups", "devices", "fp16_grads", "hyper", "source")
 
-    def __init__(self, plan, state, generation, groups, devices, fp16_grads) -> None:
+    def __init__(self, plan, state, generation, groups, devices, fp16_grads, source=None) -> None:
         self.plan = plan
+        self.source = source  # the AccumulatePlan whose sums it reads (_SourcedGrads), or None
         self.state = state
         self.generation = generation
         self.groups = groups  # [(params list, a copy of its entries, signature)]
@@ -262,6 +263,42 @@ class _NativePlan:
         # The last checked hyper-parameters, when every group's values are immutable: (per group
         # its _hyper_snapshot, hyper numbers, lr tensors)
         self.hyper: tuple[list[tuple[tuple, tuple]], list[float], list[torch.Tensor]] | None = None
+
+
+class _SourcedGrads(Mapping):
+    """``step(grads=...)``'s mapping ``{param: gradient or None}`` when the gradients are held by
+    a native ``torch.classes.ampfuse.AccumulatePlan`` (``GradAccumulator``'s fp32 sums): a step
+    plan reads them from ``source`` natively, and the mapping itself is built (by ``build``)
+    only when something goes the validated way."""
+
+    __slots__ = ("source", "_build", "_dict")
+
+    def __init__(self, source: Any, build: Callable[[], dict]) -> None:
+        self.source = source
+        self._build = build
+        self._dict: dict | None = None
+
+    def _mapping(self) -> dict:
+        if self._dict is None:
+            self._dict = self._build()
+        return self._dict
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._mapping()[key]
+
+    def __iter__(self) -> Iterator:
+        return iter(self._mapping())
+
+    def __len__(self) -> int:
+        return len(self._mapping())
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._mapping()
+
+
+def _grads_source(grads: Any) -> Any:
+    """The native source of ``grads`` (a :class:`_SourcedGrads`), else None."""
+    return grads.source if type(grads) is _SourcedGrads else None
 
 
 # Values that cannot change without being replaced in the group dict (identity tells a change).
@@ -628,12 +665,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
             scaling = StepScaling(_attribute_scalar(getattr(self, "grad_scale", None)),
                                   _attribute_scalar(getattr(self, "found_inf", None)), None)
         _check_scaling(scaling)
-        self._check_grads_arg(grads)
+        source = _grads_source(grads)
+        if source is None:
+            self._check_grads_arg(grads)
         if not isinstance(self.state, _State):  # replaced from outside (e.g. opt.state = ...)
             self.state = _State(self.state)
             self._plans.clear()
             self._native = None
-        native = self._live_native() if grads is None else None
+        native = self._live_native(source) if grads is None or source is not None else None
         if native is not None:
             hyper, lr_tensors = self._native_hyper()
             if native.plan.step(hyper, lr_tensors, scaling.grad_scale, scaling.found_inf, scaling.clip_coef) == 0:
@@ -641,6 +680,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             # stale (a gradient or param changed in a way the plan was not built for): nothing
             # was changed; the validated way below names what is wrong, and rebuilds the plan.
             self._native = None
+        if source is not None:
+            self._check_grads_arg(grads)
         work = []
         stale = False
         strided = torch.strided
@@ -687,16 +728,18 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 lr = group["lr"]
                 s["lr"] = _scalar_on(lr, device) if isinstance(lr, torch.Tensor) else float(lr)
                 self._run(group, lists, [grad_list[i] for i in idx], s)
-        if grads is None and not torch.compiler.is_compiling() and (stale or self._native is None):
-            self._native = self._build_native()
+        if ((grads is None or source is not None) and not torch.compiler.is_compiling()
+                and (stale or self._native is None or self._native.source is not source)):
+            self._native = self._build_native(source)
         return loss
 
     # ---- the native step plan ------------------------------------------------------------------
     _native_kind = ""  # "sgd" or "adam": the StepPlan kind (empty: no native plan)
     _native_state_keys: tuple[str, ...] = ()
 
-    def _build_native(self) -> _NativePlan | None:
-        """The native plan of the current Python plans (all valid: a step just ran through them)."""
+    def _build_native(self, source: Any = None) -> _NativePlan | None:
+        """The native plan of the current Python plans (all valid: a step just ran through them),
+        reading the gradients ``source`` holds from it (see :class:`_SourcedGrads`)."""
         if not self._native_kind or torch._C._len_torch_dispatch_stack():
             return None
         python_key = torch._C.DispatchKey.Python
@@ -726,17 +769,19 @@ class _FusedOptimizer(torch.optim.Optimizer):
             if idle:
                 plan.add_idle(idle)
             groups.append((group["params"], list(group["params"]), py.signature))
+        if source is not None:
+            plan.bind_source(source)
         plan.finalize()
-        return _NativePlan(plan, self.state, self.state.generation, groups, len(devices), fp16_grads)
+        return _NativePlan(plan, self.state, self.state.generation, groups, len(devices), fp16_grads, source)
 
-    def _live_native(self) -> _NativePlan | None:
+    def _live_native(self, source: Any = None) -> _NativePlan | None:
         """The native plan when nothing the optimizer owns changed since it was built (param
-        groups, state, structural options), else None; eager steps only (a compiled or traced
-        step goes through the ops)."""
+        groups, state, structural options) and it reads its gradients from ``source`` (None:
+        ``.grad``), else None; eager steps only (a compiled or traced step goes through the ops)."""
         if torch.compiler.is_compiling():
             return None
         native = self._native
-        if native is None or torch._C._len_torch_dispatch_stack():
+        if native is None or native.source is not source or torch._C._len_torch_dispatch_stack():
             return None  # a dispatch mode (FakeTensorMode, an op logger) sees the ops
         state = self.state
         if native.state is not state or native.generation != state.generation:
