@@ -358,8 +358,19 @@ template <class Kind>
 int run_kind(const OptimArgs& a, const typename Kind::Hyper& h) {
   CallScalars cs;
   if (!call_scalars(a, h, cs)) return 0;  // skipped step: nothing changes
+  // Per tensor its scalars (bias corrections: two pow per step count). The step counters are
+  // one small allocation each, requested a few tensors ahead; tensors usually share one count,
+  // whose scalars are computed once.
   std::vector<typename Kind::Scalars> sc(a.num_tensors);
-  for (int64_t t = 0; t < a.num_tensors; ++t) sc[t] = Kind::scalars(h, cs.lr, *a.tensors[t].step);
+  for (int64_t t = 0; t < a.num_tensors; ++t) {
+    if (t + 8 < a.num_tensors) __builtin_prefetch(a.tensors[t + 8].step);
+    const float step = *a.tensors[t].step;
+    if (t > 0 && step == *a.tensors[t - 1].step) {
+      sc[t] = sc[t - 1];
+    } else {
+      sc[t] = Kind::scalars(h, cs.lr, step);
+    }
+  }
   switch (a.param_dtype) {
     case DType::Half: with_grad<Kind, c10::Half>(a, cs, sc); break;
     case DType::BFloat16: with_grad<Kind, c10::BFloat16>(a, cs, sc); break;

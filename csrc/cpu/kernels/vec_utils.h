@@ -54,8 +54,8 @@ void parallel_chunks(const std::vector<Chunk>& chunks, const Fn& fn) {
 // list (param, grad, master, states), each of a few pages; the hardware prefetchers need several
 // accesses to find a stream and stop at page ends, so without help every stream of every small
 // tensor starts with a run of misses. The kernels request memory kAheadElements ahead of the
-// element they work on, past the end of a chunk into the next one (the next chunk of a thread's
-// range is the next in the list).
+// element they work on, past the end of a chunk into the following ones (the next chunk of a
+// thread's range is the next in the list).
 constexpr int64_t kAheadElements = 512;
 
 // Always inlined: a prefetch has no side effects the compiler can see, so a helper function
@@ -67,16 +67,17 @@ inline __attribute__((always_inline)) void prefetch_bytes(const void* p) {
   }
 }
 
-// Where the element kAheadElements past element i of the chunk [begin, end) is: (chunk, element)
-// in this chunk or the next one, or chunk -1 when it lies beyond both.
+// Where the element kAheadElements past element i of chunk c lies when the chunks are walked in
+// order: (chunk, element), or chunk -1 past the last chunk (or more than 64 chunks ahead: tensors
+// of under 8 elements are not requested).
 inline std::pair<int64_t, int64_t> ahead_of(const std::vector<Chunk>& chunks, int64_t c, int64_t i) {
-  const int64_t j = i + kAheadElements;
-  const Chunk& ch = chunks[c];
-  if (j < ch.end) return {c, j};
-  if (c + 1 >= static_cast<int64_t>(chunks.size())) return {-1, 0};
-  const Chunk& next = chunks[c + 1];
-  const int64_t k = next.begin + (j - ch.end);
-  return k < next.end ? std::pair<int64_t, int64_t>{c + 1, k} : std::pair<int64_t, int64_t>{-1, 0};
+  const auto n = static_cast<int64_t>(chunks.size());
+  int64_t j = i + kAheadElements;
+  for (int64_t k = c; k < n && k < c + 64; ++k) {
+    if (j < chunks[k].end) return {k, j};
+    if (k + 1 < n) j = chunks[k + 1].begin + (j - chunks[k].end);
+  }
+  return {-1, 0};
 }
 
 // Loads/stores kLanes elements of T as float vectors (reduced types widen to fp32).
