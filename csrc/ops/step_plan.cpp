@@ -231,14 +231,6 @@ void prefetch_ahead(const at::Tensor* params, size_t n, size_t i) {
 
 }  // namespace
 
-const at::Tensor& StepPlan::grad_of(const Bucket& b, size_t i) const {
-  if (!b.source_index.empty()) {
-    const int64_t k = b.source_index[i];
-    if (k >= 0) return source_->window_grad(k);
-  }
-  return b.params[i].grad();
-}
-
 StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
   const size_t n = b.params.size();
   bool rows = want == Want::Rows && b.rows_ok;

@@ -213,4 +213,13 @@ class AccumulatePlan : public torch::CustomClassHolder {
   bool finalized_ = false;
 };
 
+// Inline (called per param per step; AccumulatePlan is complete here).
+inline const at::Tensor& StepPlan::grad_of(const Bucket& b, size_t i) const {
+  if (!b.source_index.empty()) {
+    const int64_t k = b.source_index[i];
+    if (k >= 0) return source_->window_grad(k);
+  }
+  return b.params[i].grad();
+}
+
 }  // namespace ampfuse::ops
