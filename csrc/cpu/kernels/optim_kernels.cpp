@@ -283,8 +283,15 @@ void optim_chunk(const OptimArgs& a, const CallScalars& cs, const typename Kind:
   const bool write = Kind::writes_state(s);
   int64_t i = begin;
   for (; i + L <= end; i += L) {
-    const auto [ac, aj] = ahead_of(chunks, c, i);
-    if (ac >= 0) prefetch_row<Kind, T, G, MK, S>(a.tensors[chunks[ac].tensor], aj);
+    if (i + kAheadElements < end) {
+      // Inside a long tensor the hardware prefetchers keep up. The remainder kernel is bound by
+      // its arithmetic there, and the requests only took issue slots from it (0.79x the speed of
+      // the fp32-master step at 10M params with them, 0.89x without).
+      if constexpr (MK != MasterKind::Remainder) prefetch_row<Kind, T, G, MK, S>(o, i + kAheadElements);
+    } else {
+      const auto [ac, aj] = ahead_of(chunks, c, i);
+      if (ac >= 0) prefetch_row<Kind, T, G, MK, S>(a.tensors[chunks[ac].tensor], aj);
+    }
     optim_lanes<Kind, T, G, MK, S>(param, grad, master, state, i, cs, s, read, write);
   }
   if (i == end) return;
