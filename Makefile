@@ -143,6 +143,12 @@ RANDOM := CUEMU_BLOCK_ORDER=random CUEMU_THREAD_ORDER=random CUEMU_WORKERS=2 CUE
 # ASan must be the first library of the process; libstdc++ is preloaded with it because python
 # itself does not link it and the sanitizer runtime's C++ interceptors need it at start-up.
 SANITIZED_LIB := $(abspath $(BUILD_DIR))/libampfuse_cuemu_sanitized.so
+# The sanitizer's random-schedule pass leaves out the optimizer steps' exhaustive dtype x offset x
+# option cases: they test indexing, which the forward pass covers; block order matters for the
+# cross-block work (reductions, tickets, the step counters), which the other optimizer cases of
+# the kernel-level suite reach in this pass too (more tensors than one launch, grids smaller
+# than the chunks, skipped steps). It keeps `make test` under 20 minutes on the 2-core machine.
+RANDOM_SANITIZE_SELECT := -k "not every_dtype_offset_and_option"
 SANITIZE := LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1 \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 AMPFUSE_CUEMU_LIBRARY=$(SANITIZED_LIB)
@@ -168,7 +174,7 @@ test-sanitize: $(SANITIZED_LIB)
 	@echo "== emulated CUDA kernels with ASan + UBSan, forward schedule"
 	$(SANITIZE) $(EMULATED) $(FORWARD) $(PYTEST) $(XDIST_TESTS) $(KERNEL_SUITES)
 	@echo "== emulated CUDA kernels with ASan + UBSan, random schedule: CUEMU_SEED=$(CUEMU_SEED)"
-	$(SANITIZE) $(EMULATED) $(RANDOM) $(PYTEST) $(XDIST_TESTS) tests/test_cuda_kernels.py
+	$(SANITIZE) $(EMULATED) $(RANDOM) $(PYTEST) $(XDIST_TESTS) $(RANDOM_SANITIZE_SELECT) tests/test_cuda_kernels.py
 
 test: test-cpp test-py test-emulated test-sanitize test-oldest-torch
 
