@@ -201,14 +201,8 @@ void unscale_all(const UnscaleCheckArgs& a, float inv, const std::vector<Chunk>&
   parallel_chunks(chunks, [&](int64_t c) {
     const Chunk& ch = chunks[c];
     // one cache line per vector of any dtype (inlined: see prefetch_bytes)
-    const TensorRef& own = a.tensors[ch.tensor];
     auto ahead = [&](int64_t i) __attribute__((always_inline)) {
-      const int64_t j = ch.begin + i + kAheadElements;
-      if (j < ch.end) {
-        prefetch_bytes<64>(static_cast<const char*>(own.data) + j * element_size(own.dtype));
-        return;
-      }
-      const auto [ac, aj] = ahead_of(chunks, c, ch.begin + i);
+      const auto [ac, aj] = ahead_of(chunks, c, ch.begin + i);  // inline: in-chunk is its first test
       if (ac < 0) return;
       const TensorRef& r = a.tensors[chunks[ac].tensor];
       prefetch_bytes<64>(static_cast<const char*>(r.data) + aj * element_size(r.dtype));
