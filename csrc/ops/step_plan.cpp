@@ -66,6 +66,8 @@ void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
   b.device = params[0].device();
   b.param_dtype = params[0].scalar_type();
   b.grad_dtype = fp32_grads ? c10::kFloat : b.param_dtype;
+  b.param_meta = caffe2::TypeMeta::fromScalarType(b.param_dtype);
+  b.grad_meta = caffe2::TypeMeta::fromScalarType(b.grad_dtype);
   b.backend = device_backend(b.device.type());
   TORCH_CHECK(b.backend != nullptr, "ampfuse has no kernels for tensors on ", b.device,
               "; its ops run on CPU and CUDA tensors.");
@@ -86,6 +88,15 @@ void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
                 "StepPlan.add_bucket: tensor subclasses (e.g. DTensor) and meta tensors go "
                 "through the ops, not a plan.");
     b.data.push_back(p.const_data_ptr());
+    b.impls.push_back(p.unsafeGetTensorImpl());
+    // The bytes a gradient laid out as the param spans, relative to its data.
+    int64_t lo = 0, hi = 0;
+    for (int64_t d = 0; d < p.dim(); ++d) {
+      const int64_t extent = (p.size(d) - 1) * p.stride(d);
+      (extent < 0 ? lo : hi) += extent;
+    }
+    const auto item = static_cast<int64_t>(c10::elementSize(b.grad_dtype));
+    b.extent.push_back(Span{static_cast<uintptr_t>(lo * item), static_cast<uintptr_t>((hi + 1) * item)});
   }
   b.geom_at.push_back(b.geom.size());
   b.params = std::move(params);
@@ -205,87 +216,137 @@ bool StepPlan::touches_written(const Span& s) const {
 
 namespace {
 
-// The gradient loop is bound by dependent loads (a model's tensors lie scattered on the heap:
-// param -> its autograd metadata -> its gradient -> the gradient's storage), not by its
-// arithmetic, so each is requested a few params ahead of its use, one link per distance.
-void prefetch_ahead(const at::Tensor* params, size_t n, size_t i) {
-  auto lines = [](const void* p, int count) {
-    for (int k = 0; k < count; ++k) __builtin_prefetch(static_cast<const char*>(p) + 64 * k);
-  };
-  if (i + 16 < n) lines(params[i + 16].unsafeGetTensorImpl(), 3);
-  if (i + 12 < n) {
-    if (const auto* meta = params[i + 12].unsafeGetTensorImpl()->autograd_meta()) lines(meta, 2);
+// A tensor's data when it is a plain strided tensor with storage (nullptr when it has no
+// elements), read straight from its TensorImpl: the checked accessors cost calls per tensor.
+// `mutable_`: the storage is made writable first (a lazily cloned one gets its own memory).
+// Returns false when the tensor has no storage one may read.
+inline bool raw_data(const c10::TensorImpl* t, bool mutable_, const void*& out) {
+  const c10::StorageImpl* s = t->unsafe_storage().unsafeGetStorageImpl();
+  if (s == nullptr) return false;
+  if (t->numel() == 0) {
+    out = nullptr;
+    return true;
   }
-  if (i + 8 < n) {
-    const at::Tensor& g = params[i + 8].grad();
-    if (g.defined()) lines(g.unsafeGetTensorImpl(), 3);
-    lines(params[i + 8].unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), 2);
-  }
-  if (i + 4 < n) {
-    const at::Tensor& g = params[i + 4].grad();
-    if (g.defined() && g.has_storage()) {
-      lines(g.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), 2);
-    }
-  }
+  const void* base = mutable_ ? const_cast<c10::StorageImpl*>(s)->mutable_data() : s->data();
+  out = static_cast<const char*>(base) + t->storage_offset() * static_cast<int64_t>(t->itemsize());
+  return true;
 }
+
+inline bool same_ints(c10::IntArrayRef a, const int64_t* b, size_t n) {
+  if (a.size() != n) return false;
+  for (size_t d = 0; d < n; ++d) {
+    if (a[d] != b[d]) return false;
+  }
+  return true;
+}
+
+inline void prefetch_lines(const void* p, int count) {
+  for (int k = 0; k < count; ++k) __builtin_prefetch(static_cast<const char*>(p) + 64 * k);
+}
+
+// Params per block of the gradient walk (see gather_grads).
+constexpr size_t kGatherBlock = 16;
 
 }  // namespace
 
+// The walk is bound by dependent loads, not by its arithmetic: a model's tensors lie scattered
+// on the heap, and after the kernels' passes their metadata is no longer cached (param ->
+// autograd metadata -> gradient -> the gradient's storage). So it goes a block of params at a
+// time, in phases, each requesting the next link of the chain for a later block or phase:
+//   1. each param's gradient found (the params two blocks ahead and the autograd metadata and
+//      storage of the next block's params requested; each gradient's TensorImpl requested);
+//   2. the gradients checked against the param (each gradient's storage requested);
+//   3. their memory read and checked against what the step writes.
 StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
   const size_t n = b.params.size();
   bool rows = want == Want::Rows && b.rows_ok;
   b.refs_ok = want == Want::Refs;
   const kernels::DType kdtype = detail::kernel_dtype(b.grad_dtype);
-  const at::Tensor* params = b.params.data();
-  for (size_t i = 0; i < n; ++i) {
-    prefetch_ahead(params, n, i);
-    const at::Tensor& p = params[i];
-    const at::Tensor& g = grad_of(b, i);
-    const int64_t* geom = b.geom.data() + b.geom_at[i];
-    const auto dim = static_cast<int64_t>((b.geom_at[i + 1] - b.geom_at[i]) / 2);
-    const c10::IntArrayRef sizes(geom, dim), strides(geom + dim, dim);
-    if (!g.defined() || g.layout() != c10::kStrided || g.scalar_type() != b.grad_dtype ||
-        g.key_set().has(c10::DispatchKey::Python) ||
-        g.device() != b.device || p.scalar_type() != b.param_dtype ||
-        p.const_data_ptr() != b.data[i] || !p.sizes().equals(sizes) ||
-        !p.strides().equals(strides) || !g.sizes().equals(sizes)) {
-      return Gathered::Stale;
-    }
-    // A gradient about to be written in place is made writable first (a lazily cloned one gets
-    // its own memory), so the memory checked is the memory written.
-    const void* data = write ? g.data_ptr() : g.const_data_ptr();
-    if (data != nullptr && g.numel() > 0) {
-      // Against what the step writes; a range found clear before (that does not change after
-      // finalize) is not searched again.
-      const Span s = span_of(g);
-      if (!(s == b.clear_of_written[i])) {
-        if (touches_written(s)) return Gathered::Stale;
-        b.clear_of_written[i] = s;
+  const c10::TensorImpl* const* impls = b.impls.data();
+  const at::Tensor* found[kGatherBlock];
+  for (size_t base = 0; base < n; base += kGatherBlock) {
+    const size_t end = std::min(n, base + kGatherBlock);
+    for (size_t i = base; i < end; ++i) {
+      if (i + 2 * kGatherBlock < n) prefetch_lines(impls[i + 2 * kGatherBlock], 3);
+      if (i + kGatherBlock < n) {
+        const c10::TensorImpl* next = impls[i + kGatherBlock];
+        if (const auto* meta = next->autograd_meta()) prefetch_lines(meta, 2);
+        prefetch_lines(next->unsafe_storage().unsafeGetStorageImpl(), 2);
       }
-      if (want == Want::Refs) call_spans_.push_back(s);
+      const at::Tensor& g = grad_of(b, i);
+      found[i - base] = &g;
+      if (g.defined()) prefetch_lines(g.unsafeGetTensorImpl(), 3);
     }
-    if (rows || b.refs_ok) {
-      const bool dense = g.is_non_overlapping_and_dense();
-      if (rows && dense && (g.numel() <= 1 || g.strides().equals(strides))) {
-        b.rows[i].grad = data;  // walked in the param's element order
-        continue;
+    for (size_t i = base; i < end; ++i) {
+      const at::Tensor& g = *found[i - base];
+      const c10::TensorImpl* gi = g.unsafeGetTensorImpl();
+      const c10::TensorImpl* pi = impls[i];
+      const int64_t* geom = b.geom.data() + b.geom_at[i];
+      const size_t dim = (b.geom_at[i + 1] - b.geom_at[i]) / 2;
+      if (!g.defined() || gi->layout() != c10::kStrided || gi->dtype() != b.grad_meta ||
+          gi->key_set().has(c10::DispatchKey::Python) || gi->device() != b.device ||
+          pi->dtype() != b.param_meta || !same_ints(pi->sizes(), geom, dim) ||
+          !same_ints(pi->strides(), geom + dim, dim) || !same_ints(gi->sizes(), geom, dim)) {
+        return Gathered::Stale;
       }
-      if (b.refs_ok && dense) {
-        b.refs[i] = {const_cast<void*>(data), g.numel(), kdtype};  // walked in memory order
-        continue;
-      }
-      // A gradient the prepared way cannot take (the step: not in the param's order; the
-      // scaler's pass: flattened through a copy): the general way, from the first param.
-      rows = b.refs_ok = false;
-      for (size_t j = 0; j < i; ++j) b.grads[j] = grad_of(b, j);
+      prefetch_lines(gi->unsafe_storage().unsafeGetStorageImpl(), 2);
     }
-    b.grads[i] = g;
+    for (size_t i = base; i < end; ++i) {
+      const at::Tensor& g = *found[i - base];
+      const c10::TensorImpl* gi = g.unsafeGetTensorImpl();
+      const void* pdata = nullptr;
+      const void* data = nullptr;
+      // A gradient about to be written in place is made writable first, so the memory checked
+      // is the memory written.
+      if (!raw_data(impls[i], false, pdata) || pdata != b.data[i] || !raw_data(gi, write, data)) {
+        return Gathered::Stale;
+      }
+      const int64_t* geom = b.geom.data() + b.geom_at[i];
+      const size_t dim = (b.geom_at[i + 1] - b.geom_at[i]) / 2;
+      // Dense in the param's element order (its strides, or one element).
+      const bool in_order = gi->is_non_overlapping_and_dense() &&
+                            (gi->numel() <= 1 || same_ints(gi->strides(), geom + dim, dim));
+      if (data != nullptr) {
+        // Against what the step writes; a range found clear before (that does not change after
+        // finalize) is not searched again.
+        const auto at = reinterpret_cast<uintptr_t>(data);
+        const Span s = in_order && gi->numel() > 1
+                           ? Span{at + b.extent[i].begin, at + b.extent[i].end}
+                           : span_of(g);
+        if (!(s == b.clear_of_written[i])) {
+          if (touches_written(s)) return Gathered::Stale;
+          b.clear_of_written[i] = s;
+        }
+        if (want == Want::Refs) call_spans_.push_back(s);
+      }
+      if (rows || b.refs_ok) {
+        if (rows && in_order) {
+          b.rows[i].grad = data;  // walked in the param's element order
+          continue;
+        }
+        if (b.refs_ok && gi->is_non_overlapping_and_dense()) {
+          b.refs[i] = {const_cast<void*>(data), gi->numel(), kdtype};  // walked in memory order
+          continue;
+        }
+        // A gradient the prepared way cannot take (the step: not in the param's order; the
+        // scaler's pass: flattened through a copy): the general way, from the first param.
+        rows = b.refs_ok = false;
+        for (size_t j = 0; j < i; ++j) b.grads[j] = grad_of(b, j);
+        b.grads_held = true;
+      }
+      b.grads[i] = g;
+      b.grads_held = true;
+    }
   }
   return rows ? Gathered::Rows : Gathered::Lists;
 }
 
 void StepPlan::release_grads() {
-  for (auto& b : buckets_) std::fill(b.grads.begin(), b.grads.end(), at::Tensor());
+  for (auto& b : buckets_) {
+    if (!b.grads_held) continue;
+    std::fill(b.grads.begin(), b.grads.end(), at::Tensor());
+    b.grads_held = false;
+  }
 }
 
 bool StepPlan::idle_unchanged() const {

@@ -94,6 +94,7 @@ class StepPlan : public torch::CustomClassHolder {
     const Backend* backend = nullptr;
     c10::ScalarType param_dtype = c10::kFloat;
     c10::ScalarType grad_dtype = c10::kFloat;
+    caffe2::TypeMeta param_meta, grad_meta;  // the same, as TensorImpl holds them
     std::vector<at::Tensor> params, masters, steps;
     std::vector<at::Tensor> states[3];
     // Each param's shape and strides when the plan was built, side by side in one array (dims
@@ -101,7 +102,12 @@ class StepPlan : public torch::CustomClassHolder {
     std::vector<int64_t> geom;
     std::vector<size_t> geom_at;
     std::vector<const void*> data;
+    std::vector<const c10::TensorImpl*> impls;  // the params'
+    // Per param, the bytes a gradient with its shape and strides spans, relative to the
+    // gradient's data (begin wraps below zero for negative strides).
+    std::vector<Span> extent;
     std::vector<at::Tensor> grads;  // this call's gradients (the general way)
+    bool grads_held = false;        // whether `grads` holds any
     // Per param, the memory of the last gradient found not to touch anything the step writes
     // (what the step writes does not change after finalize, so the same range needs no search).
     std::vector<Span> clear_of_written;
@@ -219,7 +225,8 @@ inline const at::Tensor& StepPlan::grad_of(const Bucket& b, size_t i) const {
     const int64_t k = b.source_index[i];
     if (k >= 0) return source_->window_grad(k);
   }
-  return b.params[i].grad();
+  // The TensorImpl's own accessor: Tensor::grad() adds a leaf check (for its warning) per call.
+  return b.impls[i]->grad();
 }
 
 }  // namespace ampfuse::ops
