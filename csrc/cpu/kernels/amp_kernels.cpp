@@ -25,8 +25,9 @@ struct ChunkResult {
   double partial;
 };
 
-// Unscales elements [0, n) of `data` (a reduced type or fp32): math in fp32, identical in the
-// vector body and the scalar tail, matching torch's CPU kernel bit for bit.
+// Unscales elements [0, n) of `data` (a reduced type or fp32): math in fp32, matching torch's CPU
+// kernel bit for bit. The last elements that do not fill a vector go through the same code with
+// partial loads and stores: the lanes past n are zero, finite, and add nothing to the norm.
 // ahead(i): requests the memory kAheadElements past element i (see vec_utils.h).
 template <typename T, NormKind norm, bool scale, bool store, typename Ahead>
 ChunkResult unscale_span(T* data, int64_t n, float inv, const Ahead& ahead) {
@@ -34,15 +35,10 @@ ChunkResult unscale_span(T* data, int64_t n, float inv, const Ahead& ahead) {
   const FVec vinv(inv);
   FVec bad(0.0f);
   FVec acc0(0.0f), acc1(0.0f);
-  int64_t i = 0;
-  for (; i + L::kLanes <= n; i += L::kLanes) {
-    ahead(i);
-    FVec v[L::kVecs];
-    L::load(data + i, v);
+  auto lanes = [&](FVec (&v)[L::kVecs]) __attribute__((always_inline)) {
     for (int k = 0; k < L::kVecs; ++k) bad = bad | nonfinite_bits(v[k]);
     if constexpr (scale) {
       for (int k = 0; k < L::kVecs; ++k) v[k] = v[k] * vinv;
-      if constexpr (store) L::store(data + i, v);
     }
     if constexpr (norm == NormKind::L2) {
       acc0 = at::vec::fmadd(v[0], v[0], acc0);
@@ -51,32 +47,30 @@ ChunkResult unscale_span(T* data, int64_t n, float inv, const Ahead& ahead) {
       acc0 = at::vec::maximum(acc0, v[0].abs());
       if constexpr (L::kVecs == 2) acc1 = at::vec::maximum(acc1, v[1].abs());
     }
+  };
+  int64_t i = 0;
+  for (; i + L::kLanes <= n; i += L::kLanes) {
+    ahead(i);
+    FVec v[L::kVecs];
+    L::load(data + i, v);
+    lanes(v);
+    if constexpr (scale && store) L::store(data + i, v);
+  }
+  if (i < n) {
+    FVec v[L::kVecs];
+    L::load(data + i, v, n - i);
+    lanes(v);
+    if constexpr (scale && store) L::store(data + i, v, n - i);
   }
   ChunkResult r{any_lane_nonzero(bad), 0.0f};
-  float part = 0.0f;
   if constexpr (norm == NormKind::L2) {
-    part = at::vec::vec_reduce_all<float>([](const FVec& a, const FVec& b) { return a + b; },
-                                          acc0 + acc1);
+    r.partial = at::vec::vec_reduce_all<float>(
+        [](const FVec& a, const FVec& b) { return a + b; }, acc0 + acc1);
   } else if constexpr (norm == NormKind::Inf) {
-    part = at::vec::vec_reduce_all<float>(
+    r.partial = at::vec::vec_reduce_all<float>(
         [](const FVec& a, const FVec& b) { return at::vec::maximum(a, b); },
         at::vec::maximum(acc0, acc1));
   }
-  for (; i < n; ++i) {
-    float v = static_cast<float>(data[i]);
-    if (!std::isfinite(v)) r.nonfinite = true;
-    if constexpr (scale) {
-      v = v * inv;
-      if constexpr (store) data[i] = static_cast<T>(v);
-    }
-    if constexpr (norm == NormKind::L2) {
-      part += v * v;
-    } else if constexpr (norm == NormKind::Inf) {
-      const float a = std::abs(v);
-      part = (a > part || a != a) ? a : part;
-    }
-  }
-  r.partial = part;
   return r;
 }
 
@@ -274,29 +268,41 @@ template <typename G>
 bool accumulate_span(float* acc, G* grad, int64_t n, bool zero) {
   using L = FloatLanes<G>;
   FVec bad(0.0f);
-  int64_t i = 0;
-  for (; i + L::kLanes <= n; i += L::kLanes) {
+  // `count` elements from i (a whole vector, or a tensor's last elements with partial loads and
+  // stores: the lanes past them are zero).
+  auto lanes = [&](int64_t i, int64_t count) __attribute__((always_inline)) {
     FVec g[L::kVecs];
-    L::load(grad + i, g);
+    const bool whole = count == L::kLanes;
+    if (whole) {
+      L::load(grad + i, g);
+    } else {
+      L::load(grad + i, g, count);
+    }
     for (int k = 0; k < L::kVecs; ++k) {
-      const FVec sum = FVec::loadu(acc + i + k * FVec::size()) + g[k];
+      const int64_t at = i + k * FVec::size();
+      const int64_t m = std::clamp<int64_t>(count - k * FVec::size(), 0, FVec::size());
+      const FVec sum = (whole ? FVec::loadu(acc + at) : FVec::loadu(acc + at, m)) + g[k];
       bad = bad | nonfinite_bits(sum);
-      sum.store(acc + i + k * FVec::size());
+      if (whole) {
+        sum.store(acc + at);
+      } else {
+        sum.store(acc + at, m);
+      }
     }
     if (zero) {
       FVec z[L::kVecs];
       for (int k = 0; k < L::kVecs; ++k) z[k] = FVec(0.0f);
-      L::store(grad + i, z);
+      if (whole) {
+        L::store(grad + i, z);
+      } else {
+        L::store(grad + i, z, count);
+      }
     }
-  }
-  bool nonfinite = any_lane_nonzero(bad);
-  for (; i < n; ++i) {
-    const float sum = acc[i] + static_cast<float>(grad[i]);
-    if (!std::isfinite(sum)) nonfinite = true;
-    acc[i] = sum;
-    if (zero) grad[i] = G(0.0f);
-  }
-  return nonfinite;
+  };
+  int64_t i = 0;
+  for (; i + L::kLanes <= n; i += L::kLanes) lanes(i, L::kLanes);
+  if (i < n) lanes(i, n - i);
+  return any_lane_nonzero(bad);
 }
 
 int accumulate(const AccumulateArgs& a, const LaunchContext&) {

@@ -2,10 +2,11 @@
 //
 // One pass per call: every element of every tensor is read once (grad, param or fp32 master,
 // state) and written once (param, master, state). The math is in fp32 on float vectors; a
-// tensor's last elements that do not fill a vector go through the same code on zero-padded
-// copies (the kernels are compiled with -ffp-contract=off: no silent FMA).
+// tensor's last elements that do not fill a vector go through the same code with partial loads
+// and stores (the kernels are compiled with -ffp-contract=off: no silent FMA).
 #include "cpu/kernels/vec_utils.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -54,25 +55,45 @@ struct CpuMath {
   static AMPFUSE_CPU_INLINE FVec fma(const FVec& a, const FVec& b, const FVec& c) { return at::vec::fmadd(a, b, c); }
 };
 
-// Two float vectors' worth of elements of T (half/bf16 widen to fp32).
+// Two float vectors' worth of elements of T (half/bf16 widen to fp32). `n` < kLanes: only the
+// first n elements are read (the rest of the lanes are zero) or written: masked loads and stores
+// where the instruction set has them (a tensor's last elements that do not fill a vector).
 template <typename T>
 struct Pair {
   static constexpr int64_t kLanes = 2 * FVec::size();
-  static AMPFUSE_CPU_INLINE void load(const T* p, FVec& a, FVec& b) {
+  static AMPFUSE_CPU_INLINE void load(const T* p, FVec& a, FVec& b, int64_t n = kLanes) {
+    constexpr int64_t H = FVec::size();
     if constexpr (std::is_same_v<T, float>) {
-      a = FVec::loadu(p);
-      b = FVec::loadu(p + FVec::size());
+      if (n == kLanes) {
+        a = FVec::loadu(p);
+        b = FVec::loadu(p + H);
+      } else {
+        a = FVec::loadu(p, std::min(n, H));
+        b = FVec::loadu(p + H, std::max<int64_t>(n - H, 0));
+      }
     } else {
       static_assert(Vectorized<T>::size() == 2 * FVec::size());
-      std::tie(a, b) = at::vec::convert_to_float<T>(Vectorized<T>::loadu(p));
+      const auto v = n == kLanes ? Vectorized<T>::loadu(p) : Vectorized<T>::loadu(p, n);
+      std::tie(a, b) = at::vec::convert_to_float<T>(v);
     }
   }
-  static AMPFUSE_CPU_INLINE void store(T* p, const FVec& a, const FVec& b) {
+  static AMPFUSE_CPU_INLINE void store(T* p, const FVec& a, const FVec& b, int64_t n = kLanes) {
+    constexpr int64_t H = FVec::size();
     if constexpr (std::is_same_v<T, float>) {
-      a.store(p);
-      b.store(p + FVec::size());
+      if (n == kLanes) {
+        a.store(p);
+        b.store(p + H);
+      } else {
+        a.store(p, std::min(n, H));
+        b.store(p + H, std::max<int64_t>(n - H, 0));
+      }
     } else {
-      at::vec::convert_from_float<T>(a, b).store(p);
+      const auto v = at::vec::convert_from_float<T>(a, b);
+      if (n == kLanes) {
+        v.store(p);
+      } else {
+        v.store(p, static_cast<int>(n));
+      }
     }
   }
 };
@@ -89,9 +110,9 @@ AMPFUSE_CPU_INLINE V prepare_grad(V g, float grad_scale, bool divide, float clip
 // synced_master (ops/rules.h) on two float vectors: the masters, where the params still hold them
 // rounded to T; the params where they were edited. NaN lanes compare unequal and take the param.
 template <typename T>
-AMPFUSE_CPU_INLINE void synced_master_vec(const float* master, FVec& p0, FVec& p1) {
+AMPFUSE_CPU_INLINE void synced_master_vec(const float* master, FVec& p0, FVec& p1, int64_t n) {
   FVec m0, m1;
-  Pair<float>::load(master, m0, m1);
+  Pair<float>::load(master, m0, m1, n);
   FVec r0 = m0, r1 = m1;
   if constexpr (!std::is_same_v<T, float>) {
     std::tie(r0, r1) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(m0, m1));
@@ -128,23 +149,38 @@ AMPFUSE_CPU_INLINE void split_vec(const FVec& m, IVec& p, IVec& r) {
   r = IVec::blendv(rem, IVec(0), nan);
 }
 
-// Stores the low 16 bits of each lane of a and b (2 * FVec::size() values): one truncating
-// narrow per vector (compilers turn the portable loop into per-element extracts).
+// Stores the low 16 bits of each lane of a and b (the first n of 2 * FVec::size() values): one
+// truncating narrow per vector (compilers turn the portable loop into per-element extracts).
 template <typename U>
-AMPFUSE_CPU_INLINE void store_low16(U* out, const IVec& a, const IVec& b) {
+AMPFUSE_CPU_INLINE void store_low16(U* out, const IVec& a, const IVec& b, int64_t n) {
+  constexpr int64_t N = 2 * FVec::size();
 #if defined(CPU_CAPABILITY_AVX512)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(a));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), _mm512_cvtepi32_epi16(b));
+  if (n == N) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(a));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), _mm512_cvtepi32_epi16(b));
+  } else {
+    const auto mask = [](int64_t k) {
+      return static_cast<__mmask16>(k >= 16 ? 0xFFFF : k <= 0 ? 0 : (1u << k) - 1);
+    };
+    _mm512_mask_cvtepi32_storeu_epi16(out, mask(n), a);
+    _mm512_mask_cvtepi32_storeu_epi16(out + 16, mask(n - 16), b);
+  }
 #elif defined(CPU_CAPABILITY_AVX2)
   const __m256i low = _mm256_set1_epi32(0xFFFF);
-  const __m256i packed = _mm256_packus_epi32(_mm256_and_si256(a, low), _mm256_and_si256(b, low));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(packed, 0xD8));
+  const __m256i packed = _mm256_permute4x64_epi64(
+      _mm256_packus_epi32(_mm256_and_si256(a, low), _mm256_and_si256(b, low)), 0xD8);
+  if (n == N) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), packed);
+  } else {
+    alignas(32) uint16_t buf[N];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(buf), packed);
+    std::memcpy(out, buf, static_cast<size_t>(n) * sizeof(uint16_t));
+  }
 #else
-  constexpr int N = 2 * FVec::size();
   int32_t buf[N];
   a.store(buf);
   b.store(buf + FVec::size());
-  for (int e = 0; e < N; ++e) out[e] = static_cast<U>(static_cast<uint16_t>(buf[e]));
+  for (int64_t e = 0; e < n; ++e) out[e] = static_cast<U>(static_cast<uint16_t>(buf[e]));
 #endif
 }
 
@@ -155,28 +191,30 @@ template <MasterKind MK, typename T>
 struct Master {
   using Storage = std::conditional_t<MK == MasterKind::Remainder, int16_t, float>;
 
-  static AMPFUSE_CPU_INLINE void load(const T* param, const Storage* master, int64_t i, FVec& p0, FVec& p1) {
+  static AMPFUSE_CPU_INLINE void load(const T* param, const Storage* master, int64_t i, int64_t n,
+                                      FVec& p0, FVec& p1) {
     if constexpr (MK == MasterKind::Remainder) {
       FVec h0, h1, q0, q1;
-      Pair<T>::load(param + i, h0, h1);
-      Pair<c10::BFloat16>::load(reinterpret_cast<const c10::BFloat16*>(master + i), q0, q1);
+      Pair<T>::load(param + i, h0, h1, n);
+      Pair<c10::BFloat16>::load(reinterpret_cast<const c10::BFloat16*>(master + i), q0, q1, n);
       p0 = join_vec(h0, q0);
       p1 = join_vec(h1, q1);
     } else {
-      Pair<T>::load(param + i, p0, p1);
-      if constexpr (MK == MasterKind::Float) synced_master_vec<T>(master + i, p0, p1);
+      Pair<T>::load(param + i, p0, p1, n);
+      if constexpr (MK == MasterKind::Float) synced_master_vec<T>(master + i, p0, p1, n);
     }
   }
-  static AMPFUSE_CPU_INLINE void store(T* param, Storage* master, int64_t i, const FVec& p0, const FVec& p1) {
+  static AMPFUSE_CPU_INLINE void store(T* param, Storage* master, int64_t i, int64_t n,
+                                       const FVec& p0, const FVec& p1) {
     if constexpr (MK == MasterKind::Remainder) {
       IVec a0, a1, b0, b1;
       split_vec(p0, a0, b0);
       split_vec(p1, a1, b1);
-      store_low16(reinterpret_cast<uint16_t*>(param + i), a0, a1);
-      store_low16(master + i, b0, b1);
+      store_low16(reinterpret_cast<uint16_t*>(param + i), a0, a1, n);
+      store_low16(master + i, b0, b1, n);
     } else {
-      if constexpr (MK == MasterKind::Float) Pair<float>::store(master + i, p0, p1);
-      Pair<T>::store(param + i, p0, p1);
+      if constexpr (MK == MasterKind::Float) Pair<float>::store(master + i, p0, p1, n);
+      Pair<T>::store(param + i, p0, p1, n);
     }
   }
 };
@@ -216,39 +254,36 @@ struct AdamKind {
 
 // ---- the pass ------------------------------------------------------------------------------------
 
-// One vector's worth (Pair<T>::kLanes elements from index i) of the update: param (through its
-// master), grad (prepared), state of dtype S (fp32 math, stored rounded to nearest even) updated
-// by Kind.
+// One vector's worth (n <= Pair<T>::kLanes elements from index i) of the update: param (through
+// its master), grad (prepared), state of dtype S (fp32 math, stored rounded to nearest even)
+// updated by Kind. The lanes are independent: a partial vector's elements get the same results
+// as in a full one.
 template <class Kind, typename T, typename G, MasterKind MK, typename S>
 AMPFUSE_CPU_INLINE void optim_lanes(T* __restrict param, const G* __restrict grad,
                                     typename Master<MK, T>::Storage* __restrict master,
-                                    S* const* state, int64_t i, const CallScalars& cs,
+                                    S* const* state, int64_t i, int64_t n, const CallScalars& cs,
                                     const typename Kind::Scalars& s, bool read, bool write) {
   constexpr int NS = Kind::kStates;
   using M = Master<MK, T>;
   FVec p0, p1, g0, g1;
-  M::load(param, master, i, p0, p1);
-  Pair<G>::load(grad + i, g0, g1);
+  M::load(param, master, i, n, p0, p1);
+  Pair<G>::load(grad + i, g0, g1, n);
   g0 = prepare_grad(g0, cs.grad_scale, cs.divide, cs.clip);
   g1 = prepare_grad(g1, cs.grad_scale, cs.divide, cs.clip);
   FVec st0[NS], st1[NS];
   for (int k = 0; k < NS; ++k) {
     st0[k] = FVec(0.0f);
     st1[k] = FVec(0.0f);
-    if (read) Pair<S>::load(state[k] + i, st0[k], st1[k]);
+    if (read) Pair<S>::load(state[k] + i, st0[k], st1[k], n);
   }
   p0 = Kind::update(p0, g0, st0, s);
   p1 = Kind::update(p1, g1, st1, s);
-  M::store(param, master, i, p0, p1);
+  M::store(param, master, i, n, p0, p1);
   if (write) {
-    for (int k = 0; k < NS; ++k) Pair<S>::store(state[k] + i, st0[k], st1[k]);
+    for (int k = 0; k < NS; ++k) Pair<S>::store(state[k] + i, st0[k], st1[k], n);
   }
 }
 
-// Chunk c: elements [begin, end) of its tensor. The last elements of a tensor that do not fill a
-// vector go through the same vector code on zero-padded copies (the lanes are independent, so
-// each element gets the vector body's result; a scalar tail per tensor was the largest per-tensor
-// cost of the kernel on small tensors).
 template <class Kind, typename T, typename G, MasterKind MK, typename S>
 AMPFUSE_CPU_INLINE void prefetch_row(const kernels::OptimTensor& o, int64_t j) {
   constexpr int64_t L = Pair<T>::kLanes;
@@ -263,6 +298,9 @@ AMPFUSE_CPU_INLINE void prefetch_row(const kernels::OptimTensor& o, int64_t j) {
   }
 }
 
+// Chunk c: elements [begin, end) of its tensor. The last elements of a tensor that do not fill a
+// vector go through the same vector code with partial loads and stores (a scalar tail per tensor,
+// and then zero-padded copies, were the largest per-tensor costs of the kernel on small tensors).
 template <class Kind, typename T, typename G, MasterKind MK, typename S>
 void optim_chunk(const OptimArgs& a, const CallScalars& cs, const typename Kind::Scalars& s,
                  const std::vector<Chunk>& chunks, int64_t c) {
@@ -290,34 +328,17 @@ void optim_chunk(const OptimArgs& a, const CallScalars& cs, const typename Kind:
       if constexpr (MK != MasterKind::Remainder) prefetch_row<Kind, T, G, MK, S>(o, i + kAheadElements);
     } else {
       const auto [ac, aj] = ahead_of(chunks, c, i);
-      if (ac >= 0) prefetch_row<Kind, T, G, MK, S>(a.tensors[chunks[ac].tensor], aj);
+      if (ac >= 0) {
+        const kernels::OptimTensor& next = a.tensors[chunks[ac].tensor];
+        prefetch_row<Kind, T, G, MK, S>(next, aj);
+        // The first look-ahead position in a chunk lies up to a row past its start, in steps
+        // that do not meet it: its first lines are requested too.
+        if (aj - chunks[ac].begin < L) prefetch_row<Kind, T, G, MK, S>(next, chunks[ac].begin);
+      }
     }
-    optim_lanes<Kind, T, G, MK, S>(param, grad, master, state, i, cs, s, read, write);
+    optim_lanes<Kind, T, G, MK, S>(param, grad, master, state, i, L, cs, s, read, write);
   }
-  if (i == end) return;
-  const auto n = static_cast<size_t>(end - i);
-  alignas(64) T tp[L];
-  alignas(64) G tg[L];
-  alignas(64) Storage tm[L];
-  alignas(64) S ts[NS][L];
-  S* tsp[NS];
-  std::memset(tp, 0, sizeof(tp));
-  std::memset(tg, 0, sizeof(tg));
-  std::memset(tm, 0, sizeof(tm));
-  std::memset(ts, 0, sizeof(ts));
-  std::memcpy(tp, param + i, n * sizeof(T));
-  std::memcpy(tg, grad + i, n * sizeof(G));
-  if constexpr (MK != MasterKind::None) std::memcpy(tm, master + i, n * sizeof(Storage));
-  for (int k = 0; k < NS; ++k) {
-    tsp[k] = ts[k];
-    if (read) std::memcpy(ts[k], state[k] + i, n * sizeof(S));
-  }
-  optim_lanes<Kind, T, G, MK, S>(tp, tg, tm, tsp, 0, cs, s, read, write);
-  std::memcpy(param + i, tp, n * sizeof(T));
-  if constexpr (MK != MasterKind::None) std::memcpy(master + i, tm, n * sizeof(Storage));
-  if (write) {
-    for (int k = 0; k < NS; ++k) std::memcpy(state[k] + i, ts[k], n * sizeof(S));
-  }
+  if (i < end) optim_lanes<Kind, T, G, MK, S>(param, grad, master, state, i, end - i, cs, s, read, write);
 }
 
 // One parallel pass over every chunk of every tensor (the combination of dtypes chosen once per

@@ -84,25 +84,34 @@ inline std::pair<int64_t, int64_t> ahead_of(const std::vector<Chunk>& chunks, in
 template <typename T>
 struct FloatLanes;
 
+// The `n` overloads read the first n < kLanes elements (the other lanes are zero) or write them:
+// masked loads and stores where the instruction set has them (a tensor's last elements).
 template <>
 struct FloatLanes<float> {
   static constexpr int kVecs = 1;
   static constexpr int64_t kLanes = FVec::size();
   static void load(const float* p, FVec* v) { v[0] = FVec::loadu(p); }
   static void store(float* p, const FVec* v) { v[0].store(p); }
+  static void load(const float* p, FVec* v, int64_t n) { v[0] = FVec::loadu(p, n); }
+  static void store(float* p, const FVec* v, int64_t n) { v[0].store(p, n); }
 };
 
 template <typename R>
 struct ReducedFloatLanes {
   static constexpr int kVecs = 2;
   static constexpr int64_t kLanes = Vectorized<R>::size();
-  static void load(const R* p, FVec* v) {
-    auto [a, b] = at::vec::convert_to_float<R>(Vectorized<R>::loadu(p));
+  static void load(const R* p, FVec* v) { widen(Vectorized<R>::loadu(p), v); }
+  static void store(R* p, const FVec* v) { at::vec::convert_from_float<R>(v[0], v[1]).store(p); }
+  static void load(const R* p, FVec* v, int64_t n) { widen(Vectorized<R>::loadu(p, n), v); }
+  static void store(R* p, const FVec* v, int64_t n) {
+    at::vec::convert_from_float<R>(v[0], v[1]).store(p, static_cast<int>(n));
+  }
+
+ private:
+  static void widen(const Vectorized<R>& x, FVec* v) {
+    auto [a, b] = at::vec::convert_to_float<R>(x);
     v[0] = a;
     v[1] = b;
-  }
-  static void store(R* p, const FVec* v) {
-    at::vec::convert_from_float<R>(v[0], v[1]).store(p);
   }
 };
 template <>
