@@ -244,99 +244,107 @@ inline void prefetch_lines(const void* p, int count) {
   for (int k = 0; k < count; ++k) __builtin_prefetch(static_cast<const char*>(p) + 64 * k);
 }
 
-// Params per block of the gradient walk (see gather_grads).
-constexpr size_t kGatherBlock = 16;
+// Requests every cache line of the object of type T at p (heap objects are 16-byte aligned, so
+// one may span a line more than its size suggests).
+template <typename T>
+inline void prefetch_object(const T* p) {
+  const auto begin = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
+  const auto end = reinterpret_cast<uintptr_t>(p) + sizeof(T);
+  for (uintptr_t a = begin; a < end; a += 64) __builtin_prefetch(reinterpret_cast<const void*>(a));
+}
+
+// The gradient walk's look-ahead, in params per link of the chain (see gather_grads).
+constexpr ptrdiff_t kGatherAhead = 4;
 
 }  // namespace
 
 // The walk is bound by dependent loads, not by its arithmetic: a model's tensors lie scattered
 // on the heap, and after the kernels' passes their metadata is no longer cached (param ->
-// autograd metadata -> gradient -> the gradient's storage). So it goes a block of params at a
-// time, in phases, each requesting the next link of the chain for a later block or phase:
-//   1. each param's gradient found (the params two blocks ahead and the autograd metadata and
-//      storage of the next block's params requested; each gradient's TensorImpl requested);
-//   2. the gradients checked against the param (each gradient's storage requested);
-//   3. their memory read and checked against what the step writes.
+// autograd metadata -> gradient -> the gradient's storage; and param -> its storage). So it is a
+// software pipeline: while param i is checked, the links of later params' chains are requested,
+// one link per kGatherAhead params:
+//   i + 4A: the param's TensorImpl;
+//   i + 3A: its autograd metadata and its storage;
+//   i + 2A: its gradient found (kept for the later stages) and the gradient's TensorImpl;
+//   i + A:  the gradient's storage.
 StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
-  const size_t n = b.params.size();
+  const auto n = static_cast<ptrdiff_t>(b.params.size());
   bool rows = want == Want::Rows && b.rows_ok;
   b.refs_ok = want == Want::Refs;
   const kernels::DType kdtype = detail::kernel_dtype(b.grad_dtype);
   const c10::TensorImpl* const* impls = b.impls.data();
-  const at::Tensor* found[kGatherBlock];
-  for (size_t base = 0; base < n; base += kGatherBlock) {
-    const size_t end = std::min(n, base + kGatherBlock);
-    for (size_t i = base; i < end; ++i) {
-      if (i + 2 * kGatherBlock < n) prefetch_lines(impls[i + 2 * kGatherBlock], 3);
-      if (i + kGatherBlock < n) {
-        const c10::TensorImpl* next = impls[i + kGatherBlock];
-        if (const auto* meta = next->autograd_meta()) prefetch_lines(meta, 2);
-        prefetch_lines(next->unsafe_storage().unsafeGetStorageImpl(), 2);
-      }
-      const at::Tensor& g = grad_of(b, i);
-      found[i - base] = &g;
-      if (g.defined()) prefetch_lines(g.unsafeGetTensorImpl(), 3);
+  constexpr ptrdiff_t A = kGatherAhead;
+  constexpr ptrdiff_t kRing = 16;  // holds the gradients of params i .. i + 2A
+  static_assert(2 * A < kRing && (kRing & (kRing - 1)) == 0);
+  const at::Tensor* found[kRing];
+  for (ptrdiff_t i = -4 * A; i < n; ++i) {
+    if (i + 4 * A < n) prefetch_object(impls[i + 4 * A]);
+    if (i + 3 * A >= 0 && i + 3 * A < n) {
+      const c10::TensorImpl* p = impls[i + 3 * A];
+      if (const auto* meta = p->autograd_meta()) prefetch_lines(meta, 2);
+      if (const auto* st = p->unsafe_storage().unsafeGetStorageImpl()) prefetch_object(st);
     }
-    for (size_t i = base; i < end; ++i) {
-      const at::Tensor& g = *found[i - base];
-      const c10::TensorImpl* gi = g.unsafeGetTensorImpl();
-      const c10::TensorImpl* pi = impls[i];
-      const int64_t* geom = b.geom.data() + b.geom_at[i];
-      const size_t dim = (b.geom_at[i + 1] - b.geom_at[i]) / 2;
-      if (!g.defined() || gi->layout() != c10::kStrided || gi->dtype() != b.grad_meta ||
-          gi->key_set().has(c10::DispatchKey::Python) || gi->device() != b.device ||
-          pi->dtype() != b.param_meta || !same_ints(pi->sizes(), geom, dim) ||
-          !same_ints(pi->strides(), geom + dim, dim) || !same_ints(gi->sizes(), geom, dim)) {
-        return Gathered::Stale;
-      }
-      prefetch_lines(gi->unsafe_storage().unsafeGetStorageImpl(), 2);
+    if (i + 2 * A >= 0 && i + 2 * A < n) {
+      const at::Tensor& g = grad_of(b, static_cast<size_t>(i + 2 * A));
+      found[(i + 2 * A) & (kRing - 1)] = &g;
+      if (g.defined()) prefetch_object(g.unsafeGetTensorImpl());
     }
-    for (size_t i = base; i < end; ++i) {
-      const at::Tensor& g = *found[i - base];
-      const c10::TensorImpl* gi = g.unsafeGetTensorImpl();
-      const void* pdata = nullptr;
-      const void* data = nullptr;
-      // A gradient about to be written in place is made writable first, so the memory checked
-      // is the memory written.
-      if (!raw_data(impls[i], false, pdata) || pdata != b.data[i] || !raw_data(gi, write, data)) {
-        return Gathered::Stale;
-      }
-      const int64_t* geom = b.geom.data() + b.geom_at[i];
-      const size_t dim = (b.geom_at[i + 1] - b.geom_at[i]) / 2;
-      // Dense in the param's element order (its strides, or one element).
-      const bool in_order = gi->is_non_overlapping_and_dense() &&
-                            (gi->numel() <= 1 || same_ints(gi->strides(), geom + dim, dim));
-      if (data != nullptr) {
-        // Against what the step writes; a range found clear before (that does not change after
-        // finalize) is not searched again.
-        const auto at = reinterpret_cast<uintptr_t>(data);
-        const Span s = in_order && gi->numel() > 1
-                           ? Span{at + b.extent[i].begin, at + b.extent[i].end}
-                           : span_of(g);
-        if (!(s == b.clear_of_written[i])) {
-          if (touches_written(s)) return Gathered::Stale;
-          b.clear_of_written[i] = s;
-        }
-        if (want == Want::Refs) call_spans_.push_back(s);
-      }
-      if (rows || b.refs_ok) {
-        if (rows && in_order) {
-          b.rows[i].grad = data;  // walked in the param's element order
-          continue;
-        }
-        if (b.refs_ok && gi->is_non_overlapping_and_dense()) {
-          b.refs[i] = {const_cast<void*>(data), gi->numel(), kdtype};  // walked in memory order
-          continue;
-        }
-        // A gradient the prepared way cannot take (the step: not in the param's order; the
-        // scaler's pass: flattened through a copy): the general way, from the first param.
-        rows = b.refs_ok = false;
-        for (size_t j = 0; j < i; ++j) b.grads[j] = grad_of(b, j);
-        b.grads_held = true;
-      }
-      b.grads[i] = g;
-      b.grads_held = true;
+    if (i + A >= 0 && i + A < n) {
+      const at::Tensor& g = *found[(i + A) & (kRing - 1)];
+      const c10::StorageImpl* st = g.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
+      if (g.defined() && st != nullptr) prefetch_object(st);
     }
+    if (i < 0) continue;
+    const auto k = static_cast<size_t>(i);
+    const at::Tensor& g = *found[i & (kRing - 1)];
+    const c10::TensorImpl* gi = g.unsafeGetTensorImpl();
+    const c10::TensorImpl* pi = impls[k];
+    const int64_t* geom = b.geom.data() + b.geom_at[k];
+    const size_t dim = (b.geom_at[k + 1] - b.geom_at[k]) / 2;
+    if (!g.defined() || gi->layout() != c10::kStrided || gi->dtype() != b.grad_meta ||
+        gi->key_set().has(c10::DispatchKey::Python) || gi->device() != b.device ||
+        pi->dtype() != b.param_meta || !same_ints(pi->sizes(), geom, dim) ||
+        !same_ints(pi->strides(), geom + dim, dim) || !same_ints(gi->sizes(), geom, dim)) {
+      return Gathered::Stale;
+    }
+    const void* pdata = nullptr;
+    const void* data = nullptr;
+    // A gradient about to be written in place is made writable first, so the memory checked is
+    // the memory written.
+    if (!raw_data(pi, false, pdata) || pdata != b.data[k] || !raw_data(gi, write, data)) {
+      return Gathered::Stale;
+    }
+    // Dense in the param's element order (its strides, or one element).
+    const bool in_order = gi->is_non_overlapping_and_dense() &&
+                          (gi->numel() <= 1 || same_ints(gi->strides(), geom + dim, dim));
+    if (data != nullptr) {
+      // Against what the step writes; a range found clear before (that does not change after
+      // finalize) is not searched again.
+      const auto at = reinterpret_cast<uintptr_t>(data);
+      const Span s = in_order && gi->numel() > 1 ? Span{at + b.extent[k].begin, at + b.extent[k].end}
+                                                 : span_of(g);
+      if (!(s == b.clear_of_written[k])) {
+        if (touches_written(s)) return Gathered::Stale;
+        b.clear_of_written[k] = s;
+      }
+      if (want == Want::Refs) call_spans_.push_back(s);
+    }
+    if (rows || b.refs_ok) {
+      if (rows && in_order) {
+        b.rows[k].grad = data;  // walked in the param's element order
+        continue;
+      }
+      if (b.refs_ok && gi->is_non_overlapping_and_dense()) {
+        b.refs[k] = {const_cast<void*>(data), gi->numel(), kdtype};  // walked in memory order
+        continue;
+      }
+      // A gradient the prepared way cannot take (the step: not in the param's order; the
+      // scaler's pass: flattened through a copy): the general way, from the first param.
+      rows = b.refs_ok = false;
+      for (size_t j = 0; j < k; ++j) b.grads[j] = grad_of(b, j);
+    }
+    b.grads[k] = g;
+    b.grads_held = true;
   }
   return rows ? Gathered::Rows : Gathered::Lists;
 }
