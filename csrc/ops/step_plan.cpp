@@ -253,6 +253,13 @@ inline void prefetch_object(const T* p) {
   for (uintptr_t a = begin; a < end; a += 64) __builtin_prefetch(reinterpret_cast<const void*>(a));
 }
 
+// Requests the lines of a TensorImpl's first fields (vtable, refcounts, storage, autograd
+// metadata).
+inline void prefetch_head(const c10::TensorImpl* p) {
+  __builtin_prefetch(p);
+  __builtin_prefetch(reinterpret_cast<const char*>(p) + 31);
+}
+
 // The gradient walk's look-ahead, in params per link of the chain (see gather_grads).
 constexpr ptrdiff_t kGatherAhead = 4;
 
@@ -267,8 +274,12 @@ constexpr ptrdiff_t kGatherAhead = 4;
 //   i + 3A: its autograd metadata and its storage;
 //   i + 2A: its gradient found (kept for the later stages) and the gradient's TensorImpl;
 //   i + A:  the gradient's storage.
+// The scaler's pass (Want::Refs) reads and writes only the gradients: it does not check the
+// params themselves (their dtype, shape and memory, which only the step uses), so it reads a
+// third fewer cache lines per param.
 StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
   const auto n = static_cast<ptrdiff_t>(b.params.size());
+  const bool check_params = want == Want::Rows;
   bool rows = want == Want::Rows && b.rows_ok;
   b.refs_ok = want == Want::Refs;
   const kernels::DType kdtype = detail::kernel_dtype(b.grad_dtype);
@@ -278,11 +289,19 @@ StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
   static_assert(2 * A < kRing && (kRing & (kRing - 1)) == 0);
   const at::Tensor* found[kRing];
   for (ptrdiff_t i = -4 * A; i < n; ++i) {
-    if (i + 4 * A < n) prefetch_object(impls[i + 4 * A]);
+    if (i + 4 * A < n) {
+      if (check_params) {
+        prefetch_object(impls[i + 4 * A]);
+      } else {
+        prefetch_head(impls[i + 4 * A]);  // its storage and autograd metadata pointers
+      }
+    }
     if (i + 3 * A >= 0 && i + 3 * A < n) {
       const c10::TensorImpl* p = impls[i + 3 * A];
       if (const auto* meta = p->autograd_meta()) prefetch_lines(meta, 2);
-      if (const auto* st = p->unsafe_storage().unsafeGetStorageImpl()) prefetch_object(st);
+      if (check_params) {
+        if (const auto* st = p->unsafe_storage().unsafeGetStorageImpl()) prefetch_object(st);
+      }
     }
     if (i + 2 * A >= 0 && i + 2 * A < n) {
       const at::Tensor& g = grad_of(b, static_cast<size_t>(i + 2 * A));
@@ -303,17 +322,21 @@ StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
     const size_t dim = (b.geom_at[k + 1] - b.geom_at[k]) / 2;
     if (!g.defined() || gi->layout() != c10::kStrided || gi->dtype() != b.grad_meta ||
         gi->key_set().has(c10::DispatchKey::Python) || gi->device() != b.device ||
-        pi->dtype() != b.param_meta || !same_ints(pi->sizes(), geom, dim) ||
-        !same_ints(pi->strides(), geom + dim, dim) || !same_ints(gi->sizes(), geom, dim)) {
+        !same_ints(gi->sizes(), geom, dim)) {
       return Gathered::Stale;
     }
-    const void* pdata = nullptr;
+    if (check_params) {
+      const void* pdata = nullptr;
+      if (pi->dtype() != b.param_meta || !same_ints(pi->sizes(), geom, dim) ||
+          !same_ints(pi->strides(), geom + dim, dim) || !raw_data(pi, false, pdata) ||
+          pdata != b.data[k]) {
+        return Gathered::Stale;
+      }
+    }
     const void* data = nullptr;
     // A gradient about to be written in place is made writable first, so the memory checked is
     // the memory written.
-    if (!raw_data(pi, false, pdata) || pdata != b.data[k] || !raw_data(gi, write, data)) {
-      return Gathered::Stale;
-    }
+    if (!raw_data(gi, write, data)) return Gathered::Stale;
     // Dense in the param's element order (its strides, or one element).
     const bool in_order = gi->is_non_overlapping_and_dense() &&
                           (gi->numel() <= 1 || same_ints(gi->strides(), geom + dim, dim));
