@@ -182,6 +182,9 @@ SCALER_CHANGES = {
     "grad-transposed": lambda ps: setattr(ps[3], "grad", ps[3].grad.t().contiguous().t()),
     "grads-share-memory": lambda ps: setattr(ps[1], "grad", ps[0].grad.view(3, 4)),
     "grad-in-another-grad": lambda ps: setattr(ps[2], "grad", ps[0].grad[3:9]),
+    # the scaler's pass does not look at the params themselves: the step after it must
+    "param-moved": lambda ps: setattr(ps[2], "data", ps[2].data.clone()),
+    "param-edited-and-moved": lambda ps: setattr(ps[3], "data", ps[3].data * 2),
 }
 
 
