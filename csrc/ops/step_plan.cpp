@@ -260,37 +260,32 @@ inline void prefetch_head(const c10::TensorImpl* p) {
   __builtin_prefetch(reinterpret_cast<const char*>(p) + 31);
 }
 
-// The gradient walk's look-ahead, in params per link of the chain (see gather_grads).
+// The gradient walk's look-ahead, in params per link of the chain (see walk_grads).
 constexpr ptrdiff_t kGatherAhead = 4;
 
-}  // namespace
-
+// Calls visit(i, grad) for the params [0, n) (given by their TensorImpls) in order, stopping at the
+// first that returns false (then false). grad_of(i): param i's gradient (a reference that stays
+// valid during the walk).
+//
 // The walk is bound by dependent loads, not by its arithmetic: a model's tensors lie scattered
 // on the heap, and after the kernels' passes their metadata is no longer cached (param ->
 // autograd metadata -> gradient -> the gradient's storage; and param -> its storage). So it is a
-// software pipeline: while param i is checked, the links of later params' chains are requested,
+// software pipeline: while param i is visited, the links of later params' chains are requested,
 // one link per kGatherAhead params:
-//   i + 4A: the param's TensorImpl;
-//   i + 3A: its autograd metadata and its storage;
+//   i + 4A: the param's TensorImpl (all of it with `whole_params`, else its first fields);
+//   i + 3A: its autograd metadata (and with `whole_params` its storage);
 //   i + 2A: its gradient found (kept for the later stages) and the gradient's TensorImpl;
 //   i + A:  the gradient's storage.
-// The scaler's pass (Want::Refs) reads and writes only the gradients: it does not check the
-// params themselves (their dtype, shape and memory, which only the step uses), so it reads a
-// third fewer cache lines per param.
-StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
-  const auto n = static_cast<ptrdiff_t>(b.params.size());
-  const bool check_params = want == Want::Rows;
-  bool rows = want == Want::Rows && b.rows_ok;
-  b.refs_ok = want == Want::Refs;
-  const kernels::DType kdtype = detail::kernel_dtype(b.grad_dtype);
-  const c10::TensorImpl* const* impls = b.impls.data();
+template <typename GradOf, typename Visit>
+bool walk_grads(const c10::TensorImpl* const* impls, ptrdiff_t n, bool whole_params,
+                const GradOf& grad_of, const Visit& visit) {
   constexpr ptrdiff_t A = kGatherAhead;
   constexpr ptrdiff_t kRing = 16;  // holds the gradients of params i .. i + 2A
   static_assert(2 * A < kRing && (kRing & (kRing - 1)) == 0);
   const at::Tensor* found[kRing];
   for (ptrdiff_t i = -4 * A; i < n; ++i) {
     if (i + 4 * A < n) {
-      if (check_params) {
+      if (whole_params) {
         prefetch_object(impls[i + 4 * A]);
       } else {
         prefetch_head(impls[i + 4 * A]);  // its storage and autograd metadata pointers
@@ -299,12 +294,12 @@ StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
     if (i + 3 * A >= 0 && i + 3 * A < n) {
       const c10::TensorImpl* p = impls[i + 3 * A];
       if (const auto* meta = p->autograd_meta()) prefetch_lines(meta, 2);
-      if (check_params) {
+      if (whole_params) {
         if (const auto* st = p->unsafe_storage().unsafeGetStorageImpl()) prefetch_object(st);
       }
     }
     if (i + 2 * A >= 0 && i + 2 * A < n) {
-      const at::Tensor& g = grad_of(b, static_cast<size_t>(i + 2 * A));
+      const at::Tensor& g = grad_of(static_cast<size_t>(i + 2 * A));
       found[(i + 2 * A) & (kRing - 1)] = &g;
       if (g.defined()) prefetch_object(g.unsafeGetTensorImpl());
     }
@@ -313,30 +308,44 @@ StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
       const c10::StorageImpl* st = g.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
       if (g.defined() && st != nullptr) prefetch_object(st);
     }
-    if (i < 0) continue;
-    const auto k = static_cast<size_t>(i);
-    const at::Tensor& g = *found[i & (kRing - 1)];
+    if (i >= 0 && !visit(static_cast<size_t>(i), *found[i & (kRing - 1)])) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+// This call's gradients of `b`, walked by walk_grads. The scaler's pass (Want::Refs) reads and
+// writes only the gradients: it does not check the params themselves (their dtype, shape and
+// memory, which only the step uses), so it reads a third fewer cache lines per param.
+StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
+  const bool check_params = want == Want::Rows;
+  bool rows = want == Want::Rows && b.rows_ok;
+  b.refs_ok = want == Want::Refs;
+  const kernels::DType kdtype = detail::kernel_dtype(b.grad_dtype);
+  auto grad = [&](size_t i) -> const at::Tensor& { return grad_of(b, i); };
+  auto visit = [&](size_t k, const at::Tensor& g) {
     const c10::TensorImpl* gi = g.unsafeGetTensorImpl();
-    const c10::TensorImpl* pi = impls[k];
+    const c10::TensorImpl* pi = b.impls[k];
     const int64_t* geom = b.geom.data() + b.geom_at[k];
     const size_t dim = (b.geom_at[k + 1] - b.geom_at[k]) / 2;
     if (!g.defined() || gi->layout() != c10::kStrided || gi->dtype() != b.grad_meta ||
         gi->key_set().has(c10::DispatchKey::Python) || gi->device() != b.device ||
         !same_ints(gi->sizes(), geom, dim)) {
-      return Gathered::Stale;
+      return false;
     }
     if (check_params) {
       const void* pdata = nullptr;
       if (pi->dtype() != b.param_meta || !same_ints(pi->sizes(), geom, dim) ||
           !same_ints(pi->strides(), geom + dim, dim) || !raw_data(pi, false, pdata) ||
           pdata != b.data[k]) {
-        return Gathered::Stale;
+        return false;
       }
     }
     const void* data = nullptr;
     // A gradient about to be written in place is made writable first, so the memory checked is
     // the memory written.
-    if (!raw_data(gi, write, data)) return Gathered::Stale;
+    if (!raw_data(gi, write, data)) return false;
     // Dense in the param's element order (its strides, or one element).
     const bool in_order = gi->is_non_overlapping_and_dense() &&
                           (gi->numel() <= 1 || same_ints(gi->strides(), geom + dim, dim));
@@ -347,7 +356,7 @@ StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
       const Span s = in_order && gi->numel() > 1 ? Span{at + b.extent[k].begin, at + b.extent[k].end}
                                                  : span_of(g);
       if (!(s == b.clear_of_written[k])) {
-        if (touches_written(s)) return Gathered::Stale;
+        if (touches_written(s)) return false;
         b.clear_of_written[k] = s;
       }
       if (want == Want::Refs) call_spans_.push_back(s);
@@ -355,11 +364,11 @@ StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
     if (rows || b.refs_ok) {
       if (rows && in_order) {
         b.rows[k].grad = data;  // walked in the param's element order
-        continue;
+        return true;
       }
       if (b.refs_ok && gi->is_non_overlapping_and_dense()) {
         b.refs[k] = {const_cast<void*>(data), gi->numel(), kdtype};  // walked in memory order
-        continue;
+        return true;
       }
       // A gradient the prepared way cannot take (the step: not in the param's order; the
       // scaler's pass: flattened through a copy): the general way, from the first param.
@@ -368,6 +377,11 @@ StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
     }
     b.grads[k] = g;
     b.grads_held = true;
+    return true;
+  };
+  if (!walk_grads(b.impls.data(), static_cast<ptrdiff_t>(b.params.size()), check_params, grad,
+                  visit)) {
+    return Gathered::Stale;
   }
   return rows ? Gathered::Rows : Gathered::Lists;
 }
@@ -570,7 +584,11 @@ void AccumulatePlan::add(std::vector<at::Tensor> params, std::vector<at::Tensor>
     TORCH_CHECK(b.is_contiguous() && b.sizes().equals(p.sizes()),
                 "AccumulatePlan.add: buffer ", i, " must be contiguous with its param's shape.");
     e.acc.push_back(b.mutable_data_ptr<float>());
+    e.impls.push_back(p.unsafeGetTensorImpl());
+    e.sizes_at.push_back(e.sizes.size());
+    e.sizes.insert(e.sizes.end(), p.sizes().begin(), p.sizes().end());
   }
+  e.sizes_at.push_back(e.sizes.size());
   params_.insert(params_.end(), params.begin(), params.end());
   buffers_.insert(buffers_.end(), buffers.begin(), buffers.end());
   has_grad_.resize(params_.size(), 0);
@@ -619,18 +637,20 @@ void AccumulatePlan::finalize() {
   finalized_ = true;
 }
 
-bool AccumulatePlan::check(const Entry& e, const at::Tensor& g, size_t i) const {
-  const at::Tensor& b = e.buffers[i];
-  const auto t = g.scalar_type();
-  if (g.layout() != c10::kStrided || g.key_set().has(c10::DispatchKey::Python) ||
-      g.device() != e.device || !(t == c10::kHalf || t == c10::kBFloat16 || t == c10::kFloat) ||
-      !g.sizes().equals(b.sizes()) || !g.is_non_overlapping_and_dense() ||
-      (g.numel() > 1 && !g.is_contiguous())) {
+bool AccumulatePlan::check(const Entry& e, const at::Tensor& g, size_t i, const void*& data) const {
+  const c10::TensorImpl* gi = g.unsafeGetTensorImpl();
+  const auto t = gi->dtype().toScalarType();
+  const int64_t* sizes = e.sizes.data() + e.sizes_at[i];
+  if (gi->layout() != c10::kStrided || gi->key_set().has(c10::DispatchKey::Python) ||
+      gi->device() != e.device || !(t == c10::kHalf || t == c10::kBFloat16 || t == c10::kFloat) ||
+      !same_ints(gi->sizes(), sizes, e.sizes_at[i + 1] - e.sizes_at[i]) ||
+      !gi->is_non_overlapping_and_dense() || (gi->numel() > 1 && !gi->is_contiguous()) ||
+      !raw_data(gi, false, data)) {
     return false;  // the validated way (copies, or the message)
   }
-  if (g.numel() == 0) return true;
-  const auto lo = reinterpret_cast<uintptr_t>(g.const_data_ptr());
-  const auto hi = lo + static_cast<uintptr_t>(g.numel() * g.element_size());
+  if (data == nullptr) return true;  // no elements
+  const auto lo = reinterpret_cast<uintptr_t>(data);
+  const auto hi = lo + static_cast<uintptr_t>(gi->numel() * static_cast<int64_t>(gi->itemsize()));
   auto it = std::upper_bound(written_.begin(), written_.end(), lo,
                              [](uintptr_t v, const std::pair<uintptr_t, uintptr_t>& w) {
                                return v < w.second;
@@ -643,28 +663,33 @@ bool AccumulatePlan::collect() {
   for (const auto& p : watched_) {
     if (p.grad().defined()) return false;
   }
-  std::vector<size_t> taken;
-  taken.reserve(params_.size());
+  taken_.clear();
   size_t k = 0;
   for (auto& e : entries_) {
     e.grads.clear();
     e.acc_taken.clear();
-    for (size_t i = 0; i < e.params.size(); ++i, ++k) {
-      const at::Tensor& g = e.params[i].grad();
-      if (!g.defined()) continue;
-      if (!check(e, g, i)) return false;
-      e.grads.push_back(kernels::TensorRef{const_cast<void*>(g.const_data_ptr()), g.numel(),
+    auto grad = [&](size_t i) -> const at::Tensor& { return e.impls[i]->grad(); };
+    auto visit = [&](size_t i, const at::Tensor& g) {
+      if (!g.defined()) return true;
+      const void* data = nullptr;
+      if (!check(e, g, i, data)) return false;
+      e.grads.push_back(kernels::TensorRef{const_cast<void*>(data), g.numel(),
                                            detail::kernel_dtype(g.scalar_type())});
       e.acc_taken.push_back(e.acc[i]);
-      taken.push_back(k);
+      taken_.push_back(k + i);
+      return true;
+    };
+    if (!walk_grads(e.impls.data(), static_cast<ptrdiff_t>(e.params.size()), false, grad, visit)) {
+      return false;
     }
+    k += e.params.size();
   }
   for (auto& e : entries_) {
     core::accumulate_rows(*e.backend, e.acc_taken.data(), e.grads.data(),
                           static_cast<int64_t>(e.grads.size()), /*zero_grads=*/false, e.found_inf);
   }
   // The sums hold the gradients now: as the validated way, `.grad = None`.
-  for (size_t t : taken) {
+  for (size_t t : taken_) {
     has_grad_[t] = 1;
     params_[t].mutable_grad() = at::Tensor();
   }

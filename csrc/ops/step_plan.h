@@ -202,11 +202,15 @@ class AccumulatePlan : public torch::CustomClassHolder {
     const Backend* backend = nullptr;
     std::vector<at::Tensor> params, buffers;
     at::Tensor found_inf;
-    std::vector<float*> acc;                // the buffers' data
-    std::vector<kernels::TensorRef> grads;  // this call's
-    std::vector<float*> acc_taken;          // this call's
+    std::vector<float*> acc;                    // the buffers' data
+    std::vector<const c10::TensorImpl*> impls;  // the params'
+    std::vector<int64_t> sizes;                 // the params' shapes, side by side
+    std::vector<size_t> sizes_at;               // param i's from sizes_at[i] to sizes_at[i + 1]
+    std::vector<kernels::TensorRef> grads;      // this call's
+    std::vector<float*> acc_taken;              // this call's
   };
-  bool check(const Entry& e, const at::Tensor& g, size_t i) const;
+  // Whether gradient g of param i of e can be summed as it lies (then its data in `data`).
+  bool check(const Entry& e, const at::Tensor& g, size_t i, const void*& data) const;
   std::vector<Entry> entries_;
   std::vector<at::Tensor> watched_, free_;
   std::vector<c10::ScalarType> watched_dtypes_, free_dtypes_;
@@ -214,6 +218,7 @@ class AccumulatePlan : public torch::CustomClassHolder {
   // a gradient this window.
   std::vector<at::Tensor> params_, buffers_;
   std::vector<uint8_t> has_grad_;
+  std::vector<size_t> taken_;  // this call's: the params whose gradients were summed
   std::vector<std::pair<uintptr_t, uintptr_t>> written_;  // sorted, disjoint
   int64_t num_params_ = 0;
   bool finalized_ = false;
