@@ -41,15 +41,21 @@ StepPlan::StepPlan(const std::string& kind) {
 
 int64_t StepPlan::hyper_width() const { return adam_ ? kAdamWidth : kSgdWidth; }
 
-StepPlan::Span StepPlan::span_of(const at::Tensor& t) {
+StepPlan::Span StepPlan::extent_of(c10::IntArrayRef sizes, c10::IntArrayRef strides,
+                                    size_t item) {
   int64_t lo = 0, hi = 0;
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    const int64_t extent = (t.size(d) - 1) * t.stride(d);
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    const int64_t extent = (sizes[d] - 1) * strides[d];
     (extent < 0 ? lo : hi) += extent;
   }
-  const auto item = static_cast<int64_t>(t.element_size());
+  const auto size = static_cast<int64_t>(item);
+  return Span{static_cast<uintptr_t>(lo * size), static_cast<uintptr_t>((hi + 1) * size)};
+}
+
+StepPlan::Span StepPlan::span_of(const at::Tensor& t) {
+  const Span e = extent_of(t.sizes(), t.strides(), t.element_size());
   const auto base = reinterpret_cast<uintptr_t>(t.const_data_ptr());
-  return Span{base + lo * item, base + (hi + 1) * item};
+  return Span{base + e.begin, base + e.end};
 }
 
 void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
@@ -88,15 +94,7 @@ void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
                 "StepPlan.add_bucket: tensor subclasses (e.g. DTensor) and meta tensors go "
                 "through the ops, not a plan.");
     b.data.push_back(p.const_data_ptr());
-    b.impls.push_back(p.unsafeGetTensorImpl());
-    // The bytes a gradient laid out as the param spans, relative to its data.
-    int64_t lo = 0, hi = 0;
-    for (int64_t d = 0; d < p.dim(); ++d) {
-      const int64_t extent = (p.size(d) - 1) * p.stride(d);
-      (extent < 0 ? lo : hi) += extent;
-    }
-    const auto item = static_cast<int64_t>(c10::elementSize(b.grad_dtype));
-    b.extent.push_back(Span{static_cast<uintptr_t>(lo * item), static_cast<uintptr_t>((hi + 1) * item)});
+    b.extent.push_back(extent_of(p.sizes(), p.strides(), c10::elementSize(b.grad_dtype)));
   }
   b.geom_at.push_back(b.geom.size());
   b.params = std::move(params);
@@ -263,7 +261,7 @@ inline void prefetch_head(const c10::TensorImpl* p) {
 // The gradient walk's look-ahead, in params per link of the chain (see walk_grads).
 constexpr ptrdiff_t kGatherAhead = 4;
 
-// Calls visit(i, grad) for the params [0, n) (given by their TensorImpls) in order, stopping at the
+// Calls visit(i, grad) for the params [0, n) in order, stopping at the
 // first that returns false (then false). grad_of(i): param i's gradient (a reference that stays
 // valid during the walk).
 //
@@ -277,8 +275,9 @@ constexpr ptrdiff_t kGatherAhead = 4;
 //   i + 2A: its gradient found (kept for the later stages) and the gradient's TensorImpl;
 //   i + A:  the gradient's storage.
 template <typename GradOf, typename Visit>
-bool walk_grads(const c10::TensorImpl* const* impls, ptrdiff_t n, bool whole_params,
-                const GradOf& grad_of, const Visit& visit) {
+bool walk_grads(const at::Tensor* params, ptrdiff_t n, bool whole_params, const GradOf& grad_of,
+                const Visit& visit) {
+  auto impl = [params](ptrdiff_t i) { return params[i].unsafeGetTensorImpl(); };
   constexpr ptrdiff_t A = kGatherAhead;
   constexpr ptrdiff_t kRing = 16;  // holds the gradients of params i .. i + 2A
   static_assert(2 * A < kRing && (kRing & (kRing - 1)) == 0);
@@ -286,13 +285,13 @@ bool walk_grads(const c10::TensorImpl* const* impls, ptrdiff_t n, bool whole_par
   for (ptrdiff_t i = -4 * A; i < n; ++i) {
     if (i + 4 * A < n) {
       if (whole_params) {
-        prefetch_object(impls[i + 4 * A]);
+        prefetch_object(impl(i + 4 * A));
       } else {
-        prefetch_head(impls[i + 4 * A]);  // its storage and autograd metadata pointers
+        prefetch_head(impl(i + 4 * A));  // its storage and autograd metadata pointers
       }
     }
     if (i + 3 * A >= 0 && i + 3 * A < n) {
-      const c10::TensorImpl* p = impls[i + 3 * A];
+      const c10::TensorImpl* p = impl(i + 3 * A);
       if (const auto* meta = p->autograd_meta()) prefetch_lines(meta, 2);
       if (whole_params) {
         if (const auto* st = p->unsafe_storage().unsafeGetStorageImpl()) prefetch_object(st);
@@ -326,7 +325,7 @@ StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
   auto grad = [&](size_t i) -> const at::Tensor& { return grad_of(b, i); };
   auto visit = [&](size_t k, const at::Tensor& g) {
     const c10::TensorImpl* gi = g.unsafeGetTensorImpl();
-    const c10::TensorImpl* pi = b.impls[k];
+    const c10::TensorImpl* pi = b.params[k].unsafeGetTensorImpl();
     const int64_t* geom = b.geom.data() + b.geom_at[k];
     const size_t dim = (b.geom_at[k + 1] - b.geom_at[k]) / 2;
     if (!g.defined() || gi->layout() != c10::kStrided || gi->dtype() != b.grad_meta ||
@@ -379,7 +378,7 @@ StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
     b.grads_held = true;
     return true;
   };
-  if (!walk_grads(b.impls.data(), static_cast<ptrdiff_t>(b.params.size()), check_params, grad,
+  if (!walk_grads(b.params.data(), static_cast<ptrdiff_t>(b.params.size()), check_params, grad,
                   visit)) {
     return Gathered::Stale;
   }
@@ -584,7 +583,6 @@ void AccumulatePlan::add(std::vector<at::Tensor> params, std::vector<at::Tensor>
     TORCH_CHECK(b.is_contiguous() && b.sizes().equals(p.sizes()),
                 "AccumulatePlan.add: buffer ", i, " must be contiguous with its param's shape.");
     e.acc.push_back(b.mutable_data_ptr<float>());
-    e.impls.push_back(p.unsafeGetTensorImpl());
     e.sizes_at.push_back(e.sizes.size());
     e.sizes.insert(e.sizes.end(), p.sizes().begin(), p.sizes().end());
   }
@@ -668,7 +666,9 @@ bool AccumulatePlan::collect() {
   for (auto& e : entries_) {
     e.grads.clear();
     e.acc_taken.clear();
-    auto grad = [&](size_t i) -> const at::Tensor& { return e.impls[i]->grad(); };
+    auto grad = [&](size_t i) -> const at::Tensor& {
+      return e.params[i].unsafeGetTensorImpl()->grad();
+    };
     auto visit = [&](size_t i, const at::Tensor& g) {
       if (!g.defined()) return true;
       const void* data = nullptr;
@@ -679,7 +679,7 @@ bool AccumulatePlan::collect() {
       taken_.push_back(k + i);
       return true;
     };
-    if (!walk_grads(e.impls.data(), static_cast<ptrdiff_t>(e.params.size()), false, grad, visit)) {
+    if (!walk_grads(e.params.data(), static_cast<ptrdiff_t>(e.params.size()), false, grad, visit)) {
       return false;
     }
     k += e.params.size();

@@ -102,7 +102,6 @@ class StepPlan : public torch::CustomClassHolder {
     std::vector<int64_t> geom;
     std::vector<size_t> geom_at;
     std::vector<const void*> data;
-    std::vector<const c10::TensorImpl*> impls;  // the params'
     // Per param, the bytes a gradient with its shape and strides spans, relative to the
     // gradient's data (begin wraps below zero for negative strides).
     std::vector<Span> extent;
@@ -141,6 +140,9 @@ class StepPlan : public torch::CustomClassHolder {
   bool touches_written(const at::Tensor& t) const;
   bool touches_written(const Span& s) const;
   static Span span_of(const at::Tensor& t);
+  // The bytes a tensor of these sizes and strides spans, relative to its data (begin wraps
+  // below zero for negative strides).
+  static Span extent_of(c10::IntArrayRef sizes, c10::IntArrayRef strides, size_t item);
 
   bool adam_;
   bool finalized_ = false;
@@ -202,12 +204,11 @@ class AccumulatePlan : public torch::CustomClassHolder {
     const Backend* backend = nullptr;
     std::vector<at::Tensor> params, buffers;
     at::Tensor found_inf;
-    std::vector<float*> acc;                    // the buffers' data
-    std::vector<const c10::TensorImpl*> impls;  // the params'
-    std::vector<int64_t> sizes;                 // the params' shapes, side by side
-    std::vector<size_t> sizes_at;               // param i's from sizes_at[i] to sizes_at[i + 1]
-    std::vector<kernels::TensorRef> grads;      // this call's
-    std::vector<float*> acc_taken;              // this call's
+    std::vector<float*> acc;                // the buffers' data
+    std::vector<int64_t> sizes;             // the params' shapes, side by side
+    std::vector<size_t> sizes_at;           // param i's from sizes_at[i] to sizes_at[i + 1]
+    std::vector<kernels::TensorRef> grads;  // this call's
+    std::vector<float*> acc_taken;          // this call's
   };
   // Whether gradient g of param i of e can be summed as it lies (then its data in `data`).
   bool check(const Entry& e, const at::Tensor& g, size_t i, const void*& data) const;
@@ -231,7 +232,7 @@ inline const at::Tensor& StepPlan::grad_of(const Bucket& b, size_t i) const {
     if (k >= 0) return source_->window_grad(k);
   }
   // The TensorImpl's own accessor: Tensor::grad() adds a leaf check (for its warning) per call.
-  return b.impls[i]->grad();
+  return b.params[i].unsafeGetTensorImpl()->grad();
 }
 
 }  // namespace ampfuse::ops
