@@ -204,6 +204,32 @@ typename P::State& ensure_state(torch::optim::Optimizer& opt, const at::Tensor& 
   return s;
 }
 
+// Creates the state of the params in `params` that have none, one kind of tensor at a time: every
+// step counter, then every master, then each state in turn. The step reads each kind as one
+// stream over the params in order; created this way the allocator lays each kind out in that
+// order, one run of memory, so the CPU kernels' streams run on across tensor ends (created param
+// by param, a param's master and states lie interleaved and every stream jumps at every tensor
+// end). What is created is what ensure_state would create.
+template <typename P>
+void create_fresh_state(torch::optim::Optimizer& opt, const std::vector<at::Tensor>& params,
+                        const typename P::Options& o) {
+  auto& states = opt.state();
+  std::vector<std::pair<const at::Tensor*, typename P::State*>> fresh;
+  for (const auto& p : params) {
+    if (states.find(p.unsafeGetTensorImpl()) != states.end()) continue;
+    auto it = states.emplace(p.unsafeGetTensorImpl(), std::make_unique<typename P::State>()).first;
+    fresh.emplace_back(&p, static_cast<typename P::State*>(it->second.get()));
+  }
+  for (auto& [p, s] : fresh) ensure_step(s->step(), *p);
+  for (auto& [p, s] : fresh) ensure_master(*s, *p, master_kind(o, *p));
+  for (int k = 0; k < P::num_states(o); ++k) {
+    for (auto& [p, s] : fresh) {
+      ensure_state_tensor(P::state(*s, k), *p, o.state_dtype());
+      P::state_created(*s);
+    }
+  }
+}
+
 // The validated step: every check, state created, one op call per bucket. Reports the buckets
 // it ran and the params it left idle, for the step plan.
 template <typename P>
@@ -213,6 +239,11 @@ void fused_step(FusedOptimizer& opt, std::vector<StepPlanBucket>& ran,
   size_t gi = 0;
   for (auto& group : opt.param_groups()) {
     const auto& o = static_cast<const typename P::Options&>(group.options());
+    std::vector<at::Tensor> stepped;
+    for (const auto& p : group.params()) {
+      if (opt.grad_of(p).defined()) stepped.push_back(p);
+    }
+    create_fresh_state<P>(opt, stepped, o);
     std::vector<Bucket> buckets;
     for (const auto& p : group.params()) {
       at::Tensor g = opt.grad_of(p);
