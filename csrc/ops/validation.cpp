@@ -383,10 +383,13 @@ void OverlapCheck::check() const {
       if (!a.written && !b.written) continue;
       // Byte ranges intersect; views that interleave without sharing an element (TooHard) pass.
       const at::MemOverlapStatus status = at::get_overlap_status(*a.tensor, *b.tensor);
+      // Named in the order they were added, whatever their addresses.
+      const Span& x = order[i] < order[j] ? a : b;
+      const Span& y = order[i] < order[j] ? b : a;
       TORCH_CHECK(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial,
-                  describe(a.name, a.index), " and ", describe(b.name, b.index),
+                  describe(x.name, x.index), " and ", describe(y.name, y.index),
                   " share memory (the same tensor twice, or overlapping views), and the kernel "
-                  "writes ", a.written ? describe(a.name, a.index) : describe(b.name, b.index),
+                  "writes ", x.written ? describe(x.name, x.index) : describe(y.name, y.index),
                   "; pass every tensor once, each with its own memory.");
     }
   }
