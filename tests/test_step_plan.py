@@ -185,29 +185,48 @@ SCALER_CHANGES = {
     # the scaler's pass does not look at the params themselves: the step after it must
     "param-moved": lambda ps: setattr(ps[2], "data", ps[2].data.clone()),
     "param-edited-and-moved": lambda ps: setattr(ps[3], "data", ps[3].data * 2),
+    # a storage shared copy-on-write: written in place, it gets its own memory first
+    "grad-lazily-cloned": lambda ps: setattr(ps[4], "grad", ps[4].grad._lazy_clone()),
 }
+
+
+@pytest.fixture
+def two_threads():
+    """Two intra-op threads, so that walks over many params run split (the plan's parallel walk)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("change", sorted(SCALER_CHANGES))
 @pytest.mark.parametrize("path", ["clip", "unscale"])
-def test_scaler_pass_after_changes_matches_the_validated_way(change, path):
+@pytest.mark.parametrize("many", [False, True], ids=["5-params", "605-params"])
+def test_scaler_pass_after_changes_matches_the_validated_way(change, path, many, two_threads):
     """The plan's scaler pass after a change of gradients between steps: the same values, norm and
-    skips as the validated way, or the same error with nothing changed."""
-    params = _params(n=5, shapes=[(12,), (3, 4), (6,), (4, 5), (8,)])
-    opt, ref, ref_params = _pair(lambda ps: AdamW(ps, lr=1e-2), params)
+    skips as the validated way, or the same error with nothing changed. With 605 params the plan
+    walks them in two ranges on two threads, and the changed params lie in the second."""
+    if change == "grad-lazily-cloned" and not hasattr(torch.Tensor, "_lazy_clone"):
+        pytest.skip("this torch has no copy-on-write storages")
+    shapes = [(12,), (3, 4), (6,), (4, 5), (8,)]
+    filler = [(3,), (2, 2)] * 300 if many else []
+    all_params = _params(shapes=filler + shapes)
+    params = all_params[len(filler):]
+    opt, ref, ref_all = _pair(lambda ps: AdamW(ps, lr=1e-2), all_params)
+    ref_params = ref_all[len(filler):]
     scalers = [ampfuse.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) for _ in range(2)]
     for step in range(5):
         outs = []
         for ps, o, sc in ((params, opt, scalers[0]), (ref_params, ref, scalers[1])):
             sc.scale(torch.ones(()))
-            _set_grads(ps, step, scale=1024.0)
+            _set_grads(ref_all if ps is ref_params else all_params, step, scale=1024.0)
             if step >= 3:
                 SCALER_CHANGES[change](ps)
             try:
                 out = sc.unscale_and_clip_(o, 1.0) if path == "clip" else sc.unscale_(o)
                 sc.step(o)
                 sc.update()
-                outs.append((out, [p.grad.clone() for p in ps]))
+                outs.append((out, [p.grad.clone() for p in (ref_all if ps is ref_params else all_params)]))
             except RuntimeError as e:
                 outs.append(e)
         if isinstance(outs[0], Exception) or isinstance(outs[1], Exception):
@@ -224,7 +243,7 @@ def test_scaler_pass_after_changes_matches_the_validated_way(change, path):
         assert opt._native is not None
     else:
         assert path == "clip" or change not in ("grads-share-memory", "grad-in-another-grad")
-    _same(params, ref_params)
+    _same(all_params, ref_all)
     _same_state(opt, ref)
 
 

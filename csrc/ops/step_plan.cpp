@@ -4,8 +4,12 @@
 #include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
+#include <ATen/Parallel.h>
+#include <c10/core/impl/COW.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <atomic>
 #include <unordered_map>
 
 #include "ops/flatten.h"
@@ -94,6 +98,7 @@ void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
                 "StepPlan.add_bucket: tensor subclasses (e.g. DTensor) and meta tensors go "
                 "through the ops, not a plan.");
     b.data.push_back(p.const_data_ptr());
+    b.dense.push_back(p.is_non_overlapping_and_dense() ? 1 : 0);
     b.extent.push_back(extent_of(p.sizes(), p.strides(), c10::elementSize(b.grad_dtype)));
   }
   b.geom_at.push_back(b.geom.size());
@@ -105,6 +110,7 @@ void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
   b.steps = std::move(steps);
   b.grads.resize(b.params.size());
   b.refs.resize(b.params.size());
+  b.spans.resize(b.params.size());
   b.clear_of_written.assign(b.params.size(), Span{});
   b.dtypes = core::optim_dtypes(detail::OptimLists{
       b.params, probe, b.masters, {b.states[0], b.states[1], b.states[2]}, {"", "", ""}, b.steps});
@@ -218,7 +224,8 @@ namespace {
 // elements), read straight from its TensorImpl: the checked accessors cost calls per tensor.
 // `mutable_`: the storage is made writable first (a lazily cloned one gets its own memory).
 // Returns false when the tensor has no storage one may read.
-inline bool raw_data(const c10::TensorImpl* t, bool mutable_, const void*& out) {
+inline __attribute__((always_inline)) bool raw_data(const c10::TensorImpl* t, bool mutable_,
+                                                   const void*& out) {
   const c10::StorageImpl* s = t->unsafe_storage().unsafeGetStorageImpl();
   if (s == nullptr) return false;
   if (t->numel() == 0) {
@@ -228,6 +235,14 @@ inline bool raw_data(const c10::TensorImpl* t, bool mutable_, const void*& out) 
   const void* base = mutable_ ? const_cast<c10::StorageImpl*>(s)->mutable_data() : s->data();
   out = static_cast<const char*>(base) + t->storage_offset() * static_cast<int64_t>(t->itemsize());
   return true;
+}
+
+// A tensor's `.grad`, read from its autograd metadata's field: TensorImpl::grad() is a call into
+// libc10 and a virtual call per param. Every autograd metadata torch makes is an AutogradMeta.
+inline __attribute__((always_inline)) const at::Tensor& grad_field(const c10::TensorImpl* t) {
+  static const at::Tensor none;
+  const c10::AutogradMetaInterface* meta = t->autograd_meta();
+  return meta == nullptr ? none : static_cast<const torch::autograd::AutogradMeta*>(meta)->grad_;
 }
 
 inline bool same_ints(c10::IntArrayRef a, const int64_t* b, size_t n) {
@@ -314,16 +329,34 @@ bool walk_grads(const at::Tensor* params, ptrdiff_t n, bool whole_params, const 
 
 }  // namespace
 
+const at::Tensor& StepPlan::grad_of(const Bucket& b, size_t i) const {
+  if (!b.source_index.empty()) {
+    const int64_t k = b.source_index[i];
+    if (k >= 0) return source_->window_grad(k);
+  }
+  return grad_field(b.params[i].unsafeGetTensorImpl());
+}
+
+// Params per thread below which a walk runs on the calling thread alone (a parallel region
+// costs a few microseconds; a param's walk about a tenth of one).
+constexpr size_t kParallelWalkMin = 256;
+
 // This call's gradients of `b`, walked by walk_grads. The scaler's pass (Want::Refs) reads and
 // writes only the gradients: it does not check the params themselves (their dtype, shape and
 // memory, which only the step uses), so it reads a third fewer cache lines per param.
+//
+// The walk is bound by the latency of its loads, so with intra-op threads it is split into one
+// range of params per thread: each core waits on its own misses. That holds for the prepared way
+// (each param's pointer goes to its own row or ref); a gradient the prepared way cannot take, or
+// one whose storage a parallel pass would have to copy on write, sends the whole walk to the
+// general way on the calling thread.
 StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
   const bool check_params = want == Want::Rows;
-  bool rows = want == Want::Rows && b.rows_ok;
-  b.refs_ok = want == Want::Refs;
+  const size_t n = b.params.size();
   const kernels::DType kdtype = detail::kernel_dtype(b.grad_dtype);
-  auto grad = [&](size_t i) -> const at::Tensor& { return grad_of(b, i); };
-  auto visit = [&](size_t k, const at::Tensor& g) {
+  // What a visit found; a larger value wins over a smaller one between ranges.
+  enum : uint8_t { kNext = 0, kGeneral = 1, kStale = 2 };
+  auto visit = [&](size_t k, const at::Tensor& g, bool prepared, bool parallel) -> uint8_t {
     const c10::TensorImpl* gi = g.unsafeGetTensorImpl();
     const c10::TensorImpl* pi = b.params[k].unsafeGetTensorImpl();
     const int64_t* geom = b.geom.data() + b.geom_at[k];
@@ -331,58 +364,98 @@ StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
     if (!g.defined() || gi->layout() != c10::kStrided || gi->dtype() != b.grad_meta ||
         gi->key_set().has(c10::DispatchKey::Python) || gi->device() != b.device ||
         !same_ints(gi->sizes(), geom, dim)) {
-      return false;
+      return kStale;
     }
     if (check_params) {
       const void* pdata = nullptr;
       if (pi->dtype() != b.param_meta || !same_ints(pi->sizes(), geom, dim) ||
           !same_ints(pi->strides(), geom + dim, dim) || !raw_data(pi, false, pdata) ||
           pdata != b.data[k]) {
-        return false;
+        return kStale;
       }
+    }
+    // A storage shared copy-on-write gets its own memory when written: not from two threads.
+    if (parallel && write) {
+      const c10::StorageImpl* st = gi->unsafe_storage().unsafeGetStorageImpl();
+      if (st != nullptr && c10::impl::cow::is_cow_data_ptr(st->data_ptr())) return kGeneral;
     }
     const void* data = nullptr;
     // A gradient about to be written in place is made writable first, so the memory checked is
     // the memory written.
-    if (!raw_data(gi, write, data)) return false;
-    // Dense in the param's element order (its strides, or one element).
-    const bool in_order = gi->is_non_overlapping_and_dense() &&
-                          (gi->numel() <= 1 || same_ints(gi->strides(), geom + dim, dim));
+    if (!raw_data(gi, write, data)) return kStale;
+    // Dense in the param's element order: the param's strides on a dense param (the usual case,
+    // decided without the TensorImpl's call), or one element.
+    const bool same_strides = same_ints(gi->strides(), geom + dim, dim);
+    const bool dense = same_strides && b.dense[k] ? true : gi->is_non_overlapping_and_dense();
+    const bool in_order = dense && (same_strides || gi->numel() <= 1);
+    Span s{};
     if (data != nullptr) {
       // Against what the step writes; a range found clear before (that does not change after
       // finalize) is not searched again.
       const auto at = reinterpret_cast<uintptr_t>(data);
-      const Span s = in_order && gi->numel() > 1 ? Span{at + b.extent[k].begin, at + b.extent[k].end}
-                                                 : span_of(g);
+      s = in_order && gi->numel() > 1 ? Span{at + b.extent[k].begin, at + b.extent[k].end}
+                                      : span_of(g);
       if (!(s == b.clear_of_written[k])) {
-        if (touches_written(s)) return false;
+        if (touches_written(s)) return kStale;
         b.clear_of_written[k] = s;
       }
-      if (want == Want::Refs) call_spans_.push_back(s);
     }
-    if (rows || b.refs_ok) {
-      if (rows && in_order) {
-        b.rows[k].grad = data;  // walked in the param's element order
-        return true;
-      }
-      if (b.refs_ok && gi->is_non_overlapping_and_dense()) {
-        b.refs[k] = {const_cast<void*>(data), gi->numel(), kdtype};  // walked in memory order
-        return true;
-      }
-      // A gradient the prepared way cannot take (the step: not in the param's order; the
-      // scaler's pass: flattened through a copy): the general way, from the first param.
-      rows = b.refs_ok = false;
-      for (size_t j = 0; j < k; ++j) b.grads[j] = grad_of(b, j);
+    if (want == Want::Refs) b.spans[k] = s;
+    if (!prepared) {
+      b.grads[k] = g;
+      return kNext;
     }
-    b.grads[k] = g;
-    b.grads_held = true;
-    return true;
+    if (want == Want::Rows && in_order) {
+      b.rows[k].grad = data;  // walked in the param's element order
+      return kNext;
+    }
+    if (want == Want::Refs && dense) {
+      b.refs[k] = {const_cast<void*>(data), gi->numel(), kdtype};  // walked in memory order
+      return kNext;
+    }
+    // A gradient the prepared way cannot take (the step: not in the param's order; the scaler's
+    // pass: flattened through a copy).
+    return kGeneral;
   };
-  if (!walk_grads(b.params.data(), static_cast<ptrdiff_t>(b.params.size()), check_params, grad,
-                  visit)) {
-    return Gathered::Stale;
+  // Params [lo, hi): the first outcome that is not kNext, or kNext.
+  auto walk = [&](size_t lo, size_t hi, bool prepared, bool parallel) {
+    uint8_t out = kNext;
+    walk_grads(
+        b.params.data() + lo, static_cast<ptrdiff_t>(hi - lo), check_params,
+        [&](size_t i) -> const at::Tensor& { return grad_of(b, lo + i); },
+        [&](size_t i, const at::Tensor& g) {
+          out = visit(lo + i, g, prepared, parallel);
+          return out == kNext;
+        });
+    return out;
+  };
+  b.refs_ok = false;
+  if (want == Want::Refs || b.rows_ok) {
+    uint8_t got = kNext;
+    const auto threads = static_cast<size_t>(at::get_num_threads());
+    if (threads > 1 && n >= 2 * kParallelWalkMin && !at::in_parallel_region()) {
+      std::atomic<uint8_t> worst{kNext};
+      at::parallel_for(0, static_cast<int64_t>(n), static_cast<int64_t>(kParallelWalkMin),
+                       [&](int64_t lo, int64_t hi) {
+                         const uint8_t r = walk(static_cast<size_t>(lo), static_cast<size_t>(hi),
+                                                true, true);
+                         uint8_t cur = worst.load();
+                         while (r > cur && !worst.compare_exchange_weak(cur, r)) {
+                         }
+                       });
+      got = worst.load();
+    } else {
+      got = walk(0, n, true, false);
+    }
+    if (got == kStale) return Gathered::Stale;
+    if (got == kNext) {
+      b.refs_ok = want == Want::Refs;
+      return want == Want::Rows ? Gathered::Rows : Gathered::Lists;
+    }
   }
-  return rows ? Gathered::Rows : Gathered::Lists;
+  // The general way: every gradient held as a tensor, on the calling thread.
+  b.grads_held = true;
+  return walk(0, n, false, false) == kStale ? Gathered::Stale : Gathered::Lists;
 }
 
 void StepPlan::release_grads() {
@@ -491,6 +564,9 @@ std::vector<at::Tensor> StepPlan::check(const at::Tensor& scale, bool write, boo
       return {};
     }
     all_refs = all_refs && b.refs_ok;
+    for (const Span& s : b.spans) {
+      if (s.end != 0) call_spans_.push_back(s);
+    }
   }
   if (!idle_unchanged()) {
     release_grads();
@@ -667,7 +743,7 @@ bool AccumulatePlan::collect() {
     e.grads.clear();
     e.acc_taken.clear();
     auto grad = [&](size_t i) -> const at::Tensor& {
-      return e.params[i].unsafeGetTensorImpl()->grad();
+      return grad_field(e.params[i].unsafeGetTensorImpl());
     };
     auto visit = [&](size_t i, const at::Tensor& g) {
       if (!g.defined()) return true;

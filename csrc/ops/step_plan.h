@@ -102,6 +102,9 @@ class StepPlan : public torch::CustomClassHolder {
     std::vector<int64_t> geom;
     std::vector<size_t> geom_at;
     std::vector<const void*> data;
+    // Per param, whether its shape and strides are non-overlapping and dense: a gradient with the
+    // same shape and strides is then dense in the param's element order.
+    std::vector<uint8_t> dense;
     // Per param, the bytes a gradient with its shape and strides spans, relative to the
     // gradient's data (begin wraps below zero for negative strides).
     std::vector<Span> extent;
@@ -113,6 +116,8 @@ class StepPlan : public torch::CustomClassHolder {
     // This call's gradients for the scaler's pass, when every one is dense (`refs_ok`).
     std::vector<kernels::TensorRef> refs;
     bool refs_ok = false;
+    // The scaler's pass: per param, its gradient's memory this call (empty: no elements).
+    std::vector<Span> spans;
     // The kernel rows, prepared once when every row's tensors lie flat in the param's element
     // order (`rows_ok`): a call fills in the gradients' pointers only. `keep` holds the storage
     // of every master, state and step counter the rows point into.
@@ -224,15 +229,5 @@ class AccumulatePlan : public torch::CustomClassHolder {
   int64_t num_params_ = 0;
   bool finalized_ = false;
 };
-
-// Inline (called per param per step; AccumulatePlan is complete here).
-inline const at::Tensor& StepPlan::grad_of(const Bucket& b, size_t i) const {
-  if (!b.source_index.empty()) {
-    const int64_t k = b.source_index[i];
-    if (k >= 0) return source_->window_grad(k);
-  }
-  // The TensorImpl's own accessor: Tensor::grad() adds a leaf check (for its warning) per call.
-  return b.params[i].unsafeGetTensorImpl()->grad();
-}
 
 }  // namespace ampfuse::ops
