@@ -89,6 +89,8 @@ _unscale_case("inv_scale-fp16", "inv_scale must be a torch.float32 tensor", lamb
 _unscale_case("inv_scale-3", "inv_scale must be a 1-element tensor", lambda: ([t(3)], scalar(), torch.ones(3), {}))
 _unscale_case("same-tensor-twice", r"tensors\[0\] and tensors\[1\] share memory", lambda: (lambda x: ([x, x], scalar(), scalar(0.5), {}))(t(4)))
 _unscale_case("overlapping-views", r"share memory", lambda: (lambda b: ([b[:5], b[3:]], scalar(), scalar(0.5), {}))(t(8)))
+# named in the order passed, not by address
+_unscale_case("overlapping-views-lower-second", r"tensors\[0\] and tensors\[1\] share memory", lambda: (lambda b: ([b[3:], b[:5]], scalar(), scalar(0.5), {}))(t(8)))
 _unscale_case("expanded", r"tensors\[0\] has internally overlapping memory", lambda: ([t(1).expand(4)], scalar(), scalar(0.5), {}))
 _unscale_case("found_inf-is-inv_scale", r"found_inf and inv_scale share memory", lambda: (lambda s: ([t(3)], s, s, {}))(scalar(0.5)))
 _unscale_case("norm_type-1", "norm_type must be 2.0 or inf, got 1", lambda: ([t(3)], scalar(), scalar(0.5), {"norm_type": 1.0}), 1)
