@@ -16,6 +16,7 @@
 #include <unordered_set>
 
 #include "ampfuse/optim.h"
+#include "api/accumulate_plan.h"
 
 namespace ampfuse {
 namespace {
@@ -60,6 +61,12 @@ std::vector<std::pair<c10::Device, int64_t>> sizes_per_device(
 }
 
 }  // namespace
+
+// The micro-batch plan and what it depends on (plan_key).
+struct GradAccumulator::Plan {
+  std::unique_ptr<detail::MicroBatchPlan> plan;
+  std::vector<const void*> key;
+};
 
 GradAccumulator::GradAccumulator(torch::optim::Optimizer& optimizer, GradScaler* scaler,
                                  GradAccumulatorOptions options)
@@ -144,6 +151,7 @@ void GradAccumulator::layout(const std::vector<at::Tensor>& low) {
   buffers_ = std::move(buffers);
   has_grad_ = std::move(has_grad);
   flat_ = std::move(flat);
+  plan_.reset();  // built for the old buffers
 }
 
 void GradAccumulator::set_lr_scheduler(torch::optim::LRScheduler* scheduler) {
@@ -154,7 +162,11 @@ void GradAccumulator::set_lr_scheduler(torch::optim::LRScheduler* scheduler) {
 bool GradAccumulator::backward(const at::Tensor& loss) {
   TORCH_CHECK(loss.defined(), "GradAccumulator::backward: loss must be a defined tensor.");
   window_ended_ = false;
-  if (micro_step_ == 0) layout(wanted_low());  // a window starts: buffer what requires grad now
+  if (micro_step_ == 0) {
+    // A window starts: buffer what requires grad now (the plan tells without a pass over the
+    // params whether that is what is buffered already).
+    if (!(has_accumulate_plan() && plan_->plan->same_layout())) layout(wanted_low());
+  }
   at::Tensor scaled = loss / options_.steps();
   if (scaler_ != nullptr) scaled = scaler_->scale(scaled);
   scaled.backward();
@@ -171,10 +183,64 @@ bool GradAccumulator::flush() {
   return true;
 }
 
-// After a micro-batch's backward: fp16/bf16 grads into the fp32 buffers (one fused pass per
-// device, checking the sums for inf/NaN on the way), then .grad() undefined: a param that gets no
-// gradient in the window is not stepped.
+// ---- the micro-batch plan ---------------------------------------------------------------------------
+// What the plan depends on that the optimizer owns: every group's params, by identity.
+std::vector<const void*> GradAccumulator::plan_key() const {
+  std::vector<const void*> key;
+  for (const auto& group : optimizer_.param_groups()) {
+    key.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(group.params().size())));
+    for (const auto& p : group.params()) key.push_back(p.unsafeGetTensorImpl());
+  }
+  return key;
+}
+
+bool GradAccumulator::has_accumulate_plan() const {
+  return plan_ != nullptr && plan_key() == plan_->key;
+}
+
+// After a pass that went the validated way: the plan of the buffered params (one device, plain
+// tensors), watching the other fp16/bf16 params (a gradient on one widens the layout) and the
+// fp32 ones' dtypes.
+void GradAccumulator::build_plan() {
+  plan_.reset();
+  if (low_.empty()) return;
+  const c10::Device device = low_[0].device();
+  for (const auto& p : low_) {
+    if (p.device() != device || p.key_set().has(c10::DispatchKey::Python)) return;
+  }
+  std::unordered_set<const c10::TensorImpl*> buffered;
+  for (const auto& p : low_) buffered.insert(p.unsafeGetTensorImpl());
+  std::vector<at::Tensor> watched, free;
+  for (const auto& p : all_params()) {
+    if (!is_low(p.scalar_type())) {
+      free.push_back(p);
+    } else if (buffered.count(p.unsafeGetTensorImpl()) == 0) {
+      watched.push_back(p);
+    }
+  }
+  auto plan = std::make_shared<Plan>();
+  plan->plan = std::make_unique<detail::MicroBatchPlan>(low_, buffers_, on_device(found_inf_, device),
+                                                        std::move(watched), std::move(free),
+                                                        has_grad_);
+  plan->key = plan_key();
+  plan_ = std::move(plan);
+}
+
+// After a micro-batch's backward. In the steady state one native call (the plan): it checks every
+// gradient itself, and anything it was not built for (a gradient on a param it does not buffer,
+// an odd layout, a sparse gradient) sends the pass the validated way, which names the problem or
+// rebuilds the plan.
 void GradAccumulator::collect() {
+  if (has_accumulate_plan() && plan_->plan->collect(has_grad_)) return;
+  plan_.reset();
+  collect_validated();
+  build_plan();
+}
+
+// The validated way: fp16/bf16 grads into the fp32 buffers (one fused pass per device, checking
+// the sums for inf/NaN on the way), then .grad() undefined: a param that gets no gradient in the
+// window is not stepped.
+void GradAccumulator::collect_validated() {
   if (options_.fp32_accumulation()) {
     // A param without a buffer that got a gradient (unfrozen inside the window): widen the
     // layout, so that it is summed in fp32 from this micro-batch on.
@@ -236,6 +302,7 @@ void GradAccumulator::end_window(int64_t micro_batches) {
     for (auto& [d, f] : found_inf_) f.zero_();
     for (const auto& p : params) p.mutable_grad() = at::Tensor();
     has_grad_.assign(low_.size(), false);
+    if (plan_ != nullptr) plan_->plan->set_flags(has_grad_);
     micro_step_ = 0;
     ++windows_;
     window_ended_ = true;
@@ -517,6 +584,7 @@ void GradAccumulator::load(InputArchive& archive) {
         it != grads.end() ? it->second.to(p.device(), p.scalar_type()) : at::Tensor();
   }
   has_grad_ = has_grad;
+  plan_.reset();
   window_ended_ = false;
 }
 

@@ -785,6 +785,12 @@ void AccumulatePlan::set_has_grad(const c10::List<bool>& flags) {
   for (size_t k = 0; k < has_grad_.size(); ++k) has_grad_[k] = flags.get(k) ? 1 : 0;
 }
 
+void AccumulatePlan::set_window_flags(const std::vector<bool>& flags) {
+  TORCH_CHECK(flags.size() == has_grad_.size(), "AccumulatePlan.set_window_flags: expected ",
+              has_grad_.size(), " flags (one per buffered param), got ", flags.size(), ".");
+  for (size_t k = 0; k < has_grad_.size(); ++k) has_grad_[k] = flags[k] ? 1 : 0;
+}
+
 void AccumulatePlan::end_window() {
   std::fill(has_grad_.begin(), has_grad_.end(), 0);
   for (auto* list : {&params_, &watched_}) {

@@ -187,6 +187,9 @@ class AccumulatePlan : public torch::CustomClassHolder {
   // The window: per buffered param (in the order added) whether its buffer holds a gradient.
   c10::List<bool> has_grad() const;
   void set_has_grad(const c10::List<bool>& flags);
+  // The same flags for a C++ owner (ampfuse::GradAccumulator), without a list per call.
+  const std::vector<uint8_t>& window_flags() const { return has_grad_; }
+  void set_window_flags(const std::vector<bool>& flags);
   // The window ended: no buffer holds a gradient, and no buffered or watched param has a `.grad`.
   void end_window();
   // Whether no buffered or watched param has a `.grad`.

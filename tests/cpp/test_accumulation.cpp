@@ -1,5 +1,6 @@
 // ampfuse::GradAccumulator: fp32 sums, window-level skip, constant scale inside a window, flush,
 // LR scheduler, clipping without a scaler, checkpoints inside a window, torch optimizers.
+#include <ATen/record_function.h>
 #include <gtest/gtest.h>
 #include <torch/optim/schedulers/step_lr.h>
 #include <torch/optim/sgd.h>
@@ -9,6 +10,7 @@
 #include <memory>
 #include <random>
 #include <sstream>
+#include <string_view>
 
 #include "ampfuse/accumulation.h"
 #include "ampfuse/grad_scaler.h"
@@ -87,6 +89,63 @@ TEST(GradAccumulator, SumsLowPrecisionGradsInFp32) {
     EXPECT_TRUE(bitwise_equal(master_of(opt, params[i]), expected)) << i;
     EXPECT_TRUE(bitwise_equal(params[i].detach(), expected.to(at::kBFloat16))) << i;
   }
+}
+
+namespace {
+
+int accumulate_op_calls = 0;
+
+std::unique_ptr<at::ObserverContext> count_accumulate_op(const at::RecordFunction& fn) {
+  if (std::string_view(fn.name()) == "ampfuse::accumulate_grads_") ++accumulate_op_calls;
+  return nullptr;
+}
+
+}  // namespace
+
+// After a pass that went the validated way (the accumulate op), the micro-batch passes go through
+// the native plan; a layer unfrozen mid-window sends one pass the validated way (which widens the
+// layout) and the plan is rebuilt. The sums are exact either way.
+TEST(GradAccumulator, MicroBatchPassesGoThroughTheNativePlan) {
+  auto params = make_params(at::kBFloat16);
+  params[1].set_requires_grad(false);
+  auto probe = copy_params(params);
+  probe[1].set_requires_grad(false);
+  ampfuse::optim::SGD opt(params, ampfuse::optim::SGDOptions(1.0));
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(1024.0));
+  ampfuse::GradAccumulator acc(opt, &scaler, ampfuse::GradAccumulatorOptions(4));
+  EXPECT_FALSE(acc.has_accumulate_plan());
+  std::vector<at::Tensor> expected;
+  for (const auto& p : params) expected.push_back(p.detach().to(at::kFloat));
+  accumulate_op_calls = 0;
+  const auto observer = at::addThreadLocalCallback(
+      at::RecordFunctionCallback(count_accumulate_op).scopes({at::RecordScope::FUNCTION}));
+  std::vector<int> validated;  // the micro-batches whose pass called the op
+  for (int w = 0; w < 2; ++w) {
+    std::vector<at::Tensor> sums = {at::zeros({129}), at::zeros({6, 5})};
+    for (int k = 0; k < 4; ++k) {
+      if (w == 1 && k == 1) {
+        params[1].set_requires_grad(true);
+        probe[1].set_requires_grad(true);
+      }
+      const auto xs = inputs(4 * w + k);
+      (loss_of(probe, xs) / 4 * 1024.0f).backward();
+      for (size_t i = 0; i < probe.size(); ++i) {
+        if (!probe[i].grad().defined()) continue;
+        sums[i] += probe[i].grad().to(at::kFloat);
+        probe[i].mutable_grad() = at::Tensor();
+      }
+      const int before = accumulate_op_calls;
+      acc.backward(loss_of(params, xs));
+      if (accumulate_op_calls != before) validated.push_back(4 * w + k);
+      EXPECT_TRUE(acc.has_accumulate_plan()) << w << " " << k;
+    }
+    expected[0] = expected[0] - sums[0] / 1024.0f;
+    if (w == 1) expected[1] = expected[1] - sums[1] / 1024.0f;
+    EXPECT_TRUE(bitwise_equal(master_of(opt, params[0]), expected[0])) << w;
+    if (w == 1) EXPECT_TRUE(bitwise_equal(master_of(opt, params[1]), expected[1]));
+  }
+  at::removeCallback(observer);
+  EXPECT_EQ(validated, (std::vector<int>{0, 5}));
 }
 
 TEST(GradAccumulator, AnOverflowSkipsTheWholeWindow) {

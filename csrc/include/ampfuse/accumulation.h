@@ -25,6 +25,7 @@
 #include <torch/arg.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -90,6 +91,12 @@ class GradAccumulator {
   // window.
   const std::optional<at::Tensor>& last_window_skipped() const;
 
+  // Whether the next micro-batch's pass can go through the native plan (the same object as
+  // Python's GradAccumulator, csrc/ops/step_plan.h): built by the first pass that went the
+  // validated way, it sums every gradient in one native call while the params and the layout
+  // stay as they were.
+  bool has_accumulate_plan() const;
+
   // Counters, the optimizer's and the scaler's state, and the partial fp32 sums when saved inside
   // a window.
   void save(torch::serialize::OutputArchive& archive) const;
@@ -100,6 +107,9 @@ class GradAccumulator {
   std::vector<at::Tensor> wanted_low() const;
   void layout(const std::vector<at::Tensor>& low);
   void collect();
+  void collect_validated();
+  void build_plan();
+  std::vector<const void*> plan_key() const;
   void end_window(int64_t micro_batches);
   std::optional<at::Tensor> step_window();
   void clip_unscaled();
@@ -120,6 +130,8 @@ class GradAccumulator {
   int64_t skipped_windows_host_ = 0;
   bool window_ended_ = false;
   std::optional<at::Tensor> last_window_skipped_;
+  struct Plan;  // csrc/api/accumulation.cpp
+  std::shared_ptr<Plan> plan_;
 };
 
 }  // namespace ampfuse

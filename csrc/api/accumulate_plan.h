@@ -1,0 +1,37 @@
+// ampfuse::GradAccumulator's handle on the native micro-batch plan (ops::AccumulatePlan, the
+// object Python's GradAccumulator holds). A unit of its own: the ops headers and the public API's
+// headers each define the scale statistics, so no file includes both.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <vector>
+
+namespace ampfuse::detail {
+
+class MicroBatchPlan {
+ public:
+  // The buffered params (one device) with their fp32 buffers and the device's found_inf; the
+  // other fp16/bf16 params (a gradient on one sends the pass the validated way) and the fp32
+  // ones (only their dtype is watched). `flags`: the window's has-gradient flags so far.
+  MicroBatchPlan(std::vector<at::Tensor> buffered, std::vector<at::Tensor> buffers,
+                 at::Tensor found_inf, std::vector<at::Tensor> watched,
+                 std::vector<at::Tensor> free, const std::vector<bool>& flags);
+  ~MicroBatchPlan();
+  MicroBatchPlan(const MicroBatchPlan&) = delete;
+  MicroBatchPlan& operator=(const MicroBatchPlan&) = delete;
+
+  // One micro-batch: every buffered param's gradient summed and cleared, and `flags` set for
+  // those it took. False when stale (nothing done, `flags` untouched).
+  bool collect(std::vector<bool>& flags);
+  // Whether the params buffered are still the ones to buffer (see ops::AccumulatePlan).
+  bool same_layout() const;
+  void set_flags(const std::vector<bool>& flags);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ampfuse::detail
