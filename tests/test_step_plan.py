@@ -420,23 +420,31 @@ def test_plan_object_rejects_bad_construction():
 
 
 class _Tiny(torch.nn.Module):
-    def __init__(self, dtype, fp32_bias=False):
+    """Three params (a, b, c); with ``extra``, that many small bf16 params between b and c (then
+    c lies in the second half of the param list, which the native walks take on another thread)."""
+
+    def __init__(self, dtype, fp32_bias=False, extra=0):
         super().__init__()
         g = torch.Generator().manual_seed(3)
         self.a = torch.nn.Parameter(torch.randn(16, 8, generator=g).to(dtype))
         self.b = torch.nn.Parameter(torch.randn(8, generator=g).to(torch.float32 if fp32_bias else dtype))
+        self.extra = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.randn(3, generator=g).to(dtype)) for _ in range(extra)])
         self.c = torch.nn.Parameter(torch.randn(8, 4, generator=g).to(dtype))
 
     def forward(self, x, use_c=True):
         h = (x @ self.a + self.b).to(self.a.dtype)
-        return (h @ self.c).square().mean() if use_c else h.square().mean()
+        out = (h @ self.c).square().mean() if use_c else h.square().mean()
+        if len(self.extra):
+            out = out + torch.stack(list(self.extra)).float().square().sum() * x.float().mean()
+        return out
 
 
 def _train_windows(plan: str, monkeypatch, *, unfreeze_at=None, skip_c_at=(), windows=4, steps=3,
-                   scaler=True, max_grad_norm=1.0, inf_at=(), flush_after=None, fp32_bias=False):
+                   scaler=True, max_grad_norm=1.0, inf_at=(), flush_after=None, fp32_bias=False, extra=0):
     monkeypatch.setenv("AMPFUSE_STEP_PLAN", plan)
     torch.manual_seed(0)
-    model = _Tiny(torch.bfloat16, fp32_bias)
+    model = _Tiny(torch.bfloat16, fp32_bias, extra)
     if unfreeze_at is not None:
         model.c.requires_grad_(False)
     opt = AdamW(model.parameters(), lr=1e-2)
@@ -459,9 +467,11 @@ def _train_windows(plan: str, monkeypatch, *, unfreeze_at=None, skip_c_at=(), wi
 
 
 @pytest.mark.parametrize("case", ["steady", "param-without-grad-in-a-micro-batch", "unfrozen-mid-window"])
-def test_accumulator_plan_matches_the_validated_way_bitwise(case, monkeypatch):
+@pytest.mark.parametrize("extra", [0, 600], ids=["3-params", "603-params"])
+def test_accumulator_plan_matches_the_validated_way_bitwise(case, extra, monkeypatch, two_threads):
     kw = {"steady": {}, "param-without-grad-in-a-micro-batch": {"skip_c_at": (4, 7)},
           "unfrozen-mid-window": {"unfreeze_at": 4}}[case]
+    kw["extra"] = extra
     with_plan, used, _ = _train_windows("1", monkeypatch, **kw)
     without, unused, _ = _train_windows("0", monkeypatch, **kw)
     _same(with_plan, without)

@@ -341,22 +341,40 @@ const at::Tensor& StepPlan::grad_of(const Bucket& b, size_t i) const {
 // costs a few microseconds; a param's walk about a tenth of one).
 constexpr size_t kParallelWalkMin = 256;
 
+// Runs walk(lo, hi) over the params [0, n): with intra-op threads and enough params, one range
+// per thread (the walks are bound by the latency of their loads, so each core waits on its own
+// misses). walk returns an outcome, 0 for none; the largest outcome of the ranges is returned.
+template <typename Walk>
+uint8_t split_walk(size_t n, const Walk& walk) {
+  if (at::get_num_threads() < 2 || n < 2 * kParallelWalkMin || at::in_parallel_region()) {
+    return walk(size_t{0}, n);
+  }
+  std::atomic<uint8_t> worst{0};
+  at::parallel_for(0, static_cast<int64_t>(n), static_cast<int64_t>(kParallelWalkMin),
+                   [&](int64_t lo, int64_t hi) {
+                     const uint8_t r = walk(static_cast<size_t>(lo), static_cast<size_t>(hi));
+                     uint8_t cur = worst.load();
+                     while (r > cur && !worst.compare_exchange_weak(cur, r)) {
+                     }
+                   });
+  return worst.load();
+}
+
 // This call's gradients of `b`, walked by walk_grads. The scaler's pass (Want::Refs) reads and
 // writes only the gradients: it does not check the params themselves (their dtype, shape and
 // memory, which only the step uses), so it reads a third fewer cache lines per param.
 //
-// The walk is bound by the latency of its loads, so with intra-op threads it is split into one
-// range of params per thread: each core waits on its own misses. That holds for the prepared way
-// (each param's pointer goes to its own row or ref); a gradient the prepared way cannot take, or
-// one whose storage a parallel pass would have to copy on write, sends the whole walk to the
-// general way on the calling thread.
+// The prepared way is walked by split_walk (each param's pointer goes to its own row or ref); a
+// gradient it cannot take, or one the scaler's pass would have to copy on write (a storage shared
+// copy-on-write: never from two threads), sends the whole walk to the general way on the calling
+// thread.
 StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
   const bool check_params = want == Want::Rows;
   const size_t n = b.params.size();
   const kernels::DType kdtype = detail::kernel_dtype(b.grad_dtype);
   // What a visit found; a larger value wins over a smaller one between ranges.
   enum : uint8_t { kNext = 0, kGeneral = 1, kStale = 2 };
-  auto visit = [&](size_t k, const at::Tensor& g, bool prepared, bool parallel) -> uint8_t {
+  auto visit = [&](size_t k, const at::Tensor& g, bool prepared) -> uint8_t {
     const c10::TensorImpl* gi = g.unsafeGetTensorImpl();
     const c10::TensorImpl* pi = b.params[k].unsafeGetTensorImpl();
     const int64_t* geom = b.geom.data() + b.geom_at[k];
@@ -375,7 +393,7 @@ StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
       }
     }
     // A storage shared copy-on-write gets its own memory when written: not from two threads.
-    if (parallel && write) {
+    if (prepared && write) {
       const c10::StorageImpl* st = gi->unsafe_storage().unsafeGetStorageImpl();
       if (st != nullptr && c10::impl::cow::is_cow_data_ptr(st->data_ptr())) return kGeneral;
     }
@@ -418,35 +436,20 @@ StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
     return kGeneral;
   };
   // Params [lo, hi): the first outcome that is not kNext, or kNext.
-  auto walk = [&](size_t lo, size_t hi, bool prepared, bool parallel) {
+  auto walk = [&](size_t lo, size_t hi, bool prepared) {
     uint8_t out = kNext;
     walk_grads(
         b.params.data() + lo, static_cast<ptrdiff_t>(hi - lo), check_params,
         [&](size_t i) -> const at::Tensor& { return grad_of(b, lo + i); },
         [&](size_t i, const at::Tensor& g) {
-          out = visit(lo + i, g, prepared, parallel);
+          out = visit(lo + i, g, prepared);
           return out == kNext;
         });
     return out;
   };
   b.refs_ok = false;
   if (want == Want::Refs || b.rows_ok) {
-    uint8_t got = kNext;
-    const auto threads = static_cast<size_t>(at::get_num_threads());
-    if (threads > 1 && n >= 2 * kParallelWalkMin && !at::in_parallel_region()) {
-      std::atomic<uint8_t> worst{kNext};
-      at::parallel_for(0, static_cast<int64_t>(n), static_cast<int64_t>(kParallelWalkMin),
-                       [&](int64_t lo, int64_t hi) {
-                         const uint8_t r = walk(static_cast<size_t>(lo), static_cast<size_t>(hi),
-                                                true, true);
-                         uint8_t cur = worst.load();
-                         while (r > cur && !worst.compare_exchange_weak(cur, r)) {
-                         }
-                       });
-      got = worst.load();
-    } else {
-      got = walk(0, n, true, false);
-    }
+    const uint8_t got = split_walk(n, [&](size_t lo, size_t hi) { return walk(lo, hi, true); });
     if (got == kStale) return Gathered::Stale;
     if (got == kNext) {
       b.refs_ok = want == Want::Refs;
@@ -455,7 +458,7 @@ StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
   }
   // The general way: every gradient held as a tensor, on the calling thread.
   b.grads_held = true;
-  return walk(0, n, false, false) == kStale ? Gathered::Stale : Gathered::Lists;
+  return walk(0, n, false) == kStale ? Gathered::Stale : Gathered::Lists;
 }
 
 void StepPlan::release_grads() {
@@ -740,25 +743,39 @@ bool AccumulatePlan::collect() {
   taken_.clear();
   size_t k = 0;
   for (auto& e : entries_) {
+    // Walked by split_walk into per-param slots (numel -1: no gradient), then gathered in order.
+    const size_t n = e.params.size();
+    e.found.resize(n);
+    const uint8_t stale = split_walk(n, [&](size_t lo, size_t hi) -> uint8_t {
+      const bool ok = walk_grads(
+          e.params.data() + lo, static_cast<ptrdiff_t>(hi - lo), false,
+          [&](size_t i) -> const at::Tensor& {
+            return grad_field(e.params[lo + i].unsafeGetTensorImpl());
+          },
+          [&](size_t i, const at::Tensor& g) {
+            kernels::TensorRef& r = e.found[lo + i];
+            if (!g.defined()) {
+              r.numel = -1;
+              return true;
+            }
+            const void* data = nullptr;
+            if (!check(e, g, lo + i, data)) return false;
+            r = kernels::TensorRef{const_cast<void*>(data), g.numel(),
+                                   detail::kernel_dtype(g.scalar_type())};
+            return true;
+          });
+      return ok ? 0 : 1;
+    });
+    if (stale != 0) return false;
     e.grads.clear();
     e.acc_taken.clear();
-    auto grad = [&](size_t i) -> const at::Tensor& {
-      return grad_field(e.params[i].unsafeGetTensorImpl());
-    };
-    auto visit = [&](size_t i, const at::Tensor& g) {
-      if (!g.defined()) return true;
-      const void* data = nullptr;
-      if (!check(e, g, i, data)) return false;
-      e.grads.push_back(kernels::TensorRef{const_cast<void*>(data), g.numel(),
-                                           detail::kernel_dtype(g.scalar_type())});
+    for (size_t i = 0; i < n; ++i) {
+      if (e.found[i].numel < 0) continue;
+      e.grads.push_back(e.found[i]);
       e.acc_taken.push_back(e.acc[i]);
       taken_.push_back(k + i);
-      return true;
-    };
-    if (!walk_grads(e.params.data(), static_cast<ptrdiff_t>(e.params.size()), false, grad, visit)) {
-      return false;
     }
-    k += e.params.size();
+    k += n;
   }
   for (auto& e : entries_) {
     core::accumulate_rows(*e.backend, e.acc_taken.data(), e.grads.data(),

@@ -215,6 +215,7 @@ class AccumulatePlan : public torch::CustomClassHolder {
     std::vector<float*> acc;                // the buffers' data
     std::vector<int64_t> sizes;             // the params' shapes, side by side
     std::vector<size_t> sizes_at;           // param i's from sizes_at[i] to sizes_at[i + 1]
+    std::vector<kernels::TensorRef> found;  // this call's, per param (numel -1: no gradient)
     std::vector<kernels::TensorRef> grads;  // this call's
     std::vector<float*> acc_taken;          // this call's
   };
