@@ -567,8 +567,10 @@ std::vector<at::Tensor> StepPlan::check(const at::Tensor& scale, bool write, boo
       return {};
     }
     all_refs = all_refs && b.refs_ok;
-    for (const Span& s : b.spans) {
-      if (s.end != 0) call_spans_.push_back(s);
+    if (write) {  // only a pass that writes needs its gradients disjoint
+      for (const Span& s : b.spans) {
+        if (s.end != 0) call_spans_.push_back(s);
+      }
     }
   }
   if (!idle_unchanged()) {
