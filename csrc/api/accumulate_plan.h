@@ -6,7 +6,12 @@
 #include <ATen/core/Tensor.h>
 
 #include <memory>
+#include <unordered_map>
 #include <vector>
+
+namespace ampfuse::ops {
+class AccumulatePlan;
+}  // namespace ampfuse::ops
 
 namespace ampfuse::detail {
 
@@ -28,6 +33,12 @@ class MicroBatchPlan {
   // Whether the params buffered are still the ones to buffer (see ops::AccumulatePlan).
   bool same_layout() const;
   void set_flags(const std::vector<bool>& flags);
+
+  // For an optimizer's step plan reading the window's sums (ops::StepPlan::bind_source).
+  const c10::intrusive_ptr<ops::AccumulatePlan>& native() const;
+  // The gradient the window holds for `param`: its fp32 sum, or an undefined tensor when the
+  // window has none; nullptr when `param` is not buffered.
+  const at::Tensor* window_grad(const at::Tensor& param) const;
 
  private:
   struct Impl;

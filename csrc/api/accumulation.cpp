@@ -64,7 +64,7 @@ std::vector<std::pair<c10::Device, int64_t>> sizes_per_device(
 
 // The micro-batch plan and what it depends on (plan_key).
 struct GradAccumulator::Plan {
-  std::unique_ptr<detail::MicroBatchPlan> plan;
+  std::shared_ptr<detail::MicroBatchPlan> plan;  // shared with the optimizer's window step
   std::vector<const void*> key;
 };
 
@@ -219,7 +219,7 @@ void GradAccumulator::build_plan() {
     }
   }
   auto plan = std::make_shared<Plan>();
-  plan->plan = std::make_unique<detail::MicroBatchPlan>(low_, buffers_, on_device(found_inf_, device),
+  plan->plan = std::make_shared<detail::MicroBatchPlan>(low_, buffers_, on_device(found_inf_, device),
                                                         std::move(watched), std::move(free),
                                                         has_grad_);
   plan->key = plan_key();
@@ -293,9 +293,15 @@ void GradAccumulator::end_window(int64_t micro_batches) {
   for (const auto& p : low_) buffered.insert(p.unsafeGetTensorImpl());
   const auto params = all_params();
   auto* fused = fused_ ? static_cast<optim::FusedOptimizer*>(&optimizer_) : nullptr;
+  // The fused step reads the sums from the accumulator's plan when there is one (the optimizer's
+  // step plan binds it), else from grad buffers set per param.
+  const bool sourced = fused != nullptr && !low_.empty() && has_accumulate_plan();
   auto reset = [&] {
     if (fused != nullptr) {
-      for (const auto& p : low_) fused->remove_grad_buffer(p);
+      fused->grad_source_.reset();
+      if (!sourced) {
+        for (const auto& p : low_) fused->remove_grad_buffer(p);
+      }
     }
     at::NoGradGuard no_grad;
     for (auto& [d, f] : flat_) f.zero_();
@@ -330,9 +336,12 @@ void GradAccumulator::end_window(int64_t micro_batches) {
         }
       }
     }
-    if (fused != nullptr) {
-      // The fused step reads the fp32 sums, for this step only; a param that got no gradient in
-      // the window has neither a buffer nor a .grad(), so it is not stepped.
+    if (sourced) {
+      // The fused step reads the fp32 sums, for this step only, from the plan: a param that got
+      // no gradient in the window has neither a sum nor a .grad(), so it is not stepped.
+      fused->grad_source_ = plan_->plan;
+    } else if (fused != nullptr) {
+      // The same through grad buffers.
       for (size_t k = 0; k < low_.size(); ++k) {
         if (has_grad_[k]) fused->set_grad_buffer(low_[k], buffers_[k]);
       }

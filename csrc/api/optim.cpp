@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "api/accumulate_plan.h"
 #include "ops/step_plan.h"
 #include "ops/validation.h"
 
@@ -660,12 +661,17 @@ void FusedOptimizer::remove_grad_buffer(const at::Tensor& param) {
 
 at::Tensor FusedOptimizer::grad_of(const at::Tensor& param) const {
   auto it = grad_buffers_.find(param.unsafeGetTensorImpl());
-  return it != grad_buffers_.end() ? it->second : param.grad();
+  if (it != grad_buffers_.end()) return it->second;
+  if (grad_source_ != nullptr) {
+    if (const at::Tensor* sum = grad_source_->window_grad(param)) return *sum;
+  }
+  return param.grad();
 }
 
 // ---- the step plan ----------------------------------------------------------------------------------
 struct FusedOptimizer::Plan {
   c10::intrusive_ptr<ops::StepPlan> plan;
+  std::shared_ptr<const detail::MicroBatchPlan> source;  // the gradients' source it is bound to
   std::vector<const void*> key;
   int devices = 0;
   bool fp16_grads = false;
@@ -690,6 +696,10 @@ void FusedOptimizer::build_plan(const std::vector<StepPlanBucket>& buckets,
     plan->fp16_grads |= !b.fp32_grads && b.params[0].scalar_type() == at::kHalf;
   }
   if (!idle.empty()) plan->plan->add_idle(idle);
+  if (grad_source_ != nullptr) {
+    plan->plan->bind_source(grad_source_->native());
+    plan->source = grad_source_;
+  }
   plan->plan->finalize();
   plan->devices = static_cast<int>(devices.size());
   plan->key = plan_key();
@@ -697,7 +707,8 @@ void FusedOptimizer::build_plan(const std::vector<StepPlanBucket>& buckets,
 }
 
 bool FusedOptimizer::has_step_plan() const {
-  return plan_ != nullptr && grad_buffers_.empty() && plan_key() == plan_->key;
+  return plan_ != nullptr && grad_buffers_.empty() && plan_->source == grad_source_ &&
+         plan_key() == plan_->key;
 }
 
 int FusedOptimizer::plan_devices() const { return has_step_plan() ? plan_->devices : 0; }

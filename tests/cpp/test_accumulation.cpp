@@ -94,9 +94,12 @@ TEST(GradAccumulator, SumsLowPrecisionGradsInFp32) {
 namespace {
 
 int accumulate_op_calls = 0;
+int step_op_calls = 0;
 
-std::unique_ptr<at::ObserverContext> count_accumulate_op(const at::RecordFunction& fn) {
-  if (std::string_view(fn.name()) == "ampfuse::accumulate_grads_") ++accumulate_op_calls;
+std::unique_ptr<at::ObserverContext> count_ops(const at::RecordFunction& fn) {
+  const std::string_view name = fn.name();
+  if (name == "ampfuse::accumulate_grads_") ++accumulate_op_calls;
+  if (name == "ampfuse::sgd_step_" || name == "ampfuse::adam_step_") ++step_op_calls;
   return nullptr;
 }
 
@@ -104,8 +107,10 @@ std::unique_ptr<at::ObserverContext> count_accumulate_op(const at::RecordFunctio
 
 // After a pass that went the validated way (the accumulate op), the micro-batch passes go through
 // the native plan; a layer unfrozen mid-window sends one pass the validated way (which widens the
-// layout) and the plan is rebuilt. The sums are exact either way.
-TEST(GradAccumulator, MicroBatchPassesGoThroughTheNativePlan) {
+// layout) and the plan is rebuilt. The window's step reads the sums through the optimizer's step
+// plan bound to the accumulator's plan: after a validated step per accumulator plan, no step op
+// runs. The sums and masters are exact either way.
+TEST(GradAccumulator, MicroBatchPassesAndWindowStepsGoThroughTheNativePlans) {
   auto params = make_params(at::kBFloat16);
   params[1].set_requires_grad(false);
   auto probe = copy_params(params);
@@ -116,12 +121,14 @@ TEST(GradAccumulator, MicroBatchPassesGoThroughTheNativePlan) {
   EXPECT_FALSE(acc.has_accumulate_plan());
   std::vector<at::Tensor> expected;
   for (const auto& p : params) expected.push_back(p.detach().to(at::kFloat));
-  accumulate_op_calls = 0;
+  accumulate_op_calls = step_op_calls = 0;
   const auto observer = at::addThreadLocalCallback(
-      at::RecordFunctionCallback(count_accumulate_op).scopes({at::RecordScope::FUNCTION}));
-  std::vector<int> validated;  // the micro-batches whose pass called the op
-  for (int w = 0; w < 2; ++w) {
+      at::RecordFunctionCallback(count_ops).scopes({at::RecordScope::FUNCTION}));
+  std::vector<int> validated;  // the micro-batches whose pass called the accumulate op
+  std::vector<int> step_ops;   // per window, the step ops called
+  for (int w = 0; w < 3; ++w) {
     std::vector<at::Tensor> sums = {at::zeros({129}), at::zeros({6, 5})};
+    const int steps_before = step_op_calls;
     for (int k = 0; k < 4; ++k) {
       if (w == 1 && k == 1) {
         params[1].set_requires_grad(true);
@@ -139,13 +146,16 @@ TEST(GradAccumulator, MicroBatchPassesGoThroughTheNativePlan) {
       if (accumulate_op_calls != before) validated.push_back(4 * w + k);
       EXPECT_TRUE(acc.has_accumulate_plan()) << w << " " << k;
     }
+    step_ops.push_back(step_op_calls - steps_before);
     expected[0] = expected[0] - sums[0] / 1024.0f;
-    if (w == 1) expected[1] = expected[1] - sums[1] / 1024.0f;
+    if (w >= 1) expected[1] = expected[1] - sums[1] / 1024.0f;
     EXPECT_TRUE(bitwise_equal(master_of(opt, params[0]), expected[0])) << w;
-    if (w == 1) EXPECT_TRUE(bitwise_equal(master_of(opt, params[1]), expected[1]));
+    if (w >= 1) EXPECT_TRUE(bitwise_equal(master_of(opt, params[1]), expected[1])) << w;
+    EXPECT_FALSE(opt.has_step_plan()) << "the plan is bound to the window's sums only";
   }
   at::removeCallback(observer);
   EXPECT_EQ(validated, (std::vector<int>{0, 5}));
+  EXPECT_EQ(step_ops, (std::vector<int>{1, 1, 0}));
 }
 
 TEST(GradAccumulator, AnOverflowSkipsTheWholeWindow) {

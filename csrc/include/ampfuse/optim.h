@@ -39,6 +39,13 @@
 #include <unordered_map>
 #include <vector>
 
+namespace ampfuse {
+class GradAccumulator;
+namespace detail {
+class MicroBatchPlan;
+}  // namespace detail
+}  // namespace ampfuse
+
 #include "ampfuse/ops.h"
 
 namespace ampfuse::optim {
@@ -217,7 +224,9 @@ class FusedOptimizer : public torch::optim::Optimizer {
   // An fp32 buffer the step reads instead of param.grad() (GradAccumulator's fp32 sums).
   void set_grad_buffer(const at::Tensor& param, at::Tensor buffer);
   void remove_grad_buffer(const at::Tensor& param);
-  // The gradient the next step reads for `param`: its buffer if set, else param.grad().
+  // The gradient the next step reads for `param`: its buffer if set, else (while a
+  // GradAccumulator's window step runs) the window's fp32 sum of a param it buffers, else
+  // param.grad().
   at::Tensor grad_of(const at::Tensor& param) const;
 
   // Every check of a step (parameters and gradients), before anything is modified. step() runs
@@ -268,6 +277,12 @@ class FusedOptimizer : public torch::optim::Optimizer {
 
   struct Plan;  // csrc/api/optim.cpp
   std::shared_ptr<Plan> plan_;
+
+ private:
+  // GradAccumulator's window step: the window's sums come from its native plan (the step plan
+  // binds it as its gradients' source), set around the step.
+  friend class ampfuse::GradAccumulator;
+  std::shared_ptr<const detail::MicroBatchPlan> grad_source_;
 };
 
 // The optimizers' policies (defined in csrc/api/optim.cpp): Options, State, and how a bucket of
