@@ -235,8 +235,9 @@ class FusedOptimizer : public torch::optim::Optimizer {
 
   // The persistent step plan (the same native object as Python's, csrc/ops/step_plan.h): built by
   // a step that went the validated way, used by the following steps while the param groups, the
-  // state and the structural options stay as they were and no grad buffer is set; per step it
-  // checks the gradients and the params' data itself. False when no plan is current.
+  // state and the structural options stay as they were, no grad buffer is set and the gradients
+  // come from where they came from then (.grad, or a GradAccumulator window's fp32 sums); per
+  // step it checks the gradients and the params' data itself. False when no plan is current.
   bool has_step_plan() const;
   // GradScaler's pass over the gradients the next step reads, through the plan: per device
   // [found_inf] or [found_inf, total_norm, clip_coef] (see ops/step_plan.h); nullopt when no plan
