@@ -240,14 +240,16 @@ void fused_step(FusedOptimizer& opt, std::vector<StepPlanBucket>& ran,
   size_t gi = 0;
   for (auto& group : opt.param_groups()) {
     const auto& o = static_cast<const typename P::Options&>(group.options());
-    std::vector<at::Tensor> stepped;
+    std::vector<at::Tensor> grads, stepped;
     for (const auto& p : group.params()) {
-      if (opt.grad_of(p).defined()) stepped.push_back(p);
+      grads.push_back(opt.grad_of(p));
+      if (grads.back().defined()) stepped.push_back(p);
     }
     create_fresh_state<P>(opt, stepped, o);
     std::vector<Bucket> buckets;
-    for (const auto& p : group.params()) {
-      at::Tensor g = opt.grad_of(p);
+    for (size_t i = 0; i < group.params().size(); ++i) {
+      const at::Tensor& p = group.params()[i];
+      const at::Tensor& g = grads[i];
       if (!g.defined()) {
         idle.push_back(p);
         continue;

@@ -1,11 +1,11 @@
 // The persistent step plan (see step_plan.h).
 #include "ops/step_plan.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
-#include <c10/util/Exception.h>
-#include <ATen/Parallel.h>
 #include <c10/core/impl/COW.h>
+#include <c10/util/Exception.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
@@ -98,7 +98,6 @@ void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
                 "StepPlan.add_bucket: tensor subclasses (e.g. DTensor) and meta tensors go "
                 "through the ops, not a plan.");
     b.data.push_back(p.const_data_ptr());
-    b.dense.push_back(p.is_non_overlapping_and_dense() ? 1 : 0);
     b.extent.push_back(extent_of(p.sizes(), p.strides(), c10::elementSize(b.grad_dtype)));
   }
   b.geom_at.push_back(b.geom.size());
@@ -401,11 +400,9 @@ StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
     // A gradient about to be written in place is made writable first, so the memory checked is
     // the memory written.
     if (!raw_data(gi, write, data)) return kStale;
-    // Dense in the param's element order: the param's strides on a dense param (the usual case,
-    // decided without the TensorImpl's call), or one element.
-    const bool same_strides = same_ints(gi->strides(), geom + dim, dim);
-    const bool dense = same_strides && b.dense[k] ? true : gi->is_non_overlapping_and_dense();
-    const bool in_order = dense && (same_strides || gi->numel() <= 1);
+    // Dense in the param's element order (its strides, or one element).
+    const bool dense = gi->is_non_overlapping_and_dense();
+    const bool in_order = dense && (gi->numel() <= 1 || same_ints(gi->strides(), geom + dim, dim));
     Span s{};
     if (data != nullptr) {
       // Against what the step writes; a range found clear before (that does not change after
@@ -418,7 +415,7 @@ StepPlan::Gathered StepPlan::gather_grads(Bucket& b, Want want, bool write) {
         b.clear_of_written[k] = s;
       }
     }
-    if (want == Want::Refs) b.spans[k] = s;
+    if (want == Want::Refs && write) b.spans[k] = s;  // to check them disjoint
     if (!prepared) {
       b.grads[k] = g;
       return kNext;
@@ -567,7 +564,7 @@ std::vector<at::Tensor> StepPlan::check(const at::Tensor& scale, bool write, boo
       return {};
     }
     all_refs = all_refs && b.refs_ok;
-    if (write) {  // only a pass that writes needs its gradients disjoint
+    if (write) {
       for (const Span& s : b.spans) {
         if (s.end != 0) call_spans_.push_back(s);
       }
@@ -799,13 +796,11 @@ c10::List<bool> AccumulatePlan::has_grad() const {
 }
 
 void AccumulatePlan::set_has_grad(const c10::List<bool>& flags) {
-  TORCH_CHECK(flags.size() == has_grad_.size(), "AccumulatePlan.set_has_grad: expected ",
-              has_grad_.size(), " flags (one per buffered param), got ", flags.size(), ".");
-  for (size_t k = 0; k < has_grad_.size(); ++k) has_grad_[k] = flags.get(k) ? 1 : 0;
+  set_window_flags(std::vector<bool>(flags.begin(), flags.end()));
 }
 
 void AccumulatePlan::set_window_flags(const std::vector<bool>& flags) {
-  TORCH_CHECK(flags.size() == has_grad_.size(), "AccumulatePlan.set_window_flags: expected ",
+  TORCH_CHECK(flags.size() == has_grad_.size(), "AccumulatePlan.set_has_grad: expected ",
               has_grad_.size(), " flags (one per buffered param), got ", flags.size(), ".");
   for (size_t k = 0; k < has_grad_.size(); ++k) has_grad_[k] = flags[k] ? 1 : 0;
 }

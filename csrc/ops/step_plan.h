@@ -102,9 +102,6 @@ class StepPlan : public torch::CustomClassHolder {
     std::vector<int64_t> geom;
     std::vector<size_t> geom_at;
     std::vector<const void*> data;
-    // Per param, whether its shape and strides are non-overlapping and dense: a gradient with the
-    // same shape and strides is then dense in the param's element order.
-    std::vector<uint8_t> dense;
     // Per param, the bytes a gradient with its shape and strides spans, relative to the
     // gradient's data (begin wraps below zero for negative strides).
     std::vector<Span> extent;
@@ -116,7 +113,8 @@ class StepPlan : public torch::CustomClassHolder {
     // This call's gradients for the scaler's pass, when every one is dense (`refs_ok`).
     std::vector<kernels::TensorRef> refs;
     bool refs_ok = false;
-    // The scaler's pass: per param, its gradient's memory this call (empty: no elements).
+    // A scaler's pass that writes: per param, its gradient's memory this call (empty: no
+    // elements).
     std::vector<Span> spans;
     // The kernel rows, prepared once when every row's tensors lie flat in the param's element
     // order (`rows_ok`): a call fills in the gradients' pointers only. `keep` holds the storage

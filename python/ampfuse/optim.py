@@ -631,14 +631,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         states = [self.state[p] for p in fresh]
         for p, state in zip(fresh, states):
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        with torch.no_grad():
-            for p, state in zip(fresh, states):
-                kind = self._master_kind(p, group)
-                if kind == "float":
-                    state["master_param"] = torch.empty_like(
-                        p, dtype=torch.float32, memory_format=torch.preserve_format).copy_(p.detach())
-                elif kind == "remainder":
-                    state["master_remainder"] = _remainder_for(p, None)
+        for p, state in zip(fresh, states):
+            self._convert_master(p, group, state)  # creates the master the group asks for
         for key in self._state_keys_for(group):
             for p, state in zip(fresh, states):
                 state[key] = self._new_state(p, group, key)
