@@ -8,6 +8,7 @@ elements differ by an ulp."""
 
 from __future__ import annotations
 
+import gc
 import io
 import math
 
@@ -659,3 +660,85 @@ def test_cuda_no_full_size_temporaries():
     opt.step()
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base < 1 << 16
+
+
+# ---- a param shared by two optimizers; a param replaced between steps ---------------------------
+
+
+def _set_grads(params, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=g) * 0.1).to(p.dtype)
+
+
+@pytest.mark.parametrize("form", [True, "remainder"])
+def test_a_low_precision_param_stepped_in_turn_by_two_optimizers_with_masters_is_refused(form):
+    """A master belongs to one optimizer. A second ampfuse optimizer may take a bf16 param over
+    with its own master (the first one is left alone, e.g. replaced by a new optimizer), but when
+    the first one steps the param again the two would step it in turn: refused, naming the param
+    and both optimizers, with nothing changed. ``sync_masters_from_params`` hands it back."""
+    shared = nn.Parameter(torch.randn(4, 4).bfloat16())
+    own = nn.Parameter(torch.randn(3).bfloat16())
+    first = ampfuse.optim.AdamW([own, shared], lr=1e-3, master_weights=form)
+    second = ampfuse.optim.SGD([shared], lr=1e-3, momentum=0.9, master_weights=form)
+    _set_grads([shared, own], 0)
+    first.step()
+    first.step()  # the native plan steps it now
+    second.step()  # takes the param over
+    before = _state_snapshot(first, [own, shared])
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[1\] of this AdamW \(a torch.bfloat16 param of "
+                                           r"shape \(4, 4\)\) was stepped by another ampfuse optimizer, a SGD .*own fp32 "
+                                           r"master.*master_weights=False.*sync_masters_from_params"):
+        first.step()
+    _assert_unchanged(first, [own, shared], before)
+    second.step()  # the keeper goes on
+    first.sync_masters_from_params()
+    first.step()  # handed back
+    with pytest.raises(RuntimeError, match=r"of this SGD .* was stepped by another ampfuse optimizer, a AdamW"):
+        second.step()
+    ampfuse.optim.SGD([shared], lr=1e-3, master_weights=False).step()  # no master: steps alongside
+    del first
+    gc.collect()
+    second.step()  # the keeper is gone, and its master with it
+
+
+def test_fp32_params_shared_by_two_optimizers_step_in_both():
+    shared = nn.Parameter(torch.randn(5))
+    a, b = ampfuse.optim.SGD([shared], lr=0.1), ampfuse.optim.SGD([shared], lr=0.1)
+    ref = shared.detach().clone()
+    shared.grad = torch.ones(5)
+    a.step()
+    b.step()
+    torch.testing.assert_close(shared.detach(), ref - 0.2)
+
+
+@pytest.mark.parametrize("how", ["data", "set_"])
+@pytest.mark.parametrize("form", [True, "remainder"])
+def test_a_replaced_low_precision_param_restarts_its_whole_master(how, form):
+    """``p.data = new`` (or ``p.set_(new)``) replaces the param: the next step restarts the whole
+    master from it, also where the new value rounds to what the old master rounds to (the step's
+    element-wise edit check would keep the old master there)."""
+    p = nn.Parameter(torch.randn(64).bfloat16())
+    opt = ampfuse.optim.AdamW([p], lr=1e-2, master_weights=form)
+    for step in range(3):
+        _set_grads([p], step)
+        opt.step()
+    master = opt.state[p].get("master_param")
+    if master is None:
+        master = ampfuse.optim.join_master(p.detach(), opt.state[p]["master_remainder"])
+    assert not torch.equal(master, p.detach().float())  # the master holds bits the param does not
+    new = p.detach().clone()  # the same values, other memory
+    if how == "data":
+        p.data = new
+    else:
+        with torch.no_grad():
+            p.set_(new)
+    opt.param_groups[0]["lr"] = 0.0
+    opt.param_groups[0]["weight_decay"] = 0.0
+    _set_grads([p], 3)
+    opt.step()
+    if form is True:
+        torch.testing.assert_close(opt.state[p]["master_param"], new.float(), rtol=0, atol=0)
+    else:
+        assert not opt.state[p]["master_remainder"].any()
+    torch.testing.assert_close(p.detach(), new, rtol=0, atol=0)

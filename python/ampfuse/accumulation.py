@@ -66,6 +66,7 @@ import contextlib
 import math
 import operator
 import os
+import sys
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -107,6 +108,35 @@ def _framework_wrapper_of(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     return None
 
 
+def _running_lightning_modules() -> Iterator[Any]:
+    """The LightningModules whose methods are running on this thread (the ``self`` of each frame up
+    the stack that is one), when Lightning is loaded (it is never imported here). They find a
+    Lightning run when the accumulator's ``model`` is a submodule (``self.net``), which does not
+    lead to its LightningModule."""
+    modules = [m for m in (sys.modules.get("lightning.pytorch"), sys.modules.get("pytorch_lightning")) if m is not None]
+    if not modules:
+        return
+    kinds = tuple(m.LightningModule for m in modules)
+    frame = sys._getframe(1)
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, kinds):
+            yield obj
+        frame = frame.f_back
+
+
+def _refuse_raw_framework_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Raises when ``optimizer`` is the raw optimizer of a framework wrapper that must be stepped
+    instead (``model`` itself, or a LightningModule running now, says so)."""
+    for owner in (model, *_running_lightning_modules()):
+        if _framework_wrapper_of(owner, optimizer) is not None:
+            raise TypeError(
+                "GradAccumulator got the raw optimizer of a LightningModule: pass self.optimizers() (the "
+                "LightningOptimizer) instead of self.optimizers().optimizer, or Lightning never sees a step "
+                "(global_step stays 0 and max_steps never ends the run)."
+            )
+
+
 class GradAccumulator:
     """Accumulate ``steps`` micro-batches per optimizer step, correctly under loss scaling.
 
@@ -115,8 +145,8 @@ class GradAccumulator:
         optimizer: an ``ampfuse.optim`` optimizer (fused; reads the fp32 buffers directly) or any
             ``torch.optim.Optimizer`` (correct, not fused). Inside a LightningModule (manual
             optimization), ``self.optimizers()``: Lightning counts ``global_step`` from that
-            wrapper's ``step()``; its raw ``.optimizer`` is refused (``TypeError``) when ``model`` is
-            the LightningModule.
+            wrapper's ``step()``; its raw ``.optimizer`` is refused (``TypeError``), whether
+            ``model`` is the LightningModule or one of its submodules.
         scaler: an ``ampfuse.GradScaler`` or ``torch.amp.GradScaler``, or ``None`` (bf16/fp32).
         steps: micro-batches per optimizer step (>= 1).
         max_grad_norm: clip the global gradient norm at each step (``None``: no clipping).
@@ -144,12 +174,7 @@ class GradAccumulator:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-        if _framework_wrapper_of(model, optimizer) is not None:
-            raise TypeError(
-                "GradAccumulator got the raw optimizer of a LightningModule: pass self.optimizers() (the "
-                "LightningOptimizer) instead of self.optimizers().optimizer, or Lightning never sees a step "
-                "(global_step stays 0 and max_steps never ends the run)."
-            )
+        _refuse_raw_framework_optimizer(model, optimizer)
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"scaler must be a torch.amp.GradScaler (ampfuse.GradScaler included) or None, got {type(scaler).__name__}.")
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
@@ -177,6 +202,9 @@ class GradAccumulator:
         self._our_scaler = isinstance(self.scaler, _AmpfuseScaler)
         # The fused step reads the fp32 sums when nothing else has to read .grad first.
         self._step_reads_buffers = self._fused_opt and (self.scaler is None or self._our_scaler)
+        # Whether the first window's end looked for a framework run (the accumulator may have been
+        # built before the run started).
+        self._framework_checked = False
         self.micro_step = 0  #: micro-batches in the current window
         self.windows = 0  #: windows completed (stepped or skipped)
         self.skipped_windows_host = 0  #: windows known (on the host) to have been skipped
@@ -481,6 +509,9 @@ class GradAccumulator:
 
     def _end_window(self, micro_batches: int) -> None:
         """Step (or skip) the window; whatever happens, the next window starts clean."""
+        if not self._framework_checked:
+            _refuse_raw_framework_optimizer(self.model, self.optimizer)
+            self._framework_checked = True
         plan = self._acc_plan
         planned = plan is not None and self._acc_plan_live()
         try:

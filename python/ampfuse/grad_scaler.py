@@ -481,7 +481,7 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         optimizer_state = self._check_unscale_stage(optimizer, "record_inf_check")
-        # Copies: the caller reuses its flags, and update() adds into the first one in place.
+        # Copies: the caller reuses (and resets) its flags, which the step reads later on the device.
         optimizer_state["found_inf_per_device"] = {d: t.reshape(()).clone() for d, t in flags.items()}
         optimizer_state["grads_still_scaled"] = True
         optimizer_state["clip_coef"] = None
@@ -554,10 +554,11 @@ class GradScaler(torch.amp.GradScaler):
         ]
         if len(found_infs) == 0:
             raise AssertionError("No inf checks were recorded prior to update.")
+        # Out of place (torch adds into the first flag): each optimizer's step keeps its own flag
+        # (its last_step_skipped).
         found_inf_combined = found_infs[0]
-        if len(found_infs) > 1:
-            for i in range(1, len(found_infs)):
-                found_inf_combined += found_infs[i]
+        for i in range(1, len(found_infs)):
+            found_inf_combined = found_inf_combined + found_infs[i]
         if self._hysteresis_tracker is None or self._stats is None:  # e.g. after load into a live scaler
             self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=_scale.device)
             self._stats = torch.tensor(self._init_stats, dtype=torch.int64, device=_scale.device)

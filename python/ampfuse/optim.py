@@ -65,12 +65,14 @@ import math
 import numbers
 import operator
 import os
+import weakref
 from collections.abc import Iterator, Mapping
 from copy import deepcopy
 from itertools import chain
 from typing import Any, Callable, Literal, NamedTuple, Union
 
 import torch
+import torch.utils.weak
 from torch.optim.optimizer import ParamsT
 
 from ampfuse import ops
@@ -231,16 +233,28 @@ class _Plan:
     the group's structural options and which params have a gradient of which dtype stay the same
     (checked at every step: O(1) for the state, one pass over the params for the rest)."""
 
-    __slots__ = ("params", "ids", "generation", "signature", "grad_dtypes", "param_dtypes", "buckets")
+    __slots__ = ("params", "ids", "generation", "signature", "grad_dtypes", "param_dtypes", "buckets", "data")
 
     def __init__(self, params, ids, generation, signature, grad_dtypes, param_dtypes, buckets) -> None:
         self.params = params
+        self.data = _data_ptrs(params)  # per param: where its memory was (a replaced param moved it)
         self.ids = ids
         self.generation = generation
         self.signature = signature
         self.grad_dtypes = grad_dtypes  # per param: its gradient's dtype, None without one
         self.param_dtypes = param_dtypes  # per param: its dtype (a converted model makes the plan stale)
         self.buckets = buckets  # [(device, [index in group], {list name: [tensors]})]
+
+
+def _data_ptrs(params: list[torch.Tensor]) -> tuple[int, ...] | None:
+    """Where each param's memory is, or None when that cannot be asked (a tensor subclass without
+    storage such as DTensor, or while torch.compile traces)."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        return tuple(map(torch.Tensor.data_ptr, params))
+    except RuntimeError:
+        return None
 
 
 class _NativePlan:
@@ -329,6 +343,11 @@ def _same_snapshots(a: list[tuple[tuple, tuple]], b: list[tuple[tuple, tuple]]) 
     )
 
 
+# The ampfuse optimizer that keeps each param's master (see _FusedOptimizer._claim_masters); by
+# identity, holding neither the param nor the optimizer alive.
+_MASTER_KEEPERS: Any = torch.utils.weak.WeakIdKeyDictionary()
+
+
 class _FusedOptimizer(torch.optim.Optimizer):
     """Shared machinery: argument checks, lazy fp32 state, cached bucket plans, checkpoints."""
 
@@ -348,6 +367,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
             self._native_kind = ""
         # params whose loaded fp32 master the next step reconciles with the param (ties)
         self._reconcile: set[int] = set()
+        self._last_found_inf: torch.Tensor | None = None
+        # params whose master another optimizer took over (see _claim_masters)
+        self._taken_from: Any = torch.utils.weak.WeakIdKeyDictionary()
         super().__init__(params, defaults)
         self.state = _State(self.state)
 
@@ -391,6 +413,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._plans = {}
         self._native = None
         self._reconcile = set()
+        self._last_found_inf = None
+        self._taken_from = torch.utils.weak.WeakIdKeyDictionary()
         self.state = _State(self.state)
 
     # ---- parameters --------------------------------------------------------------------------
@@ -498,6 +522,53 @@ class _FusedOptimizer(torch.optim.Optimizer):
                             "the state while it reads the gradient. Pass a separate tensor (e.g. .clone())."
                         )
 
+    def _keeps_master_of(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is one of this optimizer's params and its state holds a master of it."""
+        state = self.state.get(p)
+        if not isinstance(state, Mapping) or (state.get("master_param") is None and state.get("master_remainder") is None):
+            return False
+        return any(q is p for group in self.param_groups for q in group["params"])
+
+    def _claim_masters(self, grads: Mapping | None) -> None:
+        """Records this optimizer as the keeper of the masters of the params it steps with one.
+
+        A master belongs to one optimizer. A param may be handed over: a second optimizer that
+        steps it with its own master takes it, and the first one's plans are dropped, so that its
+        next step comes here. Two optimizers stepping one param in turn each take the other's
+        writes for edits of the param, restart their masters from it at every step and train as if
+        there were no masters: the step of an optimizer whose param was taken from it since it
+        last stepped it is refused, before anything is modified (``sync_masters_from_params``
+        takes the params back)."""
+        taken = []
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if self._grad(p, grads) is None or self._master_kind(p, group) is None:
+                    continue
+                ref = _MASTER_KEEPERS.get(p)
+                other = ref() if ref is not None else None
+                if other is None or other is self or not other._keeps_master_of(p):
+                    taken.append((p, None))
+                    continue
+                if p in self._taken_from:
+                    raise RuntimeError(
+                        f"param_groups[{gi}]['params'][{i}] of this {type(self).__name__} (a {p.dtype} param of shape "
+                        f"{tuple(p.shape)}) was stepped by another ampfuse optimizer, a {type(other).__name__} "
+                        f"(id {id(other):#x}), with its own fp32 master since this one last stepped it; a param's "
+                        "master belongs to one optimizer (two masters stepped in turn each take the other's updates "
+                        "for edits, and train as if there were none). Give the param to one optimizer, or build one "
+                        "of them with master_weights=False; to hand the param back to this one, call its "
+                        "sync_masters_from_params() first."
+                    )
+                taken.append((p, other))
+        me = weakref.ref(self)
+        for p, other in taken:
+            _MASTER_KEEPERS[p] = me
+            self._taken_from.pop(p, None)
+            if other is not None:
+                other._taken_from[p] = me
+                other._plans.clear()  # its next step checks again
+                other._native = None
+
     def _check_group_options(self, gi: int, group: dict[str, Any]) -> None:
         """Hyper-parameters of a group as the user may have edited them since construction: every
         value the kernel would refuse is refused here, before any group steps."""
@@ -600,8 +671,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
         The step does this by itself for a param edited since the last step (it sees that the
         param no longer holds its master rounded); call this to have the masters (and a
-        ``state_dict()`` taken now) follow such edits before the next step.
+        ``state_dict()`` taken now) follow such edits before the next step. It also takes back
+        params another ampfuse optimizer took over with its own master (see the README,
+        "A master belongs to one optimizer").
         """
+        self._taken_from.clear()  # the params are this optimizer's again: its next step claims them
+        self._plans.clear()
+        self._native = None
         with torch.no_grad():
             for group in self.param_groups:
                 for p in group["params"]:
@@ -700,6 +776,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if native is not None:
             hyper, lr_tensors = self._native_hyper()
             if native.plan.step(hyper, lr_tensors, scaling.grad_scale, scaling.found_inf, scaling.clip_coef) == 0:
+                self._last_found_inf = scaling.found_inf
                 return loss
             # stale (a gradient or param changed in a way the plan was not built for): nothing
             # was changed; the validated way below names what is wrong, and rebuilds the plan.
@@ -732,6 +809,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             work.append((gi, group, grad_list, grad_dtypes, ids, plan))
         if stale:
             self._validate(grads)  # before anything (state creation included) is modified
+            self._claim_masters(grads)
             for k, (gi, group, grad_list, grad_dtypes, ids, plan) in enumerate(work):
                 if plan is None:
                     self._plans[gi] = plan = self._build_plan(group, ids, grad_dtypes)
@@ -742,6 +820,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         else:
             for gi, group, *_ in work:
                 self._check_group_options(gi, group)
+        for gi, group, _, _, _, plan in work:
+            self._restart_replaced_masters(group, plan)
         for gi, group, grad_list, _, _, plan in work:
             for device, idx, lists in plan.buckets:
                 s = {
@@ -752,10 +832,42 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 lr = group["lr"]
                 s["lr"] = _scalar_on(lr, device) if isinstance(lr, torch.Tensor) else float(lr)
                 self._run(group, lists, [grad_list[i] for i in idx], s)
+        self._last_found_inf = scaling.found_inf
         if ((grads is None or source is not None) and not torch.compiler.is_compiling()
                 and (stale or self._native is None or self._native.source is not source)):
             self._native = self._build_native(source)
         return loss
+
+    @property
+    def last_step_skipped(self) -> torch.Tensor | None:
+        """The ``found_inf`` flag the last :meth:`step` was given: a 1-element device tensor,
+        non-zero when that step changed nothing (inf/NaN gradients); reading it is the caller's
+        host sync, if any. ``None`` before the first step and after a step given no flag. With
+        several optimizers under one scaler, each reports its own step."""
+        return self._last_found_inf
+
+    def _restart_replaced_masters(self, group: dict[str, Any], plan: _Plan) -> None:
+        """A param whose memory moved since its group's plan was built (``p.data = new``,
+        ``p.set_(new)``) was replaced: its whole master restarts from it. (The step's own edit
+        check goes element by element: it would keep the old master wherever the new value rounds
+        to what the old master rounds to.) A param that changed dtype or shape too never gets
+        here: its plan is rebuilt, after the checks that name it."""
+        if plan.data is None:
+            return
+        now = _data_ptrs(group["params"])
+        if now is None or now == plan.data:
+            return
+        with torch.no_grad():
+            for p, before, after in zip(group["params"], plan.data, now):
+                state = self.state.get(p) if before != after else None
+                if not isinstance(state, Mapping):
+                    continue
+                master, rem = state.get("master_param"), state.get("master_remainder")
+                if master is not None and master.shape == p.shape:
+                    master.copy_(p)
+                if rem is not None and rem.shape == p.shape:
+                    rem.zero_()  # the master is the param itself
+        plan.data = now
 
     # ---- the native step plan ------------------------------------------------------------------
     _native_kind = ""  # "sgd" or "adam": the StepPlan kind (empty: no native plan)

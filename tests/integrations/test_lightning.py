@@ -395,3 +395,167 @@ def test_grad_accumulator_refuses_the_raw_optimizer_of_a_lightning_module():
                          enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(TypeError, match=r"self\.optimizers\(\)"):
         trainer.fit(AccumModule(raw=True), _loader())
+
+
+# ---- manual optimization: clip_gradients and several optimizers under the plugin's scaler --------
+
+
+class ManualModule(pl.LightningModule):
+    """Manual optimization under the precision plugin: ``self.clip_gradients(opt, ...)`` before
+    ``opt.step()`` on the ``LightningOptimizer`` wrappers; one optimizer, or one per layer."""
+
+    def __init__(self, kind: str, two: bool = False, algorithm: str = "norm") -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.kind, self.two, self.algorithm = kind, two, algorithm
+        self.net = make_model()
+
+    def configure_optimizers(self):
+        cls = ampfuse.optim.AdamW if self.kind == "ampfuse" else torch.optim.AdamW
+        if self.two:
+            return [cls(self.net[0].parameters(), lr=LR), cls(self.net[2].parameters(), lr=LR)]
+        return cls(self.parameters(), lr=LR)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opts = self.optimizers()
+        opts = opts if isinstance(opts, list) else [opts]
+        self.manual_backward(F.mse_loss(self.net(x).float(), y))
+        for opt in opts:
+            self.clip_gradients(opt, gradient_clip_val=MAX_NORM, gradient_clip_algorithm=self.algorithm)
+            opt.step()
+        for opt in opts:
+            opt.zero_grad()
+
+
+def _manual_fit(two: bool, algorithm: str = "norm") -> torch.nn.Module:
+    module = ManualModule("ampfuse", two, algorithm)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, plugins=[_plugin("ampfuse")], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, _loader())
+    return module.net
+
+
+def _manual_torch_loop(two: bool, algorithm: str = "norm") -> torch.nn.Module:
+    """The plain torch loop of the same steps: per optimizer ``unscale_``, torch's clip, ``step``,
+    ``update`` (the plugin updates the scale after each optimizer's step)."""
+    model = make_model()
+    groups = [model[0].parameters(), model[2].parameters()] if two else [model.parameters()]
+    opts = [torch.optim.AdamW(list(g), lr=LR) for g in groups]
+    scaler = torch.amp.GradScaler("cpu", **SCALER_KWARGS)
+    for x, y in make_data(EPOCH):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        for opt in opts:
+            scaler.unscale_(opt)
+            params = [p for g in opt.param_groups for p in g["params"]]
+            if algorithm == "norm":
+                torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+            else:
+                torch.nn.utils.clip_grad_value_(params, MAX_NORM)
+            scaler.step(opt)
+            scaler.update()
+        for opt in opts:
+            opt.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize("two", [False, True], ids=["one_optimizer", "two_optimizers"])
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_lightning_manual_optimization_clip_gradients_applies(two, algorithm):
+    """``self.clip_gradients(opt, ...)`` on the ``LightningOptimizer`` before ``opt.step()`` clips
+    the step that follows (the scaler's stage is the raw optimizer's), with one optimizer or two
+    under the plugin's one scaler: the same training as the plain torch loop."""
+    got, want = _manual_fit(two, algorithm).state_dict(), _manual_torch_loop(two, algorithm).state_dict()
+    for k in got:
+        torch.testing.assert_close(got[k], want[k], atol=ATOL, rtol=RTOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
+class _HookModule(ManualModule):
+    def on_before_optimizer_step(self, optimizer):
+        pass
+
+
+def test_lightning_manual_clip_before_step_with_a_hook_is_refused():
+    """A clip before ``opt.step()`` keeps the gradients scaled, so an overriding
+    ``on_before_optimizer_step`` would see them scaled: refused, saying where to clip instead."""
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, plugins=[_plugin("ampfuse")], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(RuntimeError, match="inside on_before_optimizer_step"):
+        trainer.fit(_HookModule("ampfuse"), _loader())
+
+
+class SubmoduleAccumModule(AccumModule):
+    def on_train_start(self):
+        self.acc = ampfuse.GradAccumulator(self.net, self.optimizers().optimizer,
+                                           ampfuse.GradScaler("cpu", **SCALER_KWARGS), steps=ACCUM)
+
+
+def test_grad_accumulator_refuses_the_raw_optimizer_with_a_submodule_as_model():
+    """The raw optimizer is refused when the accumulator's model is a submodule (``self.net``) too."""
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(TypeError, match=r"self\.optimizers\(\)"):
+        trainer.fit(SubmoduleAccumModule(), _loader())
+
+
+class EarlyAccumModule(AccumModule):
+    """The accumulator built in ``__init__`` from an optimizer made there (returned by
+    ``configure_optimizers``), on the submodule: no Lightning run to look at yet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opt = ampfuse.optim.AdamW(self.net.parameters(), lr=LR)
+        self.acc = ampfuse.GradAccumulator(self.net, self.opt, ampfuse.GradScaler("cpu", **SCALER_KWARGS), steps=ACCUM)
+
+    def configure_optimizers(self):
+        return self.opt
+
+    def on_train_start(self):
+        pass
+
+
+def test_grad_accumulator_built_before_the_run_refuses_the_raw_optimizer_at_the_first_step():
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(TypeError, match=r"self\.optimizers\(\)"):
+        trainer.fit(EarlyAccumModule(), _loader())
+
+
+def _fabric_two_optimizers(kind: str, dtype=torch.float32):
+    """Two optimizers (one per layer) under the plugin's one scaler, each clipped by
+    ``fabric.clip_gradients`` and stepped in turn (the plugin updates the scale after each)."""
+    if kind == "ampfuse":
+        plugin = af_fabric.MixedPrecision("16-mixed", "cpu", ampfuse.GradScaler("cpu", **SCALER_KWARGS))
+    else:
+        plugin = FabricAMP("16-mixed", "cpu", torch.amp.GradScaler("cpu", **SCALER_KWARGS))
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = make_model().to(dtype)
+    cls = ampfuse.optim.AdamW if kind == "ampfuse" else torch.optim.AdamW
+    model, o1, o2 = fabric.setup(net, cls(net[0].parameters(), lr=LR), cls(net[2].parameters(), lr=LR))
+    scales = []
+    for x, y in make_data(EPOCH):
+        fabric.backward(F.mse_loss(model(x.to(dtype)).float(), y))
+        for opt in (o1, o2):
+            fabric.clip_gradients(model, opt, max_norm=MAX_NORM, error_if_nonfinite=False)
+            opt.step()
+            scales.append(plugin.scaler.get_scale())
+        for opt in (o1, o2):
+            opt.zero_grad()
+    return net, scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fabric_two_optimizers_under_one_scaler(dtype):
+    """Per-optimizer stages and one update per optimizer step, as with Fabric's own plugin and
+    torch's scaler: the same scale sequence, and with fp32 params the same params (fp16 params go
+    through the plugin's fp32 gradient copies, one set per optimizer)."""
+    net_a, scales_a = _fabric_two_optimizers("ampfuse", dtype)
+    net_t, scales_t = _fabric_two_optimizers("torch")
+    assert scales_a == scales_t and len(set(scales_a)) > 1
+    if dtype == torch.float16:
+        return
+    sa, st = net_a.state_dict(), net_t.state_dict()
+    for k in sa:
+        torch.testing.assert_close(sa[k], st[k], atol=ATOL, rtol=RTOL)

@@ -16,9 +16,10 @@ What changes on that accelerator (and only there; nothing is patched globally):
   ``accelerator.optimizer_step_was_skipped`` are true exactly on overflowed steps, so Accelerate's
   scheduler wrapper (and the transformers ``Trainer``) do not advance the LR on them. Accelerate
   decides "skipped" from whether ``optimizer.step()`` was called; an ampfuse optimizer is always
-  called and skips on the device, so the flag is read from :attr:`ampfuse.GradScaler.last_found_inf`
-  instead: one 4-byte read, after the step was queued, and only when something asks (on CPU
-  tensors the read costs nothing).
+  called and skips on the device, so the flag is read from the optimizer's own
+  ``last_step_skipped`` instead (with several prepared optimizers, each reports its own step): one
+  4-byte read, after the step was queued, and only when something asks (on CPU tensors the read
+  costs nothing).
 * ``accelerator.clip_grad_norm_(params, max_norm)`` with an ampfuse optimizer runs the fused check
   + norm pass (:meth:`ampfuse.GradScaler.unscale_and_clip_`), fp16 params included: the gradients
   are only read, the step applies ``1/scale`` and the clip coefficient. It returns the total norm
@@ -77,7 +78,8 @@ class _AcceleratedOptimizer(AcceleratedOptimizer):
         coef, self._ampfuse_clip_coef = self._ampfuse_clip_coef, None
         if scaler_enabled(self.scaler):
             super().step(closure)  # scaler.step + update; the fused step is queued, no host sync
-            self._ampfuse_skip_flag = self.scaler.last_found_inf
+            # this optimizer's own flag: the scaler's last check may be another optimizer's
+            self._ampfuse_skip_flag = self.optimizer.last_step_skipped
         else:
             self._ampfuse_skip_flag = None
             if coef is not None:

@@ -66,6 +66,7 @@ from ampfuse.optim import StepScaling
 require("lightning.pytorch", "lightning", "lightning", "lightning")
 
 import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision as _LightningMixedPrecision  # noqa: E402
 from lightning.pytorch.plugins.precision import Precision as _LightningPrecision  # noqa: E402
 from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
@@ -79,6 +80,13 @@ def _hook_overridden(trainer: Any, model: Any) -> bool:
         return True
     return any(type(cb).on_before_optimizer_step is not pl.Callback.on_before_optimizer_step
                for cb in getattr(trainer, "callbacks", []))
+
+
+def _raw(optimizer: Any) -> Any:
+    """The optimizer Lightning steps, for a ``LightningOptimizer`` (what ``self.optimizers()``
+    returns in manual optimization): the scaler keeps its per-optimizer stage by identity, and
+    the step it clips for is called with the raw optimizer."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 class MixedPrecision(_LightningMixedPrecision):
@@ -111,18 +119,27 @@ class MixedPrecision(_LightningMixedPrecision):
         **kwargs: Any,
     ) -> Any:
         """Lightning's AMP step; for an ampfuse optimizer the scaled gradients go to the fused step."""
+        optimizer = _raw(optimizer)
         if not is_fused(optimizer):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        self._clip_coefs.pop(id(optimizer), None)
         self._fp32_grads.pop(id(optimizer), None)
         closure_result = closure()
         skip = closure_result is None and model.automatic_optimization
         scaler = self.scaler if scaler_enabled(self.scaler) else None
         if scaler is not None and not skip and _hook_overridden(model.trainer, model):
-            self._unscale_for_hook(scaler, optimizer)
+            if unscale_stage_open(scaler, optimizer):
+                self._unscale_for_hook(scaler, optimizer)
+            elif scaler._per_optimizer_states[id(optimizer)].get("grads_still_scaled"):
+                raise RuntimeError(
+                    "ampfuse.integrations.lightning: clip_gradients() was called before optimizer.step() and "
+                    "on_before_optimizer_step is overridden, but the fused clip keeps the gradients scaled, so the "
+                    "hook would see scaled gradients. Call self.clip_gradients(optimizer, ...) inside "
+                    "on_before_optimizer_step instead (the gradients are unscaled there)."
+                )
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clip_gradients
         fp32 = self._fp32_grads.pop(id(optimizer), None)
         if skip:
+            self._clip_coefs.pop(id(optimizer), None)
             return closure_result
         coef = self._clip_coefs.pop(id(optimizer), None)
         if scaler is not None:
@@ -149,6 +166,7 @@ class MixedPrecision(_LightningMixedPrecision):
     def main_params(self, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         """The params Lightning's clipping works on: for fp16 params unscaled into fp32 copies
         (for the hook), stand-ins whose ``.grad`` is the copy the step will read."""
+        optimizer = _raw(optimizer)
         return main_params_with_copies(optimizer, self._fp32_grads.get(id(optimizer)))
 
     def clip_gradients(
@@ -157,7 +175,10 @@ class MixedPrecision(_LightningMixedPrecision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Clip by norm or value; for an ampfuse optimizer without writing scaled gradients back."""
+        """Clip by norm or value; for an ampfuse optimizer without writing scaled gradients back.
+        In manual optimization (``self.clip_gradients(opt, ...)`` before ``opt.step()``) too: the
+        step that follows applies the clip, as ``unscale_``, ``clip_grad_norm_``, ``step`` would."""
+        optimizer = _raw(optimizer)
         if clip_val <= 0 or not is_fused(optimizer):
             return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
         by_norm = gradient_clip_algorithm == GradClipAlgorithmType.NORM
