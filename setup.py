@@ -124,6 +124,6 @@ setup(
     # CMake produces lib/libampfuse.so inside the package.
     ext_modules=[CMakeExtension("ampfuse._native_build_marker")],
     cmdclass={"build_ext": CMakeBuild, "bdist_wheel": PlatformWheel},
-    package_data={"ampfuse": ["lib/*", "include/ampfuse/*.h", "share/cmake/ampfuse/*.cmake"]},
+    package_data={"ampfuse": ["py.typed", "lib/*", "include/ampfuse/*.h", "share/cmake/ampfuse/*.cmake"]},
     zip_safe=False,
 )

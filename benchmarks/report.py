@@ -164,7 +164,7 @@ def evaluate_targets(result: dict) -> list[dict]:
                 checks.append({"row": f"{r['case']} {_fmt_n(r['params'])} {r['dtype']}", "value": v,
                                "pass": bool(OPS[t["op"]](v, t["value"]))})
         status = "not measured" if not checks else ("PASS" if all(c["pass"] for c in checks) else "FAIL")
-        out.append({"id": t["id"], "issue": t["issue"], "what": t["what"], "target": f"{t['op']} {t['value']}{t.get('unit', '')}",
+        out.append({"id": t["id"], "what": t["what"], "target": f"{t['op']} {t['value']}{t.get('unit', '')}",
                     "status": status, "checks": checks})
     return out
 
@@ -175,10 +175,10 @@ def _fmt_v(v) -> str:
 
 def targets_table(result: dict) -> str:
     targets = result.get("targets") or evaluate_targets(result)
-    lines = ["| target | issue | measured | goal | result |", "|---|---|---|---|---|"]
+    lines = ["| target | measured | goal | result |", "|---|---|---|---|"]
     for t in targets:
         measured = "; ".join(f"{c['row']}: {_fmt_v(c['value'])}" for c in t["checks"]) or "—"
-        lines.append(f"| {t['what']} | #{t['issue']} | {measured} | {t['target']} | **{t['status']}** |")
+        lines.append(f"| {t['what']} | {measured} | {t['target']} | **{t['status']}** |")
     return "\n".join(lines)
 
 

@@ -367,7 +367,7 @@ def test_failed_step_leaves_the_scaler_picklable():
 def test_step_without_inf_checks_is_refused():
     """(14) After unscale_and_clip_, stepping an ampfuse optimizer whose params got no gradient
     changes nothing and, as torch's scaler does for optimizers with _step_supports_amp_scaling,
-    update() raises "No inf checks were recorded prior to update." (issue #20)."""
+    update() raises torch's "No inf checks were recorded prior to update" error."""
     s = ampfuse.GradScaler("cpu")
     p = torch.zeros(2, requires_grad=True)
     opt = ampfuse.optim.AdamW([p], lr=0.1)
@@ -426,7 +426,7 @@ def test_torch_cuda_amp_signature_drop_in():
     ampfuse.cuda.amp / ampfuse.cpu.amp.GradScaler take init_scale first, like torch's."""
     with pytest.raises(TypeError, match="first argument is the device type"):
         ampfuse.GradScaler(2.0**10)
-    with pytest.warns(FutureWarning, match="is deprecated"):  # as torch's deprecated class (issue #20)
+    with pytest.warns(FutureWarning, match="is deprecated"):  # as torch's deprecated class
         s = ampfuse.cpu.amp.GradScaler(2.0**10, growth_interval=7)
     assert isinstance(s, torch.cpu.amp.GradScaler) and isinstance(s, ampfuse.GradScaler)
     s.scale(torch.ones(()))

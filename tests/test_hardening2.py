@@ -1,7 +1,6 @@
-"""Regression tests for the second hardening round (issue #20): one test per defect, each of which
-failed before its fix, plus property-based tests of the accumulator against torch's own loop and
-of the precision options' conversions. Item 5 (FSDP2/DTensor remainder masters) is tested with
-the distributed suite."""
+"""Regression tests of the accumulator, the scaler and the precision options, one per defect, plus
+property-based tests of the accumulator against torch's own loop and of the precision options'
+conversions. FSDP2/DTensor remainder masters are tested with the distributed suite."""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import textwrap
 import zipfile
 
@@ -85,7 +86,10 @@ def wheel(tmp_path_factory) -> str:
                        env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     (whl,) = out.glob("ampfuse-*.whl")
-    assert len(list(out.glob("ampfuse-*.tar.gz"))) == 1
+    (sdist,) = out.glob("ampfuse-*.tar.gz")
+    with tarfile.open(sdist) as tf:
+        names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
+    assert {"LICENSE", "python/ampfuse/py.typed"} <= names, sorted(names)[:50]
     return str(whl)
 
 
@@ -102,6 +106,10 @@ def test_wheel_metadata(wheel):
         info = json.loads(zf.read("ampfuse/lib/ampfuse_build.json"))
         cfg = zf.read("ampfuse/share/cmake/ampfuse/ampfuseConfigVersion.cmake").decode()
     assert f"\nVersion: {v}+{TORCH_LABEL}\n" in meta
+    # the license travels with the package, and type checkers read its hints
+    assert "\nLicense-Expression: BSD-3-Clause\n" in meta
+    assert f"ampfuse-{m.group(1)}.dist-info/licenses/LICENSE" in names, names
+    assert "ampfuse/py.typed" in names
     requires = [line for line in meta.splitlines() if line.startswith("Requires-Dist: torch")]
     assert requires == [f"Requires-Dist: torch=={TORCH_RELEASE}"], requires
     assert f"Tag: py3-none-{m.group(2)}" in wheel_info

@@ -457,7 +457,7 @@ TEST(GradAccumulator, MidWindowCheckpointKeepsFp32ParamSums) {
 
 }  // namespace
 
-// Issue #20 (1): a param frozen inside a window is stepped once with that window's gradient,
+// A param frozen inside a window is stepped once with that window's gradient,
 // then never again (torch's loop clears it with zero_grad() at the window end).
 TEST(GradAccumulator, ParamFrozenMidWindowIsSteppedOnce) {
   for (const auto dtype : {at::kFloat, at::kBFloat16}) {
@@ -482,7 +482,7 @@ TEST(GradAccumulator, ParamFrozenMidWindowIsSteppedOnce) {
   }
 }
 
-// Issue #20 (2): a bf16 param frozen when the accumulator was built and unfrozen later (at a
+// A bf16 param frozen when the accumulator was built and unfrozen later (at a
 // window start or inside a window) is summed in fp32 like the others.
 TEST(GradAccumulator, LayerUnfrozenLaterIsSummedInFp32) {
   for (int unfreeze_at = 0; unfreeze_at < 2; ++unfreeze_at) {
@@ -502,7 +502,7 @@ TEST(GradAccumulator, LayerUnfrozenLaterIsSummedInFp32) {
   }
 }
 
-// Issue #20, beyond the list: seeded random scenarios (window lengths, params frozen and
+// Seeded random scenarios (window lengths, params frozen and
 // unfrozen at random micro-batches, a zero-size param, a param without gradients, overflowing
 // micro-batches, mid-window checkpoints) against torch's own loop with an ordinary optimizer and
 // fp32 sums kept by hand for the bf16 param.
@@ -592,7 +592,7 @@ void load_from_string(ampfuse::GradAccumulator& acc, const std::string& bytes) {
 
 }  // namespace
 
-// Issue #20 (2) and checkpoints: a bf16 param unfrozen inside a window is buffered from then on,
+// Checkpoints: a bf16 param unfrozen inside a window is buffered from then on,
 // after the others (buffers in the order [b, a]); a checkpoint taken then records which params
 // the buffers hold, so an accumulator built afterwards (which would buffer [a, b]) loads the sums
 // into the right params.
