@@ -138,10 +138,9 @@ class MixedPrecision(_LightningMixedPrecision):
                 )
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clip_gradients
         fp32 = self._fp32_grads.pop(id(optimizer), None)
-        if skip:
-            self._clip_coefs.pop(id(optimizer), None)
-            return closure_result
         coef = self._clip_coefs.pop(id(optimizer), None)
+        if skip:
+            return closure_result
         if scaler is not None:
             out = scaler.step(optimizer, grads=fp32, **kwargs) if fp32 else scaler.step(optimizer, **kwargs)
             scaler.update()
