@@ -17,6 +17,7 @@
 
 #include "ampfuse/optim.h"
 #include "api/accumulate_plan.h"
+#include "engine/scaler_rules.h"
 
 namespace ampfuse {
 namespace {
@@ -563,13 +564,17 @@ void GradAccumulator::load(InputArchive& archive) {
       grads.emplace(p.unsafeGetTensorImpl(), v.toTensor());
     }
   }
+  std::optional<engine::ScalerCheckpoint> scaler_checkpoint;
+  if (scaler_ != nullptr) {
+    torch::serialize::InputArchive scaler_archive;
+    if (archive.try_read("scaler", scaler_archive)) {
+      scaler_checkpoint = scaler_->check_checkpoint(scaler_archive);
+    }
+  }
   torch::serialize::InputArchive optimizer_archive;
   archive.read("optimizer", optimizer_archive);
   optimizer_.load(optimizer_archive);
-  if (scaler_ != nullptr) {
-    torch::serialize::InputArchive scaler_archive;
-    if (archive.try_read("scaler", scaler_archive)) scaler_->load(scaler_archive);
-  }
+  if (scaler_checkpoint.has_value()) scaler_->apply_checkpoint(*scaler_checkpoint);
   micro_step_ = micro_step;
   windows_ = windows;
   skipped_windows_host_ = skipped;

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "ampfuse/optim.h"
+#include "engine/scaler_rules.h"
 
 namespace ampfuse {
 namespace {
@@ -101,25 +102,12 @@ struct ScalingGuard {
 
 namespace {
 
-// The bounds of a scale, as the Python GradScaler checks them.
+c10::IValue optional_value(const std::optional<double>& v) {
+  return v.has_value() ? c10::IValue(*v) : c10::IValue();
+}
+
 void check_bounds(const std::optional<double>& min_scale, const std::optional<double>& max_scale) {
-  constexpr double kFltMax = std::numeric_limits<float>::max();
-  constexpr double kFltMin = std::numeric_limits<float>::min();
-  if (min_scale.has_value()) {
-    const double m = *min_scale;
-    TORCH_CHECK(std::isfinite(m) && m >= 0 && m <= kFltMax, "min_scale must be a finite number in [0, ",
-                kFltMax, "] (the float32 range), got ", m, ".");
-  }
-  if (max_scale.has_value()) {
-    TORCH_CHECK(*max_scale > 0, "max_scale must be a number > 0 (inf: unbounded), got ",
-                *max_scale, ".");
-    TORCH_CHECK(*max_scale >= kFltMin, "max_scale (", *max_scale,
-                ") is below the smallest normal float32 scale (", kFltMin, ").");
-  }
-  if (min_scale.has_value() && max_scale.has_value()) {
-    TORCH_CHECK(*min_scale <= *max_scale, "min_scale (", *min_scale,
-                ") must not be greater than max_scale (", *max_scale, ").");
-  }
+  engine::check_scale_bounds(optional_value(min_scale), optional_value(max_scale));
 }
 
 }  // namespace
@@ -498,66 +486,42 @@ void GradScaler::save(OutputArchive& archive) const {
   archive.write("stats", c10::IValue(stats().to(at::kCPU)));
 }
 
+engine::ScalerCheckpoint GradScaler::check_checkpoint(InputArchive& archive) const {
+  auto entries = engine::entry_dict();
+  for (const auto& key : archive.keys()) {
+    c10::IValue v;
+    if (archive.try_read(key, v)) entries.insert(key, std::move(v));
+  }
+  engine::ScalerCheckpoint current;
+  current.hysteresis = options_.hysteresis();
+  current.consecutive_hysteresis = options_.consecutive_hysteresis();
+  current.min_scale = options_.min_scale();
+  current.max_scale = options_.max_scale();
+  current.stats = init_stats_;
+  return engine::check_scaler_checkpoint(entries, current, "the checkpoint");
+}
+
+void GradScaler::apply_checkpoint(const engine::ScalerCheckpoint& c) {
+  options_.growth_factor(c.growth_factor)
+      .backoff_factor(c.backoff_factor)
+      .growth_interval(c.growth_interval)
+      .hysteresis(c.hysteresis)
+      .consecutive_hysteresis(c.consecutive_hysteresis)
+      .min_scale(c.min_scale)
+      .max_scale(c.max_scale);
+  init_scale_ = clamped(c.scale, "the loaded scale");
+  init_growth_tracker_ = c.growth_tracker;
+  init_hysteresis_tracker_ = c.hysteresis_tracker;
+  init_stats_ = c.stats;
+  if (scale_.defined()) scale_.fill_(init_scale_);
+  if (growth_tracker_.defined()) growth_tracker_.fill_(c.growth_tracker);
+  if (hysteresis_tracker_.defined()) hysteresis_tracker_.fill_(c.hysteresis_tracker);
+  if (stats_.defined()) stats_.copy_(at::tensor(c.stats, at::TensorOptions().dtype(at::kLong)));
+}
+
 void GradScaler::load(InputArchive& archive) {
   if (!options_.enabled()) return;
-  TORCH_CHECK(!archive.keys().empty(),
-              "The source state dict is empty, possibly because it was saved from a disabled "
-              "instance of GradScaler.");
-  c10::IValue v;
-  archive.read("scale", v);
-  const double scale = v.toDouble();
-  archive.read("growth_factor", v);
-  const double growth_factor = v.toDouble();
-  archive.read("backoff_factor", v);
-  const double backoff_factor = v.toDouble();
-  archive.read("growth_interval", v);
-  const int64_t growth_interval = v.toInt();
-  archive.read("_growth_tracker", v);
-  const int64_t growth_tracker = v.toInt();
-  // ampfuse's entries (a checkpoint without them keeps the current options and starts with a
-  // full hysteresis budget).
-  GradScalerOptions o = options_;
-  if (archive.try_read("hysteresis", v)) o.hysteresis(v.toInt());
-  if (archive.try_read("consecutive_hysteresis", v)) o.consecutive_hysteresis(v.toBool());
-  if (archive.try_read("min_scale", v)) o.min_scale(v.toOptional<double>());
-  if (archive.try_read("max_scale", v)) o.max_scale(v.toOptional<double>());
-  int64_t hysteresis_tracker = o.hysteresis();
-  if (archive.try_read("_hysteresis_tracker", v)) hysteresis_tracker = v.toInt();
-  std::vector<int64_t> stats = init_stats_;
-  if (archive.try_read("stats", v)) {
-    const at::Tensor t = v.toTensor().to(at::kCPU, at::kLong).contiguous();
-    TORCH_CHECK(t.numel() == kNumScaleStats, "stats in the checkpoint must have ",
-                kNumScaleStats, " elements, got ", t.numel(), ".");
-    stats.assign(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + kNumScaleStats);
-  }
-  TORCH_CHECK(std::isfinite(scale) && scale > 0,
-              "the checkpoint's scale must be a positive finite number, got ", scale, ".");
-  TORCH_CHECK(growth_factor > 1.0, "The growth factor must be > 1.0.");
-  TORCH_CHECK(backoff_factor > 0.0 && backoff_factor < 1.0, "The backoff factor must be < 1.0.");
-  TORCH_CHECK(growth_interval >= 1, "the checkpoint's growth_interval must be an integer >= 1, got ",
-              growth_interval, ".");
-  TORCH_CHECK(growth_tracker >= 0, "the checkpoint's _growth_tracker must be >= 0, got ",
-              growth_tracker, ".");
-  TORCH_CHECK(o.hysteresis() >= 1, "hysteresis must be an integer >= 1, got ", o.hysteresis(),
-              ".");
-  TORCH_CHECK(hysteresis_tracker >= 0 && hysteresis_tracker <= o.hysteresis(),
-              "the checkpoint's _hysteresis_tracker must be in [0, hysteresis], got ",
-              hysteresis_tracker, ".");
-  for (int64_t s : stats) {
-    TORCH_CHECK(s >= 0, "the checkpoint's stats must be non-negative counters, got ", s, ".");
-  }
-  check_bounds(o.min_scale(), o.max_scale());
-
-  o.growth_factor(growth_factor).backoff_factor(backoff_factor).growth_interval(growth_interval);
-  options_ = o;
-  init_scale_ = clamped(scale, "the loaded scale");
-  init_growth_tracker_ = growth_tracker;
-  init_hysteresis_tracker_ = hysteresis_tracker;
-  init_stats_ = stats;
-  if (scale_.defined()) scale_.fill_(init_scale_);
-  if (growth_tracker_.defined()) growth_tracker_.fill_(growth_tracker);
-  if (hysteresis_tracker_.defined()) hysteresis_tracker_.fill_(hysteresis_tracker);
-  if (stats_.defined()) stats_.copy_(at::tensor(stats, at::TensorOptions().dtype(at::kLong)));
+  apply_checkpoint(check_checkpoint(archive));
 }
 
 OutputArchive& operator<<(OutputArchive& archive, const GradScaler& scaler) {

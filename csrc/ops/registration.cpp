@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "ampfuse/ops.h"
+#include "engine/scaler_rules.h"
 #include "ops/step_plan.h"
 
 TORCH_LIBRARY(ampfuse, m) {
@@ -65,6 +66,17 @@ TORCH_LIBRARY(ampfuse, m) {
       "float beta2=0.999, float eps=1e-8, float weight_decay=0., bool amsgrad=False, "
       "bool maximize=False, bool decoupled_weight_decay=False, Tensor? grad_scale=None, "
       "Tensor? found_inf=None, Tensor? clip_coef=None) -> ()");
+  // Engine rules without tensors (csrc/engine), the one definition both surfaces use.
+  // The GradScaler checkpoint's entries checked (types, ranges, absent ampfuse entries taking the
+  // given current values); returns the values to apply, by name. `source` names the checkpoint
+  // in messages. Raises ValueError naming the entry.
+  m.def(
+      "scaler_checkpoint_check(Dict(str, Any) entries, int hysteresis, bool consecutive_hysteresis, "
+      "float? min_scale, float? max_scale, int[] stats, str source) -> Dict(str, Any)",
+      &ampfuse::engine::scaler_checkpoint_op);
+  // The scale bounds' rules (None, or numbers: min_scale finite in [0, FLT_MAX], max_scale > 0 and
+  // not below FLT_MIN, min <= max). Raises ValueError.
+  m.def("scale_bounds_check(Any min_scale, Any max_scale) -> ()", &ampfuse::engine::scale_bounds_op);
   using ampfuse::ops::AccumulatePlan;
   using ampfuse::ops::StepPlan;
   // GradAccumulator's plan (ops/step_plan.h): a micro-batch's fp32 accumulation in one native

@@ -118,16 +118,18 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _engine_value(v: Any) -> Any:
+    """``v`` as the engine's checks take it: the values a checkpoint entry can hold pass as they
+    are; anything else as its repr (refused, and named, by the check)."""
+    if v is None or isinstance(v, (bool, int, float, str, torch.Tensor)):
+        return v
+    if isinstance(v, (list, tuple)) and all(type(x) is int for x in v):
+        return v
+    return repr(v)
+
+
 def _check_bounds(min_scale: Any, max_scale: Any) -> None:
-    if min_scale is not None and not (isinstance(min_scale, (int, float)) and math.isfinite(min_scale)
-                                      and 0 <= min_scale <= _FLT_MAX):
-        raise ValueError(f"min_scale must be a finite number in [0, {_FLT_MAX:g}] (the float32 range), got {min_scale!r}.")
-    if max_scale is not None and not (isinstance(max_scale, (int, float)) and max_scale > 0 and not math.isnan(max_scale)):
-        raise ValueError(f"max_scale must be a number > 0 (inf: unbounded), got {max_scale!r}.")
-    if min_scale is not None and max_scale is not None and min_scale > max_scale:
-        raise ValueError(f"min_scale ({min_scale}) must not be greater than max_scale ({max_scale}).")
-    if max_scale is not None and max_scale < _FLT_MIN:
-        raise ValueError(f"max_scale ({max_scale}) is below the smallest normal float32 scale ({_FLT_MIN}).")
+    torch.ops.ampfuse.scale_bounds_check(_engine_value(min_scale), _engine_value(max_scale))
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -737,46 +739,13 @@ class GradScaler(torch.amp.GradScaler):
     def _validate_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         """Every entry of a state dict checked; returns the values to apply (raises before
         anything changes)."""
-        if len(state_dict) == 0:
-            raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
-            )
         for key in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"):
-            if key not in state_dict:
+            if state_dict and key not in state_dict:  # torch's error type for a missing entry
                 raise KeyError(f"GradScaler state dict has no '{key}' entry.")
-        scale = state_dict["scale"]
-        if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0):
-            raise ValueError(f"the state dict's scale must be a positive finite number, got {scale!r}.")
-        if not (isinstance(state_dict["growth_factor"], (int, float)) and state_dict["growth_factor"] > 1.0):
-            raise ValueError(f"the state dict's growth_factor must be > 1.0, got {state_dict['growth_factor']!r}.")
-        if not (isinstance(state_dict["backoff_factor"], (int, float)) and 0.0 < state_dict["backoff_factor"] < 1.0):
-            raise ValueError(f"the state dict's backoff_factor must be in (0, 1), got {state_dict['backoff_factor']!r}.")
-        for key, low in (("growth_interval", 1), ("_growth_tracker", 0)):
-            v = state_dict[key]
-            if not (isinstance(v, int) and not isinstance(v, bool) and v >= low):
-                raise ValueError(f"the state dict's {key} must be an integer >= {low}, got {v!r}.")
-        hysteresis = state_dict.get("hysteresis", self._hysteresis)
-        if not (isinstance(hysteresis, int) and not isinstance(hysteresis, bool) and hysteresis >= 1):
-            raise ValueError(f"the state dict's hysteresis must be an integer >= 1, got {hysteresis!r}.")
-        # A torch state dict carries no hysteresis budget: start with a full one.
-        tracker = state_dict.get("_hysteresis_tracker", hysteresis)
-        if not (isinstance(tracker, int) and not isinstance(tracker, bool) and 0 <= tracker <= hysteresis):
-            raise ValueError(f"the state dict's _hysteresis_tracker must be an integer in [0, hysteresis], got {tracker!r}.")
-        consecutive = state_dict.get("consecutive_hysteresis", self._consecutive_hysteresis)
-        if not isinstance(consecutive, bool):
-            raise ValueError(f"the state dict's consecutive_hysteresis must be a bool, got {consecutive!r}.")
-        min_scale = state_dict.get("min_scale", self._min_scale)
-        max_scale = state_dict.get("max_scale", self._max_scale)
-        try:
-            _check_bounds(min_scale, max_scale)
-        except ValueError as e:
-            raise ValueError(f"the state dict's scale bounds are invalid: {e}") from None
-        stats = state_dict.get("stats", self._init_stats)
-        if not (isinstance(stats, (list, tuple)) and len(stats) == ops.NUM_SCALE_STATS
-                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in stats)):
-            raise ValueError(f"the state dict's stats must be {ops.NUM_SCALE_STATS} non-negative integers, got {stats!r}.")
-        return dict(scale=float(scale), hysteresis=hysteresis, tracker=tracker, consecutive=consecutive,
-                    min_scale=min_scale, max_scale=max_scale, stats=list(stats))
+        entries = {k: _engine_value(v) for k, v in state_dict.items() if isinstance(k, str)}
+        return torch.ops.ampfuse.scaler_checkpoint_check(
+            entries, self._hysteresis, self._consecutive_hysteresis, self._min_scale, self._max_scale,
+            list(self._init_stats), "the state dict")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this scaler or of ``torch.amp.GradScaler``. Every entry is checked
@@ -786,18 +755,18 @@ class GradScaler(torch.amp.GradScaler):
         v = self._validate_state_dict(state_dict)
         super().load_state_dict(state_dict)
         self._hysteresis = v["hysteresis"]
-        self._consecutive_hysteresis = v["consecutive"]
+        self._consecutive_hysteresis = v["consecutive_hysteresis"]
         self._min_scale = v["min_scale"]
         self._max_scale = v["max_scale"]
         self._init_scale = self._clamped(v["scale"], "the loaded scale")
         if self._scale is not None:
             self._scale.fill_(self._init_scale)
-        self._init_hysteresis_tracker = v["tracker"]
+        self._init_hysteresis_tracker = v["hysteresis_tracker"]
         self._init_stats = v["stats"]
         self._floor_hits_seen = v["stats"][ops.ScaleStat.FLOOR_HITS]
         self._pending_stats = []
         if self._hysteresis_tracker is not None:
-            self._hysteresis_tracker.fill_(v["tracker"])
+            self._hysteresis_tracker.fill_(v["hysteresis_tracker"])
         if self._stats is not None:
             self._stats.copy_(torch.tensor(v["stats"], dtype=torch.int64))
 

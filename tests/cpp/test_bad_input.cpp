@@ -111,7 +111,7 @@ TEST(BadInput, GradScaler) {
           {"min scale above float range", [] { ampfuse::GradScaler s(O().min_scale(1e39)); },
            "(the float32 range), got 1e+39."},
           {"min above max", [] { ampfuse::GradScaler s(O().min_scale(4.0).max_scale(2.0)); },
-           "min_scale (4) must not be greater than max_scale (2)."},
+           "min_scale (4.0) must not be greater than max_scale (2.0)."},
           {"unscale twice", [&] { scaler.unscale_(opt); },
            "unscale_() has already been called on this optimizer since the last update()."},
           {"clip after unscale", [&] { scaler.unscale_and_clip_(opt, 1.0); },
@@ -165,7 +165,7 @@ TEST(BadInput, GradScalerLoadChecksFirst) {
                   out.write("stats", c10::IValue(at::tensor({1, -2, 0, 0}, at::kLong)));
                 });
               },
-                          "stats must be non-negative counters, got -2"));
+                          "the checkpoint's stats must be 4 non-negative integers, got tensor([1, -2, 0, 0])"));
   EXPECT_EQ(scaler.get_scale(), 64.0);
   EXPECT_EQ(scaler.options().hysteresis(), 2);
 }

@@ -57,7 +57,7 @@ TEST(GradScaler, OptionsAreValidated) {
   EXPECT_TRUE(throws_with([] { ampfuse::GradScaler s(O().hysteresis(0)); },
                           "hysteresis must be an integer >= 1, got 0."));
   EXPECT_TRUE(throws_with([] { ampfuse::GradScaler s(O().min_scale(4.0).max_scale(2.0)); },
-                          "min_scale (4) must not be greater than max_scale (2)."));
+                          "min_scale (4.0) must not be greater than max_scale (2.0)."));
   EXPECT_TRUE(throws_with([] { ampfuse::GradScaler s(O().min_scale(-1.0)); },
                           "min_scale must be a finite number in [0, 3.40282e+38] (the float32 "
                           "range), got -1."));

@@ -39,6 +39,9 @@ class InputArchive;
 namespace ampfuse {
 
 class GradAccumulator;
+namespace engine {
+struct ScalerCheckpoint;
+}
 
 // Indices into GradScaler::stats() (the counters kept by update_scale_).
 enum class ScaleStat : int64_t {
@@ -160,6 +163,9 @@ class GradScaler {
   };
 
   void lazy_init(const c10::Device& device);
+  // load() in two halves, so that GradAccumulator checks everything before it changes anything.
+  engine::ScalerCheckpoint check_checkpoint(torch::serialize::InputArchive& archive) const;
+  void apply_checkpoint(const engine::ScalerCheckpoint& checkpoint);
   // `scale` within [min_scale, max_scale] (a warning when it was not).
   double clamped(double scale, const char* what) const;
   void check_scale_initialised(const char* funcname) const;

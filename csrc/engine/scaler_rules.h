@@ -1,0 +1,58 @@
+// The GradScaler's numeric rules, once for both surfaces: the scale bounds and the checkpoint's
+// entries (types, ranges, defaults). The C++ GradScaler calls these directly; Python reaches
+// them through the ampfuse::scaler_checkpoint_check and ampfuse::scale_bounds_check ops
+// (registration.cpp), so both raise the same message for the same bad entry.
+#pragma once
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace ampfuse::engine {
+
+// An empty dict of named values (str -> any IValue).
+c10::Dict<std::string, c10::IValue> entry_dict();
+
+// A value as Python's repr() writes it (floats shortest round-trip with a ".0" or an exponent,
+// strings quoted, None/True/False): the messages of both surfaces print values this way.
+std::string repr(const c10::IValue& v);
+
+// min_scale: None or a finite number in [0, FLT_MAX]; max_scale: None or a number > 0 (inf:
+// unbounded) not below the smallest normal float32; min <= max. Raises c10::ValueError.
+void check_scale_bounds(const c10::IValue& min_scale, const c10::IValue& max_scale);
+
+// The values a scaler checkpoint sets, checked.
+struct ScalerCheckpoint {
+  double scale = 0.0;
+  double growth_factor = 0.0;
+  double backoff_factor = 0.0;
+  int64_t growth_interval = 0;
+  int64_t growth_tracker = 0;
+  int64_t hysteresis = 1;
+  int64_t hysteresis_tracker = 1;
+  bool consecutive_hysteresis = false;
+  std::optional<double> min_scale, max_scale;
+  std::vector<int64_t> stats;
+};
+
+// The entries of a scaler checkpoint (torch.amp.GradScaler's five, and ampfuse's: hysteresis,
+// _hysteresis_tracker, consecutive_hysteresis, min_scale, max_scale, stats), every one checked
+// before the caller changes anything. An absent ampfuse entry keeps `current`'s value (a torch
+// checkpoint starts with a full hysteresis budget). `source` names the checkpoint in messages
+// ("the state dict", "the checkpoint"). Raises c10::ValueError naming the entry.
+ScalerCheckpoint check_scaler_checkpoint(const c10::Dict<std::string, c10::IValue>& entries,
+                                         const ScalerCheckpoint& current, const std::string& source);
+
+// The two as ops (registration.cpp), for Python: the checked values by name.
+c10::Dict<std::string, c10::IValue> scaler_checkpoint_op(const c10::Dict<std::string, c10::IValue>& entries,
+                                                          int64_t hysteresis, bool consecutive_hysteresis,
+                                                          std::optional<double> min_scale,
+                                                          std::optional<double> max_scale,
+                                                          std::vector<int64_t> stats, std::string source);
+void scale_bounds_op(const c10::IValue& min_scale, const c10::IValue& max_scale);
+
+}  // namespace ampfuse::engine
