@@ -15,9 +15,11 @@
 #include <functional>
 #include <string>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
 
 #include "api/accumulate_plan.h"
+#include "engine/master_forms.h"
 #include "ops/step_plan.h"
 #include "ops/validation.h"
 
@@ -95,27 +97,37 @@ MasterKind master_kind(const O& o, const at::Tensor& p) {
                                                                       : MasterKind::Float;
 }
 
-// The master in the form `kind` asks for, converted exactly from the other form if present. A
-// remainder made from an fp32 master whose upper half the param does not hold (the param was
-// edited, or comes from elsewhere) is 0 there: the param wins, as with fp32 masters.
+// The master in the form `kind` asks for, converted exactly from the other form if present
+// (engine/master_forms.h: no bit lost either way, exact ties included); with `reconcile` (an fp32
+// master just loaded, perhaps a remainder form's) its param is brought to round-half-even. None
+// drops the master, so that a later switch back starts from the param, not from a stale master.
 template <typename State>
-void ensure_master(State& s, const at::Tensor& p, MasterKind kind) {
-  if (kind == MasterKind::Float && !s.master_param().defined()) {
-    at::Tensor master = at::empty_like(p, p.options().dtype(at::kFloat), at::MemoryFormat::Preserve);
-    master.copy_(s.master_remainder().defined() ? join_master(p.detach(), s.master_remainder())
-                                                : p.detach());
-    s.master_param(master);
-    s.master_remainder(at::Tensor());
-  } else if (kind == MasterKind::Remainder && !s.master_remainder().defined()) {
-    at::Tensor rem = at::zeros_like(p, p.options().dtype(at::kShort), at::MemoryFormat::Preserve);
-    if (s.master_param().defined()) {
-      auto [hi, r] = split_master(s.master_param().to(p.device(), at::kFloat));
-      const at::Tensor same = hi.view(at::kShort).eq(p.detach().contiguous().view(at::kShort));
-      rem.copy_(at::where(same, r, at::zeros_like(r)).reshape(p.sizes()));
+void ensure_master(State& s, const at::Tensor& p, MasterKind kind, bool reconcile) {
+  at::NoGradGuard no_grad;
+  const at::Tensor param = p.detach();
+  if (kind == MasterKind::Float) {
+    if (!s.master_param().defined()) {
+      at::Tensor master = at::empty_like(p, p.options().dtype(at::kFloat), at::MemoryFormat::Preserve);
+      if (s.master_remainder().defined()) {
+        master.copy_(engine::join_master(param, s.master_remainder()));
+        engine::round_ties_even_(param, master);
+      } else {
+        master.copy_(param);
+      }
+      s.master_param(master);
+    } else if (reconcile) {
+      engine::round_ties_even_(param, s.master_param());
     }
-    s.master_remainder(rem);
-    s.master_param(at::Tensor());
+    s.master_remainder(at::Tensor());
+    return;
   }
+  if (kind == MasterKind::Remainder && !s.master_remainder().defined()) {
+    s.master_remainder(s.master_param().defined()
+                           ? engine::remainder_of_(param, s.master_param())
+                           : at::zeros_like(p, p.options().dtype(at::kShort), at::MemoryFormat::Preserve));
+  }
+  if (kind == MasterKind::None) s.master_remainder(at::Tensor());
+  s.master_param(at::Tensor());
 }
 
 // A loaded state tensor, on the param's device in fp32 (masters and state stay fp32 whatever the
@@ -184,7 +196,7 @@ StepScaling scaling_on(const std::optional<StepScaling>& scaling, const c10::Dev
 // ---- generic step over a policy ----------------------------------------------------------------
 template <typename P>
 typename P::State& ensure_state(torch::optim::Optimizer& opt, const at::Tensor& p,
-                                const typename P::Options& o) {
+                                const typename P::Options& o, std::unordered_set<const c10::TensorImpl*>& reconcile) {
   auto& states = opt.state();
   auto it = states.find(p.unsafeGetTensorImpl());
   if (it == states.end()) {
@@ -201,7 +213,7 @@ typename P::State& ensure_state(torch::optim::Optimizer& opt, const at::Tensor& 
       ensure_state_tensor(t, p, o.state_dtype());
     }
   }
-  ensure_master(s, p, master_kind(o, p));
+  ensure_master(s, p, master_kind(o, p), reconcile.erase(p.unsafeGetTensorImpl()) != 0);
   return s;
 }
 
@@ -222,7 +234,7 @@ void create_fresh_state(torch::optim::Optimizer& opt, const std::vector<at::Tens
     fresh.emplace_back(&p, static_cast<typename P::State*>(it->second.get()));
   }
   for (auto& [p, s] : fresh) ensure_step(s->step(), *p);
-  for (auto& [p, s] : fresh) ensure_master(*s, *p, master_kind(o, *p));
+  for (auto& [p, s] : fresh) ensure_master(*s, *p, master_kind(o, *p), false);
   for (int k = 0; k < P::num_states(o); ++k) {
     for (auto& [p, s] : fresh) {
       ensure_state_tensor(P::state(*s, k), *p, o.state_dtype());
@@ -235,7 +247,7 @@ void create_fresh_state(torch::optim::Optimizer& opt, const std::vector<at::Tens
 // it ran and the params it left idle, for the step plan.
 template <typename P>
 void fused_step(FusedOptimizer& opt, std::vector<StepPlanBucket>& ran,
-                std::vector<at::Tensor>& idle) {
+                std::vector<at::Tensor>& idle, std::unordered_set<const c10::TensorImpl*>& reconcile) {
   opt.validate();
   size_t gi = 0;
   for (auto& group : opt.param_groups()) {
@@ -254,7 +266,7 @@ void fused_step(FusedOptimizer& opt, std::vector<StepPlanBucket>& ran,
         idle.push_back(p);
         continue;
       }
-      auto& s = ensure_state<P>(opt, p, o);
+      auto& s = ensure_state<P>(opt, p, o, reconcile);
       const MasterKind kind = master_kind(o, p);
       Bucket& b = bucket_for(buckets, p, g, kind);
       b.params.push_back(p);
@@ -323,7 +335,7 @@ void fused_save(const torch::optim::Optimizer& opt, OutputArchive& archive) {
         if (t.defined() && t.scalar_type() != at::kFloat) t = t.to(at::kFloat);
       }
       if (copy->master_remainder().defined()) {
-        copy->master_param(join_master(p.detach(), copy->master_remainder()));
+        copy->master_param(engine::join_master(p.detach(), copy->master_remainder()));
         copy->master_remainder(at::Tensor());
       }
       saved.emplace(p.unsafeGetTensorImpl(), std::move(copy));
@@ -342,7 +354,8 @@ void fused_save(const torch::optim::Optimizer& opt, OutputArchive& archive) {
 // Loads a checkpoint written by save() (or by torch's matching C++ optimizer). Everything is
 // read and checked before the optimizer changes.
 template <typename P>
-void fused_load(torch::optim::Optimizer& opt, InputArchive& archive) {
+void fused_load(torch::optim::Optimizer& opt, InputArchive& archive,
+                std::unordered_set<const c10::TensorImpl*>& reconcile) {
   using State = typename P::State;
   using Options = typename P::Options;
   c10::IValue version;
@@ -378,8 +391,11 @@ void fused_load(torch::optim::Optimizer& opt, InputArchive& archive) {
     }
     InputArchive options_archive;
     group_archive.read("options", options_archive);
-    Options o = static_cast<const Options&>(groups[g].options());  // absent keys stay as they are
+    const auto& own = static_cast<const Options&>(groups[g].options());
+    Options o = own;  // absent keys stay as they are
     o.serialize(options_archive);
+    // The optimizer's own precision options win; the loaded state is converted to them.
+    o.master_weights(own.master_weights()).master_remainders(own.master_remainders()).state_dtype(own.state_dtype());
     options.push_back(std::move(o));
   }
   // Check every state tensor against its parameter.
@@ -414,6 +430,8 @@ void fused_load(torch::optim::Optimizer& opt, InputArchive& archive) {
       // precision options (ensure_state).
       for (size_t k = 0; k < P::kStateNames.size(); ++k) move_loaded(P::state(s, static_cast<int>(k)), p);
       move_loaded(s.master_param(), p);
+      // A loaded fp32 master may be a remainder form's (its param rounded ties away from zero).
+      if (s.master_param().defined()) reconcile.insert(p.unsafeGetTensorImpl());
       opt.state()[p.unsafeGetTensorImpl()] = std::move(it->second);
     }
     static_cast<Options&>(groups[g].options()) = options[g];
@@ -857,7 +875,7 @@ at::Tensor Fused<P>::step(LossClosure closure) {
   if (step_with_plan()) return loss;
   std::vector<StepPlanBucket> ran;
   std::vector<at::Tensor> idle;
-  fused_step<P>(*this, ran, idle);
+  fused_step<P>(*this, ran, idle, reconcile_);
   if (grad_buffers_.empty()) build_plan(ran, idle, !std::is_same_v<P, SgdPolicy>);
   return loss;
 }
@@ -885,7 +903,7 @@ void Fused<P>::save(OutputArchive& archive) const {
 
 template <class P>
 void Fused<P>::load(InputArchive& archive) {
-  fused_load<P>(*this, archive);
+  fused_load<P>(*this, archive, reconcile_);
 }
 
 template <class P>
@@ -903,46 +921,12 @@ template class Fused<SgdPolicy>;
 template class Fused<AdamPolicy>;
 template class Fused<AdamWPolicy>;
 
-// ============================================================================================
-// Master remainders (the host-side twins of ops/rules.h join_master / split_master)
-// ============================================================================================
-namespace {
-
-constexpr int64_t kU32 = 0xFFFFFFFFLL;
-
-at::Tensor from_uint32(const at::Tensor& u) {
-  const at::Tensor wrapped = at::where(u.ge(int64_t{1} << 31), u - (int64_t{1} << 32), u);
-  return wrapped.to(at::kInt).view(at::kFloat);
-}
-
-}  // namespace
-
 at::Tensor join_master(const at::Tensor& param, const at::Tensor& remainder) {
-  TORCH_CHECK(param.scalar_type() == at::kBFloat16 && remainder.scalar_type() == at::kShort,
-              "join_master needs a torch.bfloat16 param and a torch.int16 remainder, got ",
-              detail::dtype_name(param.scalar_type()), " and ",
-              detail::dtype_name(remainder.scalar_type()), ".");
-  const at::Tensor p = param.contiguous().view(at::kShort).to(at::kLong).bitwise_and(0xFFFF);
-  const at::Tensor r = remainder.contiguous().to(at::kLong);
-  const at::Tensor mag = p.bitwise_and(0x7FFF);
-  const at::Tensor plain = mag.gt(0x7F80)
-                               .logical_or(mag.eq(0x7F80).logical_and(r.ge(0)))
-                               .logical_or(mag.eq(0).logical_and(r.lt(0)));
-  const at::Tensor hi = p * 65536;
-  const at::Tensor bits = at::where(plain, hi, (hi + r).bitwise_and(kU32));
-  return from_uint32(bits).reshape(param.sizes());
+  return engine::join_master(param, remainder);
 }
 
 std::tuple<at::Tensor, at::Tensor> split_master(const at::Tensor& master) {
-  TORCH_CHECK(master.scalar_type() == at::kFloat, "split_master needs a torch.float32 master, got ",
-              detail::dtype_name(master.scalar_type()), ".");
-  const at::Tensor b = master.contiguous().view(at::kInt).to(at::kLong).bitwise_and(kU32);
-  const at::Tensor nan = b.bitwise_and(0x7FFFFFFF).gt(0x7F800000);
-  const at::Tensor hi = at::floor_divide(b + 0x8000, 65536);  // nearest, ties away from zero
-  const at::Tensor rem = at::where(nan, at::zeros_like(b), b - hi * 65536);
-  const at::Tensor p = at::where(nan, at::floor_divide(b, 65536).bitwise_or(0x40), hi).bitwise_and(0xFFFF);
-  const at::Tensor p16 = at::where(p.ge(0x8000), p - 0x10000, p).to(at::kShort).view(at::kBFloat16);
-  return {p16.reshape(master.sizes()), rem.to(at::kShort).reshape(master.sizes())};
+  return engine::split_master(master);
 }
 
 }  // namespace ampfuse::optim

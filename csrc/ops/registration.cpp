@@ -66,6 +66,16 @@ TORCH_LIBRARY(ampfuse, m) {
       "float beta2=0.999, float eps=1e-8, float weight_decay=0., bool amsgrad=False, "
       "bool maximize=False, bool decoupled_weight_decay=False, Tensor? grad_scale=None, "
       "Tensor? found_inf=None, Tensor? clip_coef=None) -> ()");
+  // The master forms of a bf16 param (csrc/engine/master_forms.h), composite ops of torch ops
+  // (every device, Meta included): the fp32 master of a (param, int16 remainder) pair, its
+  // inverse split, and the two moves of a form switch (exact both ways, exact ties included):
+  // remainder_of_ returns the remainder that with the param stands for an fp32 master (a tie's
+  // param moved to the split's rounding), round_ties_even_ moves a remainder form's tie params
+  // to round-half-even, as the fp32-master form holds them.
+  m.def("join_master(Tensor param, Tensor remainder) -> Tensor");
+  m.def("split_master(Tensor master) -> (Tensor, Tensor)");
+  m.def("remainder_of_(Tensor(a!) param, Tensor master) -> Tensor");
+  m.def("round_ties_even_(Tensor(a!) param, Tensor master) -> ()");
   // Engine rules without tensors (csrc/engine), the one definition both surfaces use.
   // The GradScaler checkpoint's entries checked (types, ranges, absent ampfuse entries taking the
   // given current values); returns the values to apply, by name. `source` names the checkpoint

@@ -66,6 +66,10 @@ def install() -> None:
         ops.adam_step_.default: _step_handler,
         ops.clip_coef.default: _local_handler,
         ops.update_scale_.default: _local_handler,
+        ops.join_master.default: _elementwise_handler,
+        ops.split_master.default: _elementwise_handler,
+        ops.remainder_of_.default: _elementwise_handler,
+        ops.round_ties_even_.default: _elementwise_handler,
     })
     _installed = True
 
@@ -364,3 +368,31 @@ def _local_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     call = {name: _local(v, name) for name, v in a.items()}
     positional = [call.pop(arg.name) for arg in op._schema.arguments if not arg.kwarg_only]
     return op(*positional, **call)
+
+
+def _elementwise_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """The master-form ops (join_master, split_master, remainder_of_, round_ties_even_), which work
+    element by element: run on the local tensors of DTensors of one shape, mesh and placements
+    (any ``Shard`` kind or ``Replicate``, not ``Partial``: a master cannot be split or joined
+    before it is summed); tensor results are DTensors of the arguments' mesh and placements."""
+    DTensor = _dtensor_cls()
+    name = f"ampfuse.{op._schema.name.split('::')[1]}"
+    xs = [*args, *kwargs.values()]
+    if not all(isinstance(x, DTensor) for x in xs):
+        raise TypeError(f"{name}: pass all tensors as DTensors or none (got a mix).")
+    first = xs[0]
+    for x in xs[1:]:
+        if x.placements != first.placements or x.device_mesh != first.device_mesh or x.shape != first.shape:
+            raise ValueError(f"{name}: the DTensors must have one shape, mesh and placements, got "
+                             f"{tuple(first.shape)} {first.placements} and {tuple(x.shape)} {x.placements}.")
+    if any(pl.is_partial() for pl in first.placements):
+        raise ValueError(f"{name}: a Partial DTensor ({first.placements}) must be reduced first.")
+    out = op(*(x._local_tensor for x in args), **{k: v._local_tensor for k, v in kwargs.items()})
+
+    def wrap(t: torch.Tensor) -> Any:
+        return DTensor.from_local(t, first.device_mesh, first.placements, run_check=False,
+                                  shape=first.shape, stride=first.stride())
+
+    if out is None:
+        return None
+    return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)

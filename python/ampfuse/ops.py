@@ -39,6 +39,8 @@ __all__ = [
     "accumulate_grads_",
     "sgd_step_",
     "adam_step_",
+    "join_master",
+    "split_master",
     "NUM_SCALE_STATS",
     "ScaleStat",
 ]
@@ -336,3 +338,30 @@ def adam_step_(
         decoupled_weight_decay=decoupled_weight_decay, grad_scale=grad_scale,
         found_inf=found_inf, clip_coef=clip_coef,
     )
+
+
+def join_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The fp32 master of bf16 ``param`` and int16 ``remainder`` (a new tensor): bits
+    ``(bits(param) << 16) + remainder``.
+
+    The param holds the master's upper 16 bits rounded to nearest (ties away from zero) and the
+    remainder the rest, so the pair *is* the fp32 master bit for bit (see :func:`split_master`).
+    Where the pair cannot come from :func:`split_master` -- a param edited since (zero, inf or NaN
+    with an incompatible remainder) -- the master is the param's value, as the kernels do.
+    DTensors (one mesh and placements, not ``Partial``) work on their local tensors.
+    """
+    _dtensor_support()
+    return torch.ops.ampfuse.join_master(param, remainder)
+
+
+def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(param, remainder)``: the bf16 param and int16 remainder whose :func:`join_master` is
+    fp32 ``master`` bit for bit (NaN stays a quiet NaN with remainder 0).
+
+    The param is the master rounded to nearest, ties away from zero: with round-half-even an even
+    param could stand for 65537 masters (its two ties included), one more than 16 bits tell apart.
+    So for 1 master value in 65536 (an exact tie) the param is one bf16 ulp away from
+    ``master.to(torch.bfloat16)``; it is still a nearest value, and the master is exact.
+    """
+    _dtensor_support()
+    return torch.ops.ampfuse.split_master(master)

@@ -76,7 +76,7 @@ import torch.utils.weak
 from torch.optim.optimizer import ParamsT
 
 from ampfuse import ops
-from ampfuse._precision import join_master, split_master
+from ampfuse.ops import join_master, split_master
 
 __all__ = ["SGD", "Adam", "AdamW", "StepScaling", "join_master", "split_master"]
 
@@ -1067,42 +1067,20 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
 
 def _remainder_for(p: torch.Tensor, master: torch.Tensor | None) -> torch.Tensor:
-    """The int16 remainder that with bf16 param ``p`` stands for fp32 ``master``, bit for bit.
-
-    ``p`` holds the master rounded either way a master form rounds it: ties away from zero (a
-    remainder form) or half to even (an fp32-master form, or ``master.to(torch.bfloat16)``); in
-    the second case an exact tie moves ``p`` one bf16 ulp to the split's param, so that no master
-    is lost. Where ``p`` is neither (it was edited, or loaded from elsewhere) the param wins, as
-    with fp32 masters, and the remainder is 0."""
-    out = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.preserve_format)  # p's layout
+    """The int16 remainder that with bf16 param ``p`` stands for fp32 ``master`` (zeros without a
+    master); an exact tie's param is moved to the split's rounding (``remainder_of_``)."""
     if master is None:
-        return out
-    master = master.detach().to(device=p.device, dtype=torch.float32)
-    hi, rem = split_master(master)
-    bits = p.detach().contiguous().view(torch.int16).reshape(p.shape)
-    hi_bits = hi.view(torch.int16)
-    rne_bits = master.to(torch.bfloat16).view(torch.int16)
-    same = (hi_bits == bits) | (rne_bits == bits)
-    with torch.no_grad():
-        moved = same & (hi_bits != bits)
-        p.copy_(torch.where(moved, hi, p.detach()))  # ties only
-    return out.copy_(torch.where(same, rem, torch.zeros_like(rem)))
+        return torch.zeros_like(p, dtype=torch.int16, memory_format=torch.preserve_format)
+    ops._dtensor_support()
+    return torch.ops.ampfuse.remainder_of_(p.detach(), master.detach())
 
 
 def _round_param_half_even(p: torch.Tensor, master: torch.Tensor) -> None:
-    """Where bf16 ``p`` is ``master`` rounded ties away from zero (a remainder form's param) and
-    that differs from round-half-even (an exact tie), move ``p`` to the round-half-even value, which
-    the fp32-master step expects of an unedited param; otherwise the step would take the param as
-    edited and restart the master from it."""
-    if p.dtype != torch.bfloat16:
-        return
-    master = master.detach()
-    hi, _ = split_master(master.to(torch.float32))
-    rne = master.to(torch.bfloat16)
-    bits = p.detach().view(torch.int16) if p.is_contiguous() else p.detach().contiguous().view(torch.int16)
-    move = (hi.view(torch.int16) == bits) & (rne.view(torch.int16) != bits) & ~torch.isnan(master)
-    with torch.no_grad():
-        p.copy_(torch.where(move, rne, p.detach()))
+    """A remainder form's tie params moved to round-half-even, as the fp32-master step expects of
+    an unedited param (``round_ties_even_``; nothing for other than bf16 params)."""
+    if p.dtype == torch.bfloat16:
+        ops._dtensor_support()
+        torch.ops.ampfuse.round_ties_even_(p.detach(), master.detach())
 
 
 def _is_real(value: Any) -> bool:

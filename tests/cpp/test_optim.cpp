@@ -504,8 +504,11 @@ TEST(Optim, Bf16StateAndFp32Checkpoints) {
   ampfuse::optim::AdamW plain(b, ampfuse::optim::AdamWOptions(1.0));
   torch::load(plain, stream);
   const auto& o = static_cast<const ampfuse::optim::AdamWOptions&>(plain.param_groups()[0].options());
-  EXPECT_TRUE(o.master_remainders());  // options come from the checkpoint, as torch's do
-  EXPECT_EQ(o.state_dtype(), at::kBFloat16);
+  // the optimizer's own precision options win (the state is converted to them); lr and the
+  // other hyper-parameters come from the checkpoint, as torch's do
+  EXPECT_FALSE(o.master_remainders());
+  EXPECT_EQ(o.state_dtype(), at::kFloat);
+  EXPECT_EQ(o.lr(), 1e-2);
   auto& l = static_cast<ampfuse::optim::AdamParamState&>(*plain.state().at(b[0].unsafeGetTensorImpl()));
   EXPECT_EQ(l.exp_avg().scalar_type(), at::kFloat);
   EXPECT_TRUE(bitwise_equal(l.exp_avg(), s.exp_avg().to(at::kFloat)));

@@ -37,6 +37,7 @@
 #include <optional>
 #include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace ampfuse {
@@ -269,6 +270,8 @@ class FusedOptimizer : public torch::optim::Optimizer {
   bool step_with_plan();
 
   std::optional<StepScaling> scaling_;
+  // Params whose fp32 master was loaded: the next step brings their params to round-half-even.
+  std::unordered_set<const c10::TensorImpl*> reconcile_;
   std::unordered_map<const c10::TensorImpl*, at::Tensor> grad_buffers_;
   std::unordered_map<const c10::TensorImpl*, c10::ScalarType> param_dtypes_;
   // Called after a validated step: builds the plan of the buckets that step ran and the params
