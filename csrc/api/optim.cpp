@@ -20,6 +20,7 @@
 
 #include "api/accumulate_plan.h"
 #include "engine/master_forms.h"
+#include "engine/step_checks.h"
 #include "ops/step_plan.h"
 #include "ops/validation.h"
 
@@ -640,25 +641,29 @@ void FusedOptimizer::check_params(size_t gi) {
 }
 
 void FusedOptimizer::validate() {
+  std::vector<at::Tensor> params, grads, state;
+  std::vector<int64_t> owner, groups, indices;
+  std::vector<std::string> keys;
   for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
     check_options(param_groups_[gi].options());
     check_params(gi);
-    const auto& params = param_groups_[gi].params();
-    for (size_t i = 0; i < params.size(); ++i) {
-      const auto& p = params[i];
-      const at::Tensor g = grad_of(p);
+    const auto& ps = param_groups_[gi].params();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      at::Tensor g = grad_of(ps[i]);
       if (!g.defined()) continue;
-      TORCH_CHECK(!g.is_sparse(), where(gi, i),
-                  " has a sparse gradient; ampfuse optimizers do not support sparse gradients.");
-      TORCH_CHECK(is_supported(g.scalar_type()), where(gi, i), " has a gradient of dtype ",
-                  detail::dtype_name(g.scalar_type()),
-                  "; expected torch.float16, torch.bfloat16 or torch.float32.");
-      TORCH_CHECK(g.sizes() == p.sizes(), where(gi, i), " has a gradient of shape ", g.sizes(),
-                  " but the parameter has shape ", p.sizes(), ".");
-      TORCH_CHECK(g.device() == p.device(), where(gi, i), " is on ", p.device(),
-                  " but its gradient is on ", g.device(), ".");
+      for (auto& [key, t] : state_tensors(ps[i])) {
+        state.push_back(std::move(t));
+        owner.push_back(static_cast<int64_t>(params.size()));
+        keys.emplace_back(key);
+      }
+      params.push_back(ps[i]);
+      grads.push_back(std::move(g));
+      groups.push_back(static_cast<int64_t>(gi));
+      indices.push_back(static_cast<int64_t>(i));
     }
   }
+  engine::check_step_grads(params, grads, state, owner, keys, groups, indices,
+                           "param_groups()[{g}].params()[{i}]");
 }
 
 void FusedOptimizer::set_step_scaling(StepScaling scaling) { scaling_ = std::move(scaling); }
@@ -910,6 +915,23 @@ template <class P>
 std::unique_ptr<OptimizerOptions> Fused<P>::merge_group_options(const OptimizerOptions& options) const {
   const auto& user = options_of<Options>(options, P::kName);
   return std::make_unique<Options>(merge_options(user, static_cast<const Options&>(*defaults_)));
+}
+
+template <class P>
+std::vector<std::pair<const char*, at::Tensor>> Fused<P>::state_tensors(const at::Tensor& param) const {
+  std::vector<std::pair<const char*, at::Tensor>> out;
+  auto& states = const_cast<Fused<P>*>(this)->state();
+  auto it = states.find(param.unsafeGetTensorImpl());
+  if (it == states.end()) return out;
+  auto& s = static_cast<State&>(*it->second);
+  auto add = [&](const char* key, const at::Tensor& t) {
+    if (t.defined()) out.emplace_back(key, t);
+  };
+  add("step", s.step());
+  for (size_t k = 0; k < P::kStateNames.size(); ++k) add(P::kStateNames[k], P::state(s, static_cast<int>(k)));
+  add("master_param", s.master_param());
+  add("master_remainder", s.master_remainder());
+  return out;
 }
 
 template <class P>

@@ -76,6 +76,13 @@ TORCH_LIBRARY(ampfuse, m) {
   m.def("split_master(Tensor master) -> (Tensor, Tensor)");
   m.def("remainder_of_(Tensor(a!) param, Tensor master) -> Tensor");
   m.def("round_ties_even_(Tensor(a!) param, Tensor master) -> ()");
+  // The optimizers' checks of a step's gradients (csrc/engine/step_checks.h), over every group
+  // before any steps: params[k] has gradient grads[k] and is named by `naming` with {g}/{i}
+  // replaced by groups[k]/indices[k]; state[j] is a state tensor of params[state_owner[j]]
+  // named state_keys[j]. Raises RuntimeError naming the param; writes nothing.
+  m.def(
+      "step_grads_check(Tensor[] params, Tensor[] grads, Tensor[] state, int[] state_owner, "
+      "str[] state_keys, int[] groups, int[] indices, str naming) -> ()");
   // Engine rules without tensors (csrc/engine), the one definition both surfaces use.
   // The GradScaler checkpoint's entries checked (types, ranges, absent ampfuse entries taking the
   // given current values); returns the values to apply, by name. `source` names the checkpoint

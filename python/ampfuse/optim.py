@@ -480,47 +480,37 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _validate(self, grads: Mapping | None) -> None:
         """Every check of a step, before anything (state creation included) is modified: what
-        the kernels would refuse is refused here, for every group, before the first one steps."""
+        the kernels would refuse is refused here, for every group, before the first one steps
+        (the gradients' rules: ``step_grads_check``, the engine's)."""
+        params, gs, groups, indices = [], [], [], []
+        state, owner, keys = [], [], []
         for gi, group in enumerate(self.param_groups):
             self._check_group_options(gi, group)
             for i, p in enumerate(group["params"]):
                 g = self._grad(p, grads)
                 if g is None:
                     continue
-                where = f"param_groups[{gi}]['params'][{i}]"
                 if not isinstance(g, torch.Tensor):
-                    raise TypeError(f"the gradient of {where} must be a tensor or None, got {type(g).__name__}.")
-                if g.is_sparse:
-                    raise RuntimeError(f"{where} has a sparse gradient; ampfuse optimizers do not support sparse gradients (use torch.optim.SparseAdam).")
+                    raise TypeError(f"the gradient of param_groups[{gi}]['params'][{i}] must be a tensor or None, got {type(g).__name__}.")
                 expected = self._param_dtypes.get(id(p))
                 if expected is not None and p.dtype != expected:
                     raise RuntimeError(
-                        f"{where} has dtype {p.dtype} but was {expected} when the optimizer was built; "
+                        f"param_groups[{gi}]['params'][{i}] has dtype {p.dtype} but was {expected} when the optimizer was built; "
                         "build the optimizer after converting the model (e.g. after model.half())."
                     )
-                if g.dtype not in _SUPPORTED:
-                    raise RuntimeError(f"{where} has a gradient of dtype {g.dtype}; expected torch.float16, torch.bfloat16 or torch.float32.")
-                if g.dtype != p.dtype and g.dtype != torch.float32:
-                    raise RuntimeError(
-                        f"{where} has dtype {p.dtype} but its gradient has dtype {g.dtype}; a gradient must have "
-                        "its param's dtype or be torch.float32 (e.g. an accumulator's fp32 sum)."
-                    )
-                if g.shape != p.shape:
-                    raise RuntimeError(f"{where} has a gradient of shape {tuple(g.shape)} but the parameter has shape {tuple(p.shape)}.")
-                if g.device != p.device:
-                    raise RuntimeError(f"{where} is on {p.device} but its gradient is on {g.device}.")
-                if _overlaps(g, p):
-                    raise RuntimeError(
-                        f"the gradient of {where} shares memory with the parameter (e.g. p.grad = p, or grads={{p: p}}); "
-                        "the step writes the parameter while it reads the gradient. Pass a separate tensor (e.g. .clone())."
-                    )
-                state = self.state.get(p)
-                for key, t in (state.items() if isinstance(state, Mapping) else ()):
-                    if isinstance(t, torch.Tensor) and _overlaps(g, t):
-                        raise RuntimeError(
-                            f"the gradient of {where} shares memory with its optimizer state '{key}'; the step writes "
-                            "the state while it reads the gradient. Pass a separate tensor (e.g. .clone())."
-                        )
+                st = self.state.get(p)
+                for key, t in (st.items() if isinstance(st, Mapping) else ()):
+                    if isinstance(t, torch.Tensor):
+                        state.append(_local(t))
+                        owner.append(len(params))
+                        keys.append(str(key))
+                params.append(_local(p))
+                gs.append(_local(g))
+                groups.append(gi)
+                indices.append(i)
+        if params:
+            torch.ops.ampfuse.step_grads_check(params, gs, state, owner, keys, groups, indices,
+                                               "param_groups[{g}]['params'][{i}]")
 
     def _keeps_master_of(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is one of this optimizer's params and its state holds a master of it."""
@@ -1088,29 +1078,10 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` share memory (their element spans intersect in one storage)."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-    try:
-        if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-            return False
-    except (RuntimeError, NotImplementedError):  # tensors without storage (fake, meta, subclasses)
-        return False
-
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        lo = hi = 0
-        for size, stride in zip(t.shape, t.stride()):
-            extent = (size - 1) * stride
-            if extent < 0:
-                lo += extent
-            else:
-                hi += extent
-        base = t.data_ptr()
-        return base + lo * t.element_size(), base + (hi + 1) * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (the engine's checks look at what the kernels will see)."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
 
 
 def _check_grads_keys(param_groups: list[dict[str, Any]], grads: Mapping) -> None:

@@ -259,6 +259,8 @@ class FusedOptimizer : public torch::optim::Optimizer {
       const torch::optim::OptimizerOptions& user) const = 0;
   // Checks the hyper-parameters of one group's options.
   virtual void check_options(const torch::optim::OptimizerOptions& options) const = 0;
+  // The state tensors `param` has now, by their state_dict names.
+  virtual std::vector<std::pair<const char*, at::Tensor>> state_tensors(const at::Tensor& param) const = 0;
   void check_params(size_t group_index);
 
   // What the optimizer's step plan depends on that the optimizer owns (param groups, state
@@ -332,6 +334,7 @@ class Fused : public FusedOptimizer {
   std::unique_ptr<torch::optim::OptimizerOptions> merge_group_options(
       const torch::optim::OptimizerOptions& user) const override;
   void check_options(const torch::optim::OptimizerOptions& options) const override;
+  std::vector<std::pair<const char*, at::Tensor>> state_tensors(const at::Tensor& param) const override;
   std::vector<const void*> plan_key() const override;
   std::vector<double> plan_hyper() const override;
 };
