@@ -1,6 +1,12 @@
-"""Cross-language test: the same fixed sequence of mixed-precision steps through the C++ API
-(``tests/cpp/crosslang_sequence.cpp``, built as ``ampfuse_crosslang`` by ``make build``) and the
-Python API gives bitwise identical tensors.
+"""Cross-language tests: the same scenarios through the C++ API and the Python API give bitwise
+identical tensors and the same messages (apart from how each surface names a param and a
+checkpoint).
+
+A fixed sequence of mixed-precision steps (``tests/cpp/crosslang_sequence.cpp``, built as
+``ampfuse_crosslang`` by ``make build``), and cases of the engine's rules
+(``tests/cpp/crosslang_cases.cpp``, ``ampfuse_crosslang_cases``): exact-tie masters through form
+switches and checkpoints of the other form, master_weights off and on again, a checkpoint loaded
+into other precision options, the gradient checks across groups, bad scaler checkpoint entries.
 
 The sequence (CPU): bf16 params, ``AdamW`` with fp32 masters, a ``GradScaler`` with hysteresis and
 a short growth interval, an inf and a NaN injected, ``unscale_and_clip_`` on some iterations; then
@@ -10,7 +16,10 @@ C++ program writes its inputs too, so both sides start from the same bits.
 
 from __future__ import annotations
 
+import copy
+import math
 import os
+import re
 import subprocess
 
 import pytest
@@ -23,9 +32,9 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NUM_PARAMS = 3
 
 
-def _binary() -> str:
+def _binary(name: str = "ampfuse_crosslang") -> str:
     build_dir = os.environ.get("AMPFUSE_CPP_BUILD_DIR", os.path.join(_ROOT, "build"))
-    path = os.path.join(build_dir, "tests", "cpp", "ampfuse_crosslang")
+    path = os.path.join(build_dir, "tests", "cpp", name)
     if not os.path.exists(path):
         pytest.fail(
             f"{path} does not exist: build the C++ tests first (`make build`, or set "
@@ -113,3 +122,185 @@ def test_the_sequence_exercises_skips_growth_and_clipping(cpp_results):
     assert 0.5 < float(cpp_results["norm/1"]) < float("inf")  # clipping was active
     assert cpp_results["out/master/0"].dtype == torch.float32
     assert cpp_results["out/param/0"].dtype == torch.bfloat16
+
+
+# ---- the engine's rules, case by case -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cpp_cases(tmp_path_factory) -> dict[str, object]:
+    out = tmp_path_factory.mktemp("crosslang") / "cases.pt"
+    subprocess.run([_binary("ampfuse_crosslang_cases"), str(out)], check=True, timeout=120)
+    with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
+        return torch.load(out)
+
+
+def _message(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the message is what is compared
+        return str(e)
+    return ""
+
+
+def _master(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
+    st = opt.state[p]
+    if "master_remainder" in st:
+        return ampfuse.optim.join_master(p.detach(), st["master_remainder"])
+    return st["master_param"].clone()
+
+
+def _zero_step(opt: torch.optim.Optimizer, p: torch.Tensor) -> None:
+    p.grad = torch.zeros_like(p)
+    opt.step()
+
+
+def _ties(d: dict) -> dict:
+    res = {}
+    masters = d["in/ties"]
+    p = masters.to(torch.bfloat16).requires_grad_(True)
+    opt = ampfuse.optim.SGD([p], lr=0.0)
+    _zero_step(opt, p)
+    opt.state[p]["master_param"].copy_(masters)
+    opt.param_groups[0]["master_weights"] = "remainder"
+    _zero_step(opt, p)
+    res["ties/remainder/param"], res["ties/remainder/master"] = p.detach().clone(), _master(opt, p)
+    opt.param_groups[0]["master_weights"] = True
+    _zero_step(opt, p)
+    res["ties/back/param"], res["ties/back/master"] = p.detach().clone(), _master(opt, p)
+    for from_remainder in (True, False):
+        key = "ties/load_into_fp32" if from_remainder else "ties/load_into_remainder"
+        opt.param_groups[0]["master_weights"] = "remainder" if from_remainder else True
+        _zero_step(opt, p)
+        sd = copy.deepcopy(opt.state_dict())
+        q = p.detach().clone().requires_grad_(True)
+        other = ampfuse.optim.SGD([q], lr=0.0, master_weights=True if from_remainder else "remainder")
+        other.load_state_dict(sd)
+        _zero_step(other, q)
+        res[f"{key}/param"], res[f"{key}/master"] = q.detach().clone(), _master(other, q)
+    return res
+
+
+def _master_weights_off_and_on(d: dict) -> dict:
+    p = d["in/off_on/init"].clone().requires_grad_(True)
+    opt = ampfuse.optim.AdamW([p], lr=1e-2, master_weights="remainder")
+    for k in range(5):
+        if k == 2:
+            opt.param_groups[0]["master_weights"] = False
+        if k == 4:
+            opt.param_groups[0]["master_weights"] = "remainder"
+        p.grad = d[f"in/off_on/grad/{k}"].clone()
+        opt.step()
+    return {"off_on/param": p.detach().clone(), "off_on/master": _master(opt, p),
+            "off_on/exp_avg": opt.state[p]["exp_avg"].clone()}
+
+
+def _load_keeps_own_options(d: dict) -> dict:
+    a = d["in/own/init"].clone().requires_grad_(True)
+    without = ampfuse.optim.AdamW([a], lr=0.05, master_weights=False, state_dtype=torch.bfloat16)
+    for k in range(2):
+        a.grad = d[f"in/own/grad/{k}"].clone()
+        without.step()
+    sd = copy.deepcopy(without.state_dict())
+    b = a.detach().clone().requires_grad_(True)
+    with_ = ampfuse.optim.AdamW([b], lr=1e-3)
+    with_.load_state_dict(sd)
+    b.grad = d["in/own/grad/2"].clone()
+    with_.step()
+    g = with_.param_groups[0]
+    return {"own/keeps_master": "master_param" in with_.state[b], "own/fp32_state": g["state_dtype"] == torch.float32,
+            "own/lr": g["lr"], "own/param": b.detach().clone(), "own/master": _master(with_, b),
+            "own/exp_avg": with_.state[b]["exp_avg"].clone()}
+
+
+def _grad_checks_across_groups(d: dict) -> dict:
+    res = {}
+    for k in range(2):
+        p0 = torch.ones(4).to(torch.bfloat16).requires_grad_(True)
+        p1 = torch.ones(3).to(torch.bfloat16).requires_grad_(True)
+        opt = ampfuse.optim.AdamW([{"params": [p0]}, {"params": [p1]}], lr=0.1)
+        grads = {p0: torch.ones(4).to(torch.bfloat16), p1: torch.ones(3).to(torch.float16) if k == 0 else p1.detach()}
+        before = p0.detach().clone()
+        res[f"grads/{k}/message"] = _message(lambda: opt.step(grads=grads))
+        res[f"grads/{k}/unchanged"] = torch.equal(p0.detach(), before) and len(opt.state) == 0
+    return res
+
+
+_GOOD_SCALER = {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 100, "_growth_tracker": 0}
+_BAD_SCALER = [("backoff_factor", 0.0), ("backoff_factor", -0.5), ("backoff_factor", math.nan), ("scale", "x"),
+               ("growth_interval", 2.5), ("scale", -1.0)]
+
+
+def _bad_scaler_entries(d: dict) -> dict:
+    res = {}
+    for k, (key, value) in enumerate(_BAD_SCALER):
+        scaler = ampfuse.GradScaler("cpu", init_scale=8.0, growth_interval=7)
+        res[f"scaler/{k}/message"] = _message(lambda: scaler.load_state_dict(dict(_GOOD_SCALER, **{key: value})))
+        res[f"scaler/{k}/unchanged"] = (scaler.get_scale() == 8.0 and scaler.get_growth_interval() == 7
+                                        and scaler.get_backoff_factor() == 0.5)
+    return res
+
+
+def _accumulator_load_checks_the_scaler_first(d: dict) -> dict:
+    res = {}
+    for k, bad in enumerate([-1.0, math.nan, math.inf, "x"]):
+        a = torch.ones(4).to(torch.bfloat16).requires_grad_(True)
+        source = ampfuse.optim.AdamW([a], lr=0.05)
+        for _ in range(3):
+            _zero_step(source, a)
+        sd = {"steps": 2, "micro_step": 0, "windows": 3, "optimizer": copy.deepcopy(source.state_dict()),
+              "scaler": dict(_GOOD_SCALER, scale=bad)}
+        b = torch.full((4,), 2.0).to(torch.bfloat16).requires_grad_(True)
+        target = ampfuse.optim.AdamW([b], lr=0.01)
+        _zero_step(target, b)
+        scaler = ampfuse.GradScaler("cpu", init_scale=8.0)
+        acc = ampfuse.GradAccumulator(torch.nn.Module(), target, scaler, steps=2)
+        master = target.state[b]["master_param"].clone()
+        res[f"acc/{k}/message"] = _message(lambda: acc.load_state_dict(sd))
+        st = target.state[b]
+        res[f"acc/{k}/unchanged"] = (target.param_groups[0]["lr"] == 0.01 and float(st["step"]) == 1.0
+                                     and torch.equal(st["master_param"], master) and scaler.get_scale() == 8.0)
+    return res
+
+
+_CASES = [_ties, _master_weights_off_and_on, _load_keeps_own_options, _grad_checks_across_groups,
+          _bad_scaler_entries, _accumulator_load_checks_the_scaler_first]
+
+
+def _as_python_names(message: str) -> str:
+    """A C++ message in the Python surface's names (params, checkpoints)."""
+    message = re.sub(r"param_groups\(\)\[(\d+)\]\.params\(\)\[(\d+)\]", r"param_groups[\1]['params'][\2]", message)
+    return message.replace("the checkpoint's", "the state dict's")
+
+
+@pytest.mark.parametrize("case", _CASES, ids=[c.__name__.lstrip("_") for c in _CASES])
+def test_engine_case_is_the_same_in_cpp_and_python(cpp_cases, case):
+    py = case(cpp_cases)
+    for key, value in py.items():
+        cpp = cpp_cases[key]
+        if isinstance(value, torch.Tensor):
+            assert cpp.dtype == value.dtype and cpp.shape == value.shape, key
+            assert torch.equal(_bits(cpp), _bits(value)), (key, cpp, value)
+        elif isinstance(value, str):
+            assert value, f"{key}: Python raised nothing"
+            assert _as_python_names(cpp) == value, key
+        else:
+            assert cpp == value, (key, cpp, value)
+        if key.endswith("/unchanged"):
+            assert value is True, f"{key}: the refused call changed state"
+
+
+def test_tie_masters_keep_every_bit_through_form_switches_and_checkpoints(cpp_cases):
+    masters = _bits(cpp_cases["in/ties"])
+    for key in ("remainder", "back", "load_into_fp32", "load_into_remainder"):
+        assert torch.equal(_bits(cpp_cases[f"ties/{key}/master"]), masters), key
+    # the fp32 form holds params rounded half to even, the remainder form ties away from zero
+    rne = cpp_cases["in/ties"].to(torch.bfloat16)
+    assert torch.equal(_bits(cpp_cases["ties/back/param"]), _bits(rne))
+    assert not torch.equal(_bits(cpp_cases["ties/remainder/param"]), _bits(rne))
+
+
+def test_a_checkpoint_without_masters_leaves_the_optimizers_masters_on(cpp_cases):
+    assert cpp_cases["own/keeps_master"] is True and cpp_cases["own/fp32_state"] is True
+    assert cpp_cases["own/lr"] == 0.05  # the hyper-parameters come from the checkpoint
+    assert cpp_cases["own/master"].dtype == torch.float32

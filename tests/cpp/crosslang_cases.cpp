@@ -1,0 +1,272 @@
+// The C++ half of the cross-language cases (tests/test_cpp_crosslang.py runs each case through
+// the Python API too and requires the same bits and the same messages, apart from how each
+// surface names a param and a checkpoint). Writes a dict of tensors, strings and flags with
+// torch::pickle_save; inputs the Python side needs are written under "in/".
+//
+// The cases: exact-tie fp32 masters through master-form switches and through checkpoints of the
+// other form; master_weights switched off and on again; a checkpoint loaded into an optimizer
+// with other precision options; the step's gradient checks across groups; bad scaler checkpoint
+// entries, alone and inside an accumulator checkpoint.
+//
+// Usage: ampfuse_crosslang_cases OUTPUT_FILE
+#include <ATen/ATen.h>
+#include <torch/serialize.h>
+
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <sstream>
+#include <string>
+
+#include "ampfuse/ampfuse.h"
+
+namespace {
+
+using ampfuse::optim::AdamW;
+using ampfuse::optim::AdamWOptions;
+using ampfuse::optim::SGD;
+using ampfuse::optim::SGDOptions;
+using torch::serialize::InputArchive;
+using torch::serialize::OutputArchive;
+
+c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
+
+void put(const std::string& key, c10::IValue v) { out.insert_or_assign(key, std::move(v)); }
+
+// The message of what `fn` throws ("" when it throws nothing).
+std::string message_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
+         at::equal(a.contiguous().view(at::kByte), b.contiguous().view(at::kByte));
+}
+
+template <class Opt>
+typename Opt::State& state_of(Opt& opt, const at::Tensor& p) {
+  return static_cast<typename Opt::State&>(*opt.state().at(p.unsafeGetTensorImpl()));
+}
+
+template <class Options>
+Options& options_of(torch::optim::Optimizer& opt, size_t group) {
+  return static_cast<Options&>(opt.param_groups()[group].options());
+}
+
+at::Tensor master_of(const ampfuse::optim::SGDParamState& s, const at::Tensor& p) {
+  return s.master_remainder().defined() ? ampfuse::optim::join_master(p.detach(), s.master_remainder())
+                                        : s.master_param().clone();
+}
+
+template <class Opt>
+void zero_step(Opt& opt, const at::Tensor& p) {
+  p.mutable_grad() = at::zeros_like(p);
+  opt.step();
+}
+
+std::stringstream saved(const std::function<void(OutputArchive&)>& write) {
+  OutputArchive archive;
+  write(archive);
+  std::stringstream buf;
+  archive.save_to(buf);
+  return buf;
+}
+
+void write_scaler_entries(OutputArchive& a, const std::string& key, const c10::IValue& value) {
+  auto entry = [&](const char* name, c10::IValue v) { a.write(name, name == key ? value : v); };
+  entry("scale", c10::IValue(1024.0));
+  entry("growth_factor", c10::IValue(2.0));
+  entry("backoff_factor", c10::IValue(0.5));
+  entry("growth_interval", c10::IValue(int64_t{100}));
+  entry("_growth_tracker", c10::IValue(int64_t{0}));
+}
+
+// Bad scaler checkpoint entries, one at a time: the message, and whether the scaler stayed as it was.
+void bad_scaler_entries() {
+  const std::vector<std::pair<std::string, c10::IValue>> cases = {
+      {"backoff_factor", c10::IValue(0.0)}, {"backoff_factor", c10::IValue(-0.5)},
+      {"backoff_factor", c10::IValue(std::nan(""))}, {"scale", c10::IValue(std::string("x"))},
+      {"growth_interval", c10::IValue(2.5)}, {"scale", c10::IValue(-1.0)},
+  };
+  for (size_t k = 0; k < cases.size(); ++k) {
+    ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(8.0).growth_interval(7));
+    auto buf = saved([&](OutputArchive& a) { write_scaler_entries(a, cases[k].first, cases[k].second); });
+    InputArchive in;
+    in.load_from(buf);
+    put("scaler/" + std::to_string(k) + "/message", message_of([&] { scaler.load(in); }));
+    put("scaler/" + std::to_string(k) + "/unchanged",
+        scaler.get_scale() == 8.0 && scaler.get_growth_interval() == 7 && scaler.get_backoff_factor() == 0.5);
+  }
+}
+
+void ties() {
+  // fp32 masters that are exact ties between two bf16 values (both signs, even and odd upper
+  // halves), and three that are not.
+  const at::Tensor masters =
+      at::tensor(std::vector<int32_t>{0x3f808000, 0x3f818000, static_cast<int32_t>(0xbf808000),
+                                      static_cast<int32_t>(0xbf818000), 0x40008000, 0x3f801234,
+                                      0x3f80c000, 0x3c008000})
+          .view(at::kFloat);
+  put("in/ties", masters.clone());
+  at::Tensor p = masters.to(at::kBFloat16).set_requires_grad(true);
+  SGD opt(std::vector<at::Tensor>{p}, SGDOptions(0.0));
+  zero_step(opt, p);
+  state_of(opt, p).master_param().copy_(masters);
+  options_of<SGDOptions>(opt, 0).master_remainders(true);
+  zero_step(opt, p);
+  put("ties/remainder/param", p.detach().clone());
+  put("ties/remainder/master", master_of(state_of(opt, p), p));
+  options_of<SGDOptions>(opt, 0).master_remainders(false);
+  zero_step(opt, p);
+  put("ties/back/param", p.detach().clone());
+  put("ties/back/master", master_of(state_of(opt, p), p));
+
+  // A remainder form's checkpoint loaded by an fp32-master optimizer, and the reverse.
+  for (bool from_remainder : {true, false}) {
+    const std::string key = from_remainder ? "ties/load_into_fp32" : "ties/load_into_remainder";
+    options_of<SGDOptions>(opt, 0).master_remainders(from_remainder);
+    zero_step(opt, p);
+    auto buf = saved([&](OutputArchive& a) { opt.save(a); });
+    at::Tensor q = p.detach().clone().set_requires_grad(true);
+    SGD other(std::vector<at::Tensor>{q}, SGDOptions(0.0).master_remainders(!from_remainder));
+    InputArchive in;
+    in.load_from(buf);
+    other.load(in);
+    zero_step(other, q);
+    put(key + "/param", q.detach().clone());
+    put(key + "/master", master_of(state_of(other, q), q));
+  }
+}
+
+void master_weights_off_and_on() {
+  at::manual_seed(1);
+  at::Tensor p = (at::randn({16}) * 0.5).to(at::kBFloat16).set_requires_grad(true);
+  put("in/off_on/init", p.detach().clone());
+  AdamW opt(std::vector<at::Tensor>{p}, AdamWOptions(1e-2).master_remainders(true));
+  for (int k = 0; k < 5; ++k) {
+    if (k == 2) options_of<AdamWOptions>(opt, 0).master_weights(false);
+    if (k == 4) options_of<AdamWOptions>(opt, 0).master_weights(true);
+    const at::Tensor g = at::randn({16}).to(at::kBFloat16);
+    put("in/off_on/grad/" + std::to_string(k), g);
+    p.mutable_grad() = g.clone();
+    opt.step();
+  }
+  auto& s = state_of(opt, p);
+  put("off_on/param", p.detach().clone());
+  put("off_on/master", ampfuse::optim::join_master(p.detach(), s.master_remainder()));
+  put("off_on/exp_avg", s.exp_avg().clone());
+}
+
+void load_keeps_own_options() {
+  at::manual_seed(2);
+  at::Tensor a = (at::randn({16}) * 0.5).to(at::kBFloat16).set_requires_grad(true);
+  put("in/own/init", a.detach().clone());
+  AdamW without(std::vector<at::Tensor>{a}, AdamWOptions(0.05).master_weights(false).state_dtype(at::kBFloat16));
+  for (int k = 0; k < 2; ++k) {
+    const at::Tensor g = at::randn({16}).to(at::kBFloat16);
+    put("in/own/grad/" + std::to_string(k), g);
+    a.mutable_grad() = g.clone();
+    without.step();
+  }
+  auto buf = saved([&](OutputArchive& ar) { without.save(ar); });
+  at::Tensor b = a.detach().clone().set_requires_grad(true);
+  AdamW with(std::vector<at::Tensor>{b}, AdamWOptions(1e-3));
+  InputArchive in;
+  in.load_from(buf);
+  with.load(in);
+  const at::Tensor g = at::randn({16}).to(at::kBFloat16);
+  put("in/own/grad/2", g);
+  b.mutable_grad() = g.clone();
+  with.step();
+  const auto& o = options_of<AdamWOptions>(with, 0);
+  auto& s = state_of(with, b);
+  put("own/keeps_master", s.master_param().defined());
+  put("own/fp32_state", o.state_dtype() == at::kFloat);
+  put("own/lr", o.lr());
+  put("own/param", b.detach().clone());
+  put("own/master", s.master_param().clone());
+  put("own/exp_avg", s.exp_avg().clone());
+}
+
+void grad_checks_across_groups() {
+  for (int k = 0; k < 2; ++k) {
+    at::Tensor p0 = at::ones({4}).to(at::kBFloat16).set_requires_grad(true);
+    at::Tensor p1 = at::ones({3}).to(at::kBFloat16).set_requires_grad(true);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(std::vector<at::Tensor>{p0});
+    groups.emplace_back(std::vector<at::Tensor>{p1});
+    AdamW opt(groups, AdamWOptions(0.1));
+    p0.mutable_grad() = at::ones({4}).to(at::kBFloat16);
+    p1.mutable_grad() = k == 0 ? at::ones({3}).to(at::kHalf) : p1.detach();
+    const at::Tensor before = p0.detach().clone();
+    put("grads/" + std::to_string(k) + "/message", message_of([&] { opt.step(); }));
+    put("grads/" + std::to_string(k) + "/unchanged", same_bits(p0.detach(), before) && opt.state().empty());
+  }
+}
+
+// An accumulator checkpoint whose scaler entry is bad: refused before the optimizer is loaded.
+void accumulator_load_checks_the_scaler_first() {
+  const std::vector<c10::IValue> bad = {c10::IValue(-1.0), c10::IValue(std::nan("")),
+                                        c10::IValue(std::numeric_limits<double>::infinity()),
+                                        c10::IValue(std::string("x"))};
+  for (size_t k = 0; k < bad.size(); ++k) {
+    at::Tensor a = at::ones({4}).to(at::kBFloat16).set_requires_grad(true);
+    AdamW source(std::vector<at::Tensor>{a}, AdamWOptions(0.05));
+    for (int s = 0; s < 3; ++s) zero_step(source, a);
+    auto buf = saved([&](OutputArchive& ar) {
+      ar.write("steps", c10::IValue(int64_t{2}));
+      ar.write("micro_step", c10::IValue(int64_t{0}));
+      ar.write("windows", c10::IValue(int64_t{3}));
+      OutputArchive opt_archive(ar.compilation_unit());
+      source.save(opt_archive);
+      ar.write("optimizer", opt_archive);
+      OutputArchive scaler_archive(ar.compilation_unit());
+      write_scaler_entries(scaler_archive, "scale", bad[k]);
+      ar.write("scaler", scaler_archive);
+    });
+    at::Tensor b = at::full({4}, 2.0).to(at::kBFloat16).set_requires_grad(true);
+    AdamW target(std::vector<at::Tensor>{b}, AdamWOptions(0.01));
+    zero_step(target, b);
+    ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(8.0));
+    ampfuse::GradAccumulator acc(target, &scaler, ampfuse::GradAccumulatorOptions(2));
+    const at::Tensor master = state_of(target, b).master_param().clone();
+    InputArchive in;
+    in.load_from(buf);
+    put("acc/" + std::to_string(k) + "/message", message_of([&] { acc.load(in); }));
+    const auto& s = state_of(target, b);
+    put("acc/" + std::to_string(k) + "/unchanged",
+        options_of<AdamWOptions>(target, 0).lr() == 0.01 && s.step().item<float>() == 1.0f &&
+            same_bits(s.master_param(), master) && scaler.get_scale() == 8.0);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s OUTPUT_FILE\n", argv[0]);
+    return 2;
+  }
+  ties();
+  master_weights_off_and_on();
+  load_keeps_own_options();
+  grad_checks_across_groups();
+  bad_scaler_entries();
+  accumulator_load_checks_the_scaler_first();
+  const std::vector<char> bytes = torch::pickle_save(c10::IValue(out));
+  std::ofstream file(argv[1], std::ios::binary);
+  file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!file) {
+    std::fprintf(stderr, "could not write %s\n", argv[1]);
+    return 1;
+  }
+  return 0;
+}
