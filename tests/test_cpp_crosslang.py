@@ -275,6 +275,7 @@ def _as_python_names(message: str) -> str:
 
 @pytest.mark.parametrize("case", _CASES, ids=[c.__name__.lstrip("_") for c in _CASES])
 def test_engine_case_is_the_same_in_cpp_and_python(cpp_cases, case):
+    assert cpp_cases[f"error/{case.__name__.lstrip('_')}"] == "", "the C++ case threw"
     py = case(cpp_cases)
     for key, value in py.items():
         cpp = cpp_cases[key]

@@ -386,31 +386,22 @@ def test_mid_window_checkpoint_records_the_buffered_params():
         assert torch.equal(r, g)
 
 
-def test_mid_window_checkpoint_of_the_earlier_format_loads():
-    """A mid-window checkpoint saved before the buffered params were recorded indexes ``grads``
-    over the params that required grad: with a frozen param in front, grads[0] belongs to the
-    trainable one (not to the frozen one, which would then be stepped)."""
-    frozen = nn.Parameter(torch.randn(3), requires_grad=False)
+def test_mid_window_checkpoint_without_the_buffered_params_is_refused():
+    """A mid-window checkpoint must say which params its buffers hold; one without that entry is
+    refused with nothing changed."""
     g = nn.Parameter(torch.randn(3))
     b = nn.Parameter(torch.randn(4).to(torch.bfloat16))
-    frozen0 = frozen.detach().clone()
-    opt = ampfuse.optim.SGD([frozen, g, b], lr=0.5)
+    opt = ampfuse.optim.SGD([g, b], lr=0.5)
     acc = ampfuse.GradAccumulator(nn.Module(), opt, None, steps=2)
     with acc.accumulate():
         acc.backward((g * 2).sum() + (b.float() * 3).sum())
     sd = _roundtrip(acc.state_dict())
-    assert sd["buffered"] == [2] and set(sd["grads"]) == {1}
     old = {k: v for k, v in sd.items() if k != "buffered"}
-    old["grads"] = {0: sd["grads"][1]}  # the earlier format's index
-    g0 = g.detach().clone()
-    acc = ampfuse.GradAccumulator(nn.Module(), opt, None, steps=2)
-    acc.load_state_dict(old)
-    assert frozen.grad is None and torch.equal(g.grad, torch.full((3,), 1.0))
-    with acc.accumulate():
-        acc.backward((g * 2).sum() + (b.float() * 3).sum())
-    assert acc.window_ended
-    assert torch.equal(frozen, frozen0)
-    assert torch.equal(g.detach(), g0 - 1.0)
+    fresh = ampfuse.GradAccumulator(nn.Module(), opt, None, steps=2)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="the state dict's buffered entry is missing"):
+        fresh.load_state_dict(old)
+    assert fresh.micro_step == 0 and opt.state_dict()["param_groups"] == before["param_groups"]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -500,32 +500,25 @@ void GradAccumulator::load(InputArchive& archive) {
     skipped = v.toInt();
   }
   const auto params = all_params();
-  // The params the saved buffers hold. At a window boundary: the ones this accumulator buffers
-  // now (the sums are zero). A checkpoint written before "buffered" was recorded holds the
-  // buffers of the params buffered since construction, and indexes grads/<i> over the params
-  // that required grad.
+  // The params the saved buffers hold: at a window boundary, the ones this accumulator buffers
+  // now (the sums are zero); inside a window, those the checkpoint lists under "buffered".
   std::vector<at::Tensor> low = micro_step == 0 ? wanted_low() : low_;
-  std::vector<at::Tensor> grad_params = params;
   if (micro_step != 0) {
-    if (archive.try_read("buffered", v)) {
-      TORCH_CHECK(v.isTensor() && v.toTensor().dim() == 1 && !v.toTensor().is_floating_point(),
-                  "buffered in the checkpoint must be a 1-d integer tensor.");
-      const at::Tensor idx = v.toTensor().to(at::kLong).contiguous();
-      std::unordered_set<int64_t> seen;
-      low.clear();
-      for (int64_t k = 0; k < idx.numel(); ++k) {
-        const int64_t i = idx.data_ptr<int64_t>()[k];
-        TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(params.size()) &&
-                        is_low(params[i].scalar_type()) && seen.insert(i).second,
-                    "buffered in the checkpoint must list distinct indices of fp16/bf16 parameters "
-                    "of this accumulator's optimizer, got ", i, ".");
-        low.push_back(params[i]);
-      }
-    } else {
-      grad_params.clear();
-      for (const auto& p : params) {
-        if (p.requires_grad()) grad_params.push_back(p);
-      }
+    TORCH_CHECK_VALUE(archive.try_read("buffered", v),
+                      "buffered in the checkpoint is missing: a mid-window checkpoint lists the params its "
+                      "buffers hold (the indices of their parameters).");
+    TORCH_CHECK(v.isTensor() && v.toTensor().dim() == 1 && !v.toTensor().is_floating_point(),
+                "buffered in the checkpoint must be a 1-d integer tensor.");
+    const at::Tensor idx = v.toTensor().to(at::kLong).contiguous();
+    std::unordered_set<int64_t> seen;
+    low.clear();
+    for (int64_t k = 0; k < idx.numel(); ++k) {
+      const int64_t i = idx.data_ptr<int64_t>()[k];
+      TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(params.size()) &&
+                      is_low(params[i].scalar_type()) && seen.insert(i).second,
+                  "buffered in the checkpoint must list distinct indices of fp16/bf16 parameters "
+                  "of this accumulator's optimizer, got ", i, ".");
+      low.push_back(params[i]);
     }
   }
   // The flat buffers' sizes per device, in the order layout() gives them.
@@ -555,8 +548,8 @@ void GradAccumulator::load(InputArchive& archive) {
     for (size_t k = 0; k < low.size(); ++k) has_grad[k] = h.data_ptr<int64_t>()[k] != 0;
     std::unordered_set<const c10::TensorImpl*> buffered;
     for (const auto& p : low) buffered.insert(p.unsafeGetTensorImpl());
-    for (size_t i = 0; i < grad_params.size(); ++i) {
-      const at::Tensor& p = grad_params[i];
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& p = params[i];
       if (buffered.count(p.unsafeGetTensorImpl()) != 0) continue;
       if (!archive.try_read("grads/" + std::to_string(i), v)) continue;
       TORCH_CHECK(v.isTensor() && v.toTensor().sizes() == p.sizes(), "grads/", i,

@@ -693,17 +693,15 @@ class GradAccumulator:
         low = self._wanted_low() if micro == 0 else self._low
         if micro != 0 and self._fsdp:
             raise ValueError("a mid-window GradAccumulator state cannot be loaded under FSDP2; load one saved at a window boundary.")
-        grad_params = params  # what the indices of the grads entry refer to
-        if micro != 0 and "buffered" in state_dict:  # the params the saved buffers hold, in order
+        if micro != 0 and "buffered" not in state_dict:
+            raise ValueError("the state dict's buffered entry is missing: a mid-window state dict lists the params its "
+                             "buffers hold (the indices of their parameters).")
+        if micro != 0:  # the params the saved buffers hold, in order
             idx = state_dict["buffered"]
             if not (isinstance(idx, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in idx)
                     and len(set(idx)) == len(idx) and all(0 <= i < len(params) and params[i].dtype in _LOW for i in idx)):
                 raise ValueError(f"the state dict's buffered must list distinct indices of fp16/bf16 parameters of this accumulator's optimizer, got {idx!r}.")
             low = [params[i] for i in idx]
-        elif micro != 0:
-            # Saved before the buffered params were recorded: the buffers are those of the params
-            # buffered since construction, and grads is indexed over the params requiring grad.
-            grad_params = [p for p in params if p.requires_grad]
         has_grad = [False] * len(low)
         if micro != 0:
             sizes: dict[torch.device, int] = defaultdict(int)
@@ -721,10 +719,10 @@ class GradAccumulator:
             if len(has_grad) != len(low):
                 raise ValueError(f"the state dict's has_grad has {len(has_grad)} entries; this accumulator buffers {len(low)} parameters.")
             for i, g in dict(state_dict.get("grads", {})).items():
-                if not (isinstance(i, int) and 0 <= i < len(grad_params) and isinstance(g, torch.Tensor)
-                        and g.shape == grad_params[i].shape):
+                if not (isinstance(i, int) and 0 <= i < len(params) and isinstance(g, torch.Tensor)
+                        and g.shape == params[i].shape):
                     raise ValueError(f"the state dict's grads[{i!r}] does not match a parameter of this accumulator's optimizer.")
-                grads[id(grad_params[i])] = g
+                grads[id(params[i])] = g
         if self._our_scaler and state_dict.get("scaler"):
             self.scaler._validate_state_dict(state_dict["scaler"])
         # apply
