@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import ampfuse
 from ampfuse import _library, ops
-from ampfuse._precision import split_master
+from ampfuse.ops import split_master
 
 TABLE = os.environ.get("AMPFUSE_KERNEL_TABLE", "cuda-emulated")
 if TABLE not in ("cuda-emulated", "cuda"):
