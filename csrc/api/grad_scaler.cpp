@@ -102,12 +102,8 @@ struct ScalingGuard {
 
 namespace {
 
-c10::IValue optional_value(const std::optional<double>& v) {
-  return v.has_value() ? c10::IValue(*v) : c10::IValue();
-}
-
 void check_bounds(const std::optional<double>& min_scale, const std::optional<double>& max_scale) {
-  engine::check_scale_bounds(optional_value(min_scale), optional_value(max_scale));
+  engine::check_scale_bounds(engine::optional_value(min_scale), engine::optional_value(max_scale));
 }
 
 }  // namespace

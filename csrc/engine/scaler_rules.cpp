@@ -79,11 +79,11 @@ std::optional<std::vector<int64_t>> int_list(const c10::IValue& v) {
   return out;
 }
 
+}  // namespace
+
 c10::IValue optional_value(const std::optional<double>& v) {
   return v.has_value() ? c10::IValue(*v) : c10::IValue();
 }
-
-}  // namespace
 
 c10::Dict<std::string, c10::IValue> entry_dict() {
   return c10::impl::toTypedDict<std::string, c10::IValue>(

@@ -14,6 +14,9 @@
 
 namespace ampfuse::engine {
 
+// An optional number as an IValue (None when absent).
+c10::IValue optional_value(const std::optional<double>& v);
+
 // An empty dict of named values (str -> any IValue).
 c10::Dict<std::string, c10::IValue> entry_dict();
 
