@@ -1,15 +1,19 @@
-"""ampfuse.GradAccumulator and the fused accumulation op.
+"""ampfuse.GradAccumulator and the fused accumulation op, and a property-based comparison of the
+accumulator with torch's own accumulation loop.
 
 Tolerances: micro-batch accumulation vs one big batch differs only by fp32 summation order:
 rtol=1e-5, atol=1e-6 on the parameters after several windows."""
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import ampfuse
@@ -302,6 +306,371 @@ def test_misuse():
             pass
     with pytest.raises(ValueError, match="steps must be an integer >= 1"):
         ampfuse.GradAccumulator(model, opt, None, steps=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# the params a window steps: decided at every window, not once
+# ----------------------------------------------------------------------------------------------
+
+
+class TwoBranch(nn.Module):
+    """Branch b is used only when asked: its params get no gradient in other windows."""
+
+    def __init__(self, dtype=torch.bfloat16, fp32_head=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(6, 4).to(dtype)
+        self.b = nn.Linear(6, 4).to(dtype)
+        self.head = nn.Linear(4, 2).to(torch.float32 if fp32_head else dtype)
+
+    def forward(self, x, use_b=True):
+        h = self.a(x.to(self.a.weight.dtype))
+        if use_b:
+            h = h + self.b(x.to(self.b.weight.dtype))
+        return self.head(h.to(self.head.weight.dtype)).float()
+
+
+def _batch(k, n=8):
+    g = torch.Generator().manual_seed(100 + k)
+    return torch.randn(n, 6, generator=g), torch.randn(n, 2, generator=g)
+
+
+def test_param_without_gradient_in_a_window_is_not_stepped():
+    """A bf16 param that had a gradient in an earlier window but none in this one is not
+    stepped (AdamW's decay and momentum would move it); its .grad stays None."""
+    model = TwoBranch()
+    opt = ampfuse.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    acc = ampfuse.GradAccumulator(model, opt, ampfuse.GradScaler("cpu", init_scale=2.0**8), steps=2)
+    for window, use_b in enumerate([True, False, False]):
+        before = [p.detach().clone() for p in model.b.parameters()]
+        for k in range(2):
+            x, y = _batch(10 * window + k)
+            with acc.accumulate():
+                acc.backward(nn.functional.mse_loss(model(x, use_b), y))
+        after = list(model.b.parameters())
+        assert all(torch.equal(a, b) for a, b in zip(before, after)) == (not use_b), window
+        assert all(p.grad is None for p in model.parameters())
+    assert opt.state[model.b.weight]["step"].item() == 1 and opt.state[model.a.weight]["step"].item() == 3
+
+
+@pytest.mark.parametrize("dtype,opt_cls,fp32_acc", [(torch.float32, ampfuse.optim.SGD, True),
+                                                    (torch.float32, torch.optim.SGD, True),
+                                                    (torch.bfloat16, torch.optim.SGD, False),
+                                                    (torch.bfloat16, torch.optim.SGD, True)])
+def test_param_frozen_mid_window_is_stepped_once(dtype, opt_cls, fp32_acc):
+    """requires_grad_(False) inside a window: the window's gradient is applied once, then the
+    param stays where it is (torch's loop: zero_grad() at the window end)."""
+    torch.manual_seed(0)
+    a = nn.Parameter(torch.randn(4).to(dtype))
+    b = nn.Parameter(torch.randn(4).to(dtype))
+    opt = opt_cls([a, b], lr=0.1)
+    acc = ampfuse.GradAccumulator(nn.Module(), opt, None, steps=2, fp32_accumulation=fp32_acc)
+    x = torch.ones(4, dtype=dtype)
+    history = []
+    for window in range(3):
+        for micro in range(2):
+            with acc.accumulate():
+                loss = (a * x).sum() + (b * x).sum() if a.requires_grad else (b * x).sum()
+                acc.backward(loss)
+            if window == 0 and micro == 0:
+                a.requires_grad_(False)
+        history.append(a.detach().clone())
+    assert a.grad is None
+    torch.testing.assert_close(history[1], history[0], atol=0, rtol=0)
+    torch.testing.assert_close(history[2], history[0], atol=0, rtol=0)
+
+
+def test_layer_unfrozen_later_is_summed_in_fp32():
+    """A bf16 param frozen when the accumulator was built and unfrozen later (at a window
+    start, or inside a window) is summed in fp32 like the others."""
+    p = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16), requires_grad=False)
+    opt = ampfuse.optim.SGD([p], lr=1.0, master_weights=True)
+    acc = ampfuse.GradAccumulator(nn.Module(), opt, None, steps=4)
+    # per micro-batch gradients (times 1/steps): 1 then three times 2**-9; bf16 sums lose them
+    coefs = [4.0, 4 * 2.0**-9, 4 * 2.0**-9, 4 * 2.0**-9]
+    for unfreeze_at in (0, 1):
+        with torch.no_grad():
+            p.zero_()
+        opt.state.clear()
+        p.requires_grad_(False)
+        for micro, c in enumerate(coefs):
+            if micro == unfreeze_at:
+                p.requires_grad_(True)
+            with acc.accumulate():
+                loss = (p.float() * c).sum() if p.requires_grad else torch.zeros((), requires_grad=True)
+                acc.backward(loss)
+        expected = -sum(c / 4 for c in coefs[unfreeze_at:])
+        master = opt.state[p]["master_param"]
+        torch.testing.assert_close(master, torch.full((3,), expected, dtype=torch.float32), atol=0, rtol=0)
+
+
+def test_constructing_an_accumulator_leaves_direct_steps_alone():
+    """optimizer.step() outside the accumulator reads .grad, not the accumulator's buffers."""
+    model = nn.Linear(6, 2).bfloat16()
+    opt = ampfuse.optim.SGD(model.parameters(), lr=0.5)
+    ampfuse.GradAccumulator(model, opt, None, steps=2)
+    before = model.weight.detach().clone()
+    model.weight.grad = torch.ones_like(model.weight)
+    model.bias.grad = torch.ones_like(model.bias)
+    opt.step()
+    torch.testing.assert_close(model.weight.float(), (before.float() - 0.5).bfloat16().float())
+
+
+# ----------------------------------------------------------------------------------------------
+# scalers, and errors at a window's end
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_accumulator_with_torch_scaler_detects_overflow_and_clips_the_sums(clip):
+    """Driven by torch.amp.GradScaler with an ampfuse optimizer and bf16 params: an inf
+    micro-batch skips the window (no NaN, scale backed off) and clipping sees the unscaled sums."""
+    runs = {}
+    for kind in ("torch", "ampfuse"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)).bfloat16()
+        opt = ampfuse.optim.AdamW(model.parameters(), lr=1e-2)
+        cls = torch.amp.GradScaler if kind == "torch" else ampfuse.GradScaler
+        scaler = cls("cpu", init_scale=2.0**8, growth_interval=1000)
+        acc = ampfuse.GradAccumulator(model, opt, scaler, steps=2, max_grad_norm=clip)
+        for window in range(4):
+            before = [p.detach().clone() for p in model.parameters()]
+            for k in range(2):
+                x, y = _batch(10 * window + k)
+                with acc.accumulate():
+                    loss = nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+                    acc.backward(loss * (math.inf if (window, k) == (1, 1) else 1.0))
+            moved = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            assert moved == (window != 1), (kind, window)
+            assert all(torch.isfinite(p).all() for p in model.parameters())
+        assert scaler.get_scale() == 2.0**7
+        runs[kind] = [p.detach().float() for p in model.parameters()]
+    # torch's scaler reads the sums rounded to bf16 once per window; ampfuse's step reads them in fp32
+    for a, b in zip(runs["torch"], runs["ampfuse"]):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_accumulator_keeps_working_after_an_error_at_a_window_end():
+    """If the window's end raises (here the scaler's on_min_scale="raise") and the caller goes
+    on, the next windows step again."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 2)
+    opt = ampfuse.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampfuse.GradScaler("cpu", init_scale=2.0, min_scale=1.0, backoff_factor=0.5, on_min_scale="raise")
+    acc = ampfuse.GradAccumulator(model, opt, scaler, steps=2)
+    raised = 0
+    for window in range(4):
+        before = model.weight.detach().clone()
+        for k in range(2):
+            x, y = _batch(10 * window + k)
+            try:
+                with acc.accumulate():
+                    loss = nn.functional.mse_loss(model(x), y) * (math.inf if window in (0, 1) else 1.0)
+                    acc.backward(loss)
+            except RuntimeError as e:
+                assert "hit its floor" in str(e)
+                raised += 1
+        assert acc.micro_step == 0 and acc.window_ended
+        assert torch.equal(before, model.weight) == (window in (0, 1))
+    assert raised == 1 and acc.windows == 4
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints taken mid-window; load_state_dict checks everything first
+# ----------------------------------------------------------------------------------------------
+
+
+def _roundtrip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def test_mid_window_checkpoint_keeps_the_fp32_params_partial_sums():
+    """A state_dict taken mid-window holds the .grad sums of fp32 params too: resuming from it
+    is bitwise identical to not stopping."""
+
+    def run(split):
+        model = TwoBranch(fp32_head=True)
+        opt = ampfuse.optim.AdamW(model.parameters(), lr=1e-2)
+        acc = ampfuse.GradAccumulator(model, opt, ampfuse.GradScaler("cpu", init_scale=2.0**8), steps=3)
+        for k in range(9):
+            if k == split:
+                ck = _roundtrip({"acc": acc.state_dict(), "model": model.state_dict()})
+                model = TwoBranch(fp32_head=True)
+                model.load_state_dict(ck["model"])
+                opt = ampfuse.optim.AdamW(model.parameters(), lr=1e-2)
+                acc = ampfuse.GradAccumulator(model, opt, ampfuse.GradScaler("cpu"), steps=3)
+                acc.load_state_dict(ck["acc"])
+            x, y = _batch(k)
+            with acc.accumulate():
+                acc.backward(nn.functional.mse_loss(model(x), y))
+        return [p.detach().clone() for p in model.parameters()]
+
+    ref = run(-1)
+    for split in (1, 4, 8):
+        for a, b in zip(ref, run(split)):
+            assert torch.equal(a, b), split
+
+
+def test_mid_window_checkpoint_records_the_buffered_params():
+    """A bf16 param unfrozen inside a window is buffered after the others; the checkpoint
+    records which params the buffers hold, so an accumulator built afterwards (which would buffer
+    them in param order) loads each sum into its own param."""
+    def run(checkpoint):
+        torch.manual_seed(5)
+        a = nn.Parameter(torch.randn(4).to(torch.bfloat16), requires_grad=False)
+        b = nn.Parameter(torch.randn(4).to(torch.bfloat16))
+        opt = ampfuse.optim.SGD([a, b], lr=0.5)
+        acc = ampfuse.GradAccumulator(nn.Module(), opt, None, steps=4)
+        for micro in range(4):
+            if micro == 1:
+                a.requires_grad_(True)
+            if micro == 2 and checkpoint:
+                sd = _roundtrip(acc.state_dict())
+                assert sd["buffered"] == [1, 0]
+                acc = ampfuse.GradAccumulator(nn.Module(), opt, None, steps=4)
+                acc.load_state_dict(sd)
+            with acc.accumulate():
+                loss = (b.float() * (micro + 5)).sum()
+                if a.requires_grad:
+                    loss = loss + (a.float() * (micro + 1) * 64).sum()
+                acc.backward(loss)
+        return [opt.state[x]["master_param"].clone() for x in (a, b)]
+
+    for r, g in zip(run(False), run(True)):
+        assert torch.equal(r, g)
+
+
+def test_mid_window_checkpoint_without_the_buffered_params_is_refused():
+    """A mid-window checkpoint must say which params its buffers hold; one without that entry is
+    refused with nothing changed."""
+    g = nn.Parameter(torch.randn(3))
+    b = nn.Parameter(torch.randn(4).to(torch.bfloat16))
+    opt = ampfuse.optim.SGD([g, b], lr=0.5)
+    acc = ampfuse.GradAccumulator(nn.Module(), opt, None, steps=2)
+    with acc.accumulate():
+        acc.backward((g * 2).sum() + (b.float() * 3).sum())
+    sd = _roundtrip(acc.state_dict())
+    old = {k: v for k, v in sd.items() if k != "buffered"}
+    fresh = ampfuse.GradAccumulator(nn.Module(), opt, None, steps=2)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="the state dict's buffered entry is missing"):
+        fresh.load_state_dict(old)
+    assert fresh.micro_step == 0 and opt.state_dict()["param_groups"] == before["param_groups"]
+
+
+def test_accumulator_load_checks_everything_first():
+    p = nn.Parameter(torch.randn(4))
+    opt = ampfuse.optim.SGD([p], lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    acc = ampfuse.GradAccumulator(nn.Module(), opt, None, steps=2, lr_scheduler=sched)
+    for _ in range(2):
+        with acc.accumulate():
+            acc.backward((p * 2).sum())
+    good = acc.state_dict()
+    other = copy.deepcopy(good)
+    other["optimizer"]["param_groups"][0]["lr"] = 123.0
+    before = copy.deepcopy(opt.state_dict())
+    for key, value in (("lr_scheduler", 7), ("windows", "3"), ("windows", 1.5)):
+        bad = dict(other, **{key: value})
+        with pytest.raises(Exception) as info:  # noqa: PT011 - the type is checked below
+            acc.load_state_dict(bad)
+        # nothing was loaded (the optimizer's lr is still its own), and the error names the entry
+        assert opt.param_groups[0]["lr"] == before["param_groups"][0]["lr"]
+        assert info.type is ValueError and f"state dict's {key}" in str(info.value), repr(info.value)
+    acc.load_state_dict(good)
+
+
+# ----------------------------------------------------------------------------------------------
+# property-based: the accumulator against torch's own accumulation loop
+# ----------------------------------------------------------------------------------------------
+
+
+_FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+class _Net(nn.Module):
+    def __init__(self, low: bool):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(3, 4))
+        self.b = nn.Parameter(torch.randn(4).to(torch.bfloat16) if low else torch.randn(4))
+        self.c = nn.Parameter(torch.randn(0))  # zero-size
+        self.unused = nn.Parameter(torch.randn(2))  # never gets a gradient
+        self.tied = nn.Linear(4, 4, bias=False)
+        self.tied2 = self.tied  # tied weights: one param
+
+    def forward(self, x, use_b):
+        h = x @ self.a + self.tied2(x @ self.a) + self.c.sum()
+        if use_b and self.b.requires_grad:
+            h = h + self.b.float()
+        return h.pow(2).mean()
+
+
+_MICRO = st.tuples(st.booleans(), st.sampled_from(["none", "freeze_a", "unfreeze_a", "freeze_b", "unfreeze_b"]),
+                   st.booleans(), st.sampled_from([None, "same", "fresh"]))
+
+
+@_FAST
+@given(steps=st.integers(1, 3), low=st.booleans(), scaled=st.booleans(), fused=st.booleans(),
+       micro=st.lists(_MICRO, min_size=1, max_size=9))
+def test_accumulator_matches_torchs_loop(steps, low, scaled, fused, micro):
+    """GradAccumulator against torch's own accumulation loop (zero_grad at the window end; bf16
+    params summed in fp32 by hand) over random windows, freezing/unfreezing, params without
+    gradients, zero-size and tied params, overflowing micro-batches and mid-window checkpoints."""
+    torch.manual_seed(0)
+    ref, mod = _Net(low), None
+    mod = copy.deepcopy(ref)
+    mk = (lambda ps: ampfuse.optim.SGD(ps, lr=0.05, momentum=0.5)) if fused else (
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.5))
+    opt_ref, opt = mk(list(ref.parameters())), mk(list(mod.parameters()))
+    sc_ref = torch.amp.GradScaler("cpu", init_scale=4.0) if scaled else None
+    sc = torch.amp.GradScaler("cpu", init_scale=4.0) if scaled else None
+    acc = ampfuse.GradAccumulator(mod, opt, sc, steps=steps)
+    sums: dict[nn.Parameter, torch.Tensor] = {}
+    x = torch.randn(2, 3)
+    k = 0
+    for use_b, action, overflow, checkpoint in micro:
+        for net in (ref, mod):
+            if action != "none":
+                getattr(net, action[-1]).requires_grad_(action.startswith("unfreeze"))
+        loss_of = (lambda net: net(x, use_b) * (float("inf") if overflow and scaled else 1.0))
+        # torch's loop
+        loss = loss_of(ref) / steps
+        (sc_ref.scale(loss) if scaled else loss).backward()
+        for p in ref.parameters():
+            if p.dtype == torch.bfloat16 and p.grad is not None:
+                sums[p] = sums.get(p, torch.zeros_like(p, dtype=torch.float32)) + p.grad.float()
+                p.grad = None
+        k += 1
+        # the accumulator
+        with acc.accumulate():
+            acc.backward(loss_of(mod))
+        if checkpoint and acc.micro_step != 0:  # into this accumulator, or a new one built now
+            sd = _roundtrip(acc.state_dict())
+            if checkpoint == "fresh":
+                acc = ampfuse.GradAccumulator(mod, opt, sc, steps=steps)
+            acc.load_state_dict(sd)
+        if k == steps:
+            if fused and not scaled:  # the fused step reads the fp32 sums
+                opt_ref.step(grads=dict(sums))
+            else:
+                for p, s in sums.items():
+                    p.grad = s.to(p.dtype)
+                if scaled:
+                    sc_ref.step(opt_ref)
+                    sc_ref.update()
+                else:
+                    opt_ref.step()
+            sums.clear()
+            opt_ref.zero_grad()
+            k = 0
+            assert acc.window_ended
+        for (name, p), q in zip(ref.named_parameters(), mod.parameters()):
+            torch.testing.assert_close(q, p, atol=0, rtol=0, msg=name)
+    if scaled:
+        assert sc.get_scale() == sc_ref.get_scale()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,9 +1,12 @@
 """ampfuse.GradScaler against torch.amp.GradScaler: the same training sequences must give the same
 scale, growth tracker, grads, params and optimizer state after every step (bitwise), and every
-misuse must raise torch's exception with torch's message."""
+misuse must raise torch's exception with torch's message. Beyond torch: ampfuse's own options
+(scale bounds, hysteresis, stats), its checks of arguments and loaded state dicts (a failed load
+changes nothing), and unscale_and_clip_."""
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import pickle
@@ -150,6 +153,30 @@ def test_isinstance_and_defaults():
     s.set_backoff_factor(0.25)
     s.set_growth_interval(7)
     assert (s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == (3.0, 0.25, 7)
+
+
+def test_torch_cuda_amp_signature_drop_in():
+    """ampfuse.GradScaler's first argument is the device (a number is refused clearly);
+    ampfuse.cuda.amp / ampfuse.cpu.amp.GradScaler take init_scale first, like torch's."""
+    with pytest.raises(TypeError, match="first argument is the device type"):
+        ampfuse.GradScaler(2.0**10)
+    with pytest.warns(FutureWarning, match="is deprecated"):  # as torch's deprecated class
+        s = ampfuse.cpu.amp.GradScaler(2.0**10, growth_interval=7)
+    assert isinstance(s, torch.cpu.amp.GradScaler) and isinstance(s, ampfuse.GradScaler)
+    s.scale(torch.ones(()))
+    assert s.get_scale() == 1024.0 and s.get_growth_interval() == 7
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        c = ampfuse.cuda.amp.GradScaler(2.0**10)
+    assert isinstance(c, torch.cuda.amp.GradScaler) and c._device == "cuda"
+    assert c.is_enabled() == torch.cuda.is_available()
+
+
+def test_deprecated_scaler_classes_warn():
+    """As torch's deprecated torch.cpu.amp/torch.cuda.amp GradScaler classes do."""
+    for cls, device in ((ampfuse.cpu.amp.GradScaler, "cpu"), (ampfuse.cuda.amp.GradScaler, "cuda")):
+        with pytest.warns(FutureWarning, match=rf"torch.{device}.amp.GradScaler\(args...\)` is deprecated"):
+            cls(enabled=False)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the behaviour without CUDA")
@@ -361,6 +388,19 @@ def test_pickling_like_torch():
     assert t.get_scale() == 8.0
 
 
+def test_failed_step_leaves_the_scaler_picklable():
+    """A step() that raises (before scale(), or with closure=) leaves no per-optimizer entry
+    behind: the scaler pickles and deep-copies as torch's does."""
+    s = ampfuse.GradScaler("cpu")
+    opt = ampfuse.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)
+    with pytest.raises(RuntimeError, match="Closure use is not currently supported"):
+        s.step(opt, closure=lambda: 0.0)
+    with pytest.raises(AssertionError, match="Attempted step but _scale is None"):
+        s.step(opt)
+    pickle.dumps(s)
+    copy.deepcopy(s)
+
+
 def test_optimizer_gets_grad_scale_and_found_inf_like_torch():
     seen = {}
 
@@ -396,6 +436,25 @@ def test_check_pass_reads_grads_without_writing():
     versions = [p.grad._version for p in m.parameters()]
     s._check_inf_per_device(o)
     assert [p.grad._version for p in m.parameters()] == versions
+
+
+def test_unscaled_grads_after_step_the_documented_way():
+    """With an ampfuse optimizer, scaler.step leaves .grad scaled (it never writes the
+    gradients); calling unscale_ before step gives unscaled .grad, as every torch path does."""
+    for unscale_first in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = ampfuse.optim.SGD(model.parameters(), lr=0.1)
+        s = ampfuse.GradScaler("cpu", init_scale=8.0)
+        x = torch.randn(3, 4)
+        s.scale(model(x).sum()).backward()
+        scaled = model.weight.grad.clone()
+        if unscale_first:
+            s.unscale_(opt)
+        s.step(opt)
+        s.update()
+        expected = scaled / 8.0 if unscale_first else scaled
+        torch.testing.assert_close(model.weight.grad, expected, rtol=0, atol=0)
 
 
 def test_unscale_is_one_fused_call_per_device(monkeypatch):
@@ -497,6 +556,53 @@ def test_extension_arguments_are_validated():
             OurScaler("cpu", **kw)
 
 
+def test_scale_bounds_clamp_init_and_loaded_scale():
+    """init_scale and a loaded scale outside [min_scale, max_scale] are clamped (with a
+    warning); a min_scale beyond the float range is refused at construction, naming min_scale."""
+    with pytest.warns(UserWarning, match="init_scale 65536 is outside"):
+        s = ampfuse.GradScaler("cpu", max_scale=1024.0)
+    s.scale(torch.ones(()))
+    assert s.get_scale() == 1024.0
+    with pytest.warns(UserWarning, match="the loaded scale 1e\\+06 is outside"):
+        s.load_state_dict(dict(torch.amp.GradScaler("cpu", init_scale=1e6).state_dict()))
+    assert s.get_scale() == 1024.0
+    with pytest.raises(ValueError, match=r"min_scale must be a finite number in \[0, 3.40282e\+38\]"):
+        ampfuse.GradScaler("cpu", min_scale=1e39)
+
+
+def test_failed_loads_change_nothing():
+    """A bad state dict raises before any part of the object changed; it stays usable."""
+    s = ampfuse.GradScaler("cpu", init_scale=2.0**8, hysteresis=2)
+    s.scale(torch.ones(()))
+    good = s.state_dict()
+    for bad in [dict(good, stats=[1, 2]), dict(good, hysteresis=0), dict(good, scale="x")]:
+        with pytest.raises(ValueError):
+            s.load_state_dict(bad)
+        assert s.state_dict() == good
+    p = [torch.randn(4, requires_grad=True)]
+    opt = ampfuse.optim.Adam(p, lr=0.1)
+    p[0].grad = torch.ones(4)
+    opt.step()
+    sd = opt.state_dict()
+    bad = copy.deepcopy(sd)
+    bad["state"][0]["step"] = "abc"
+    bad["param_groups"][0]["lr"] = 123.0
+    with pytest.raises(ValueError, match="state 'step' of parameter 0 must be a number"):
+        opt.load_state_dict(bad)
+    assert opt.param_groups[0]["lr"] == 0.1 and opt.state[p[0]]["step"].item() == 1
+    opt.step()
+    model = nn.Linear(4, 2).bfloat16()
+    aopt = ampfuse.optim.SGD(model.parameters(), lr=0.1)
+    acc = ampfuse.GradAccumulator(model, aopt, ampfuse.GradScaler("cpu"), steps=2)
+    with acc.accumulate():
+        acc.backward(model(torch.randn(3, 4).bfloat16()).float().sum())
+    sd = acc.state_dict()
+    for key, value in [("buffers", {"cpu": torch.zeros(3)}), ("micro_step", 5)]:
+        with pytest.raises(ValueError):
+            acc.load_state_dict(dict(sd, **{key: value}))
+        assert acc.micro_step == 1 and acc._flat[torch.device("cpu")].abs().sum() > 0
+
+
 def test_stats_and_last_found_inf_are_device_tensors():
     s = OurScaler("cpu", init_scale=2.0**8)
     m = make_model("cpu")
@@ -573,6 +679,29 @@ def test_unscale_and_clip_matches_unscale_then_clip_grad_norm(device, opt_name, 
         torch.testing.assert_close(snap_ours[k], snap_ref[k], rtol=2e-6, atol=1e-7, equal_nan=True, msg=k)
 
 
+def test_unscale_and_clip_accepts_a_tensor_max_norm():
+    """As clip_grad_norm_ does, with its formula (a true division for a tensor max_norm)."""
+    results = []
+    for max_norm in (0.3, torch.tensor(0.3)):
+        for impl in ("ampfuse", "torch"):
+            torch.manual_seed(1)
+            model = nn.Linear(8, 4)
+            opt = (ampfuse.optim.SGD if impl == "ampfuse" else torch.optim.SGD)(model.parameters(), lr=0.1)
+            s = ampfuse.GradScaler("cpu", init_scale=4.0)
+            s.scale(nn.functional.mse_loss(model(torch.randn(5, 8)), torch.randn(5, 4))).backward()
+            if impl == "ampfuse":
+                norm = s.unscale_and_clip_(opt, max_norm)
+            else:
+                s.unscale_(opt)
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            s.step(opt)
+            results.append((norm, [p.detach().clone() for p in model.parameters()]))
+    for (na, pa), (nt, pt) in [(results[0], results[1]), (results[2], results[3])]:
+        torch.testing.assert_close(na, nt, rtol=1e-6, atol=0)
+        for a, b in zip(pa, pt):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_unscale_and_clip_state_machine():
     m = make_model("cpu")
     o = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -583,6 +712,33 @@ def test_unscale_and_clip_state_machine():
         s.unscale_(o)
     with pytest.raises(ValueError, match="max_norm must be a positive finite number"):
         OurScaler("cpu").unscale_and_clip_(o, -1.0)
+
+
+def test_step_without_inf_checks_is_refused():
+    """After unscale_and_clip_, stepping an ampfuse optimizer whose params got no gradient
+    changes nothing and, as torch's scaler does for optimizers with _step_supports_amp_scaling,
+    update() raises torch's "No inf checks were recorded prior to update" error."""
+    s = ampfuse.GradScaler("cpu")
+    p = torch.zeros(2, requires_grad=True)
+    opt = ampfuse.optim.AdamW([p], lr=0.1)
+    s.scale(torch.ones(()))
+    s.unscale_and_clip_(opt, 1.0)
+    assert s.step(opt) is None
+    assert torch.equal(p, torch.zeros(2)) and len(opt.state) == 0
+    with pytest.raises(AssertionError, match="No inf checks were recorded prior to update."):
+        s.update()
+
+
+def test_scaler_step_without_gradients_returns_like_torch():
+    """torch's scaler with an optimizer that supports amp scaling returns from step()
+    and raises at update()."""
+    for scaler_cls in (torch.amp.GradScaler, ampfuse.GradScaler):
+        s = scaler_cls("cpu")
+        opt = ampfuse.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=0.1)
+        s.scale(torch.ones(()))
+        assert s.step(opt) is None
+        with pytest.raises(AssertionError, match="No inf checks were recorded prior to update"):
+            s.update()
 
 
 # ----------------------------------------------------------------------------------------------

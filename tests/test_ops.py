@@ -2,6 +2,9 @@
 
 Per op: sample inputs, a reference, ``_test_*`` helpers run on each device (CUDA variants skip
 without a GPU), bitwise comparison where the math is the same, and ``torch.library.opcheck``.
+The checks shared by every op (the optimizer and accumulation ops too) are tested here as well:
+the same errors under FakeTensorMode, and clear errors for empty lists, sparse layouts, and aliased
+or stride-0 tensors (refused before anything changes).
 """
 
 from __future__ import annotations
@@ -250,6 +253,21 @@ def test_norm_deterministic_across_thread_counts():
     assert len(set(results)) == 1
 
 
+def test_fp64_norm_beyond_the_float_range():
+    """fp64 grads whose norm exceeds the float range: a finite fp64 norm, no inf flag, and the
+    clip coefficient torch's clip_grad_norm_ computes."""
+    grads = [torch.full((10,), 3e19, dtype=torch.float64), torch.full((4,), 2e19, dtype=torch.float64)]
+    fi = torch.zeros(1)
+    norm, coef = ops.check_norm_(grads, fi, torch.ones(1), max_norm=1.0)
+    params = [torch.zeros_like(g, requires_grad=True) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    ref = torch.nn.utils.clip_grad_norm_(params, 1.0)
+    assert norm.dtype == torch.float64 and fi.item() == 0.0
+    torch.testing.assert_close(norm, ref, rtol=1e-15, atol=0)
+    torch.testing.assert_close(grads[0] * coef.double(), params[0].grad, rtol=1e-7, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # update_scale_
 # ---------------------------------------------------------------------------------------------
@@ -417,6 +435,30 @@ def test_torch_compile_traces_the_ops():
         assert_bitwise(a, b)
 
 
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda t: ops.sgd_step_([t(4)], [t(4)], [], [], [t()], lr=0.1, momentum=0.9),
+         "momentum_buffers must have one tensor per param when momentum != 0"),
+        (lambda t: ops.adam_step_([t(4)], [t(4)], [], [t(4)], [t(4)], [], [t()], lr=0.1, amsgrad=True),
+         "max_exp_avg_sqs must have one tensor per param when amsgrad is set"),
+        (lambda t: ops.update_scale_(t(1), t(1).int(), t(1), math.inf, 0.5, 10), "growth_factor must be a finite number > 1.0"),
+        (lambda t: ops.sgd_step_([t(4)], [t(4)], [], [], [t()], lr=-1.0), "lr must be >= 0"),
+    ],
+    ids=["momentum-without-buffers", "amsgrad-list", "growth-inf", "negative-lr"],
+)
+def test_fake_kernels_reject_what_the_kernels_reject(call, message):
+    """Under FakeTensorMode (what torch.compile traces with) the same checks and messages as
+    the real kernels: one source of truth (the C++ validation behind the Meta kernels)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with pytest.raises(RuntimeError, match=message):
+        call(lambda *s: torch.zeros(s))
+    with FakeTensorMode():
+        with pytest.raises(RuntimeError, match=message):
+            call(lambda *s: torch.zeros(s))
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input: a clear error naming the argument, and nothing modified.
 # ---------------------------------------------------------------------------------------------
@@ -501,6 +543,56 @@ def test_update_scale_bad_input(device):
             ops.update_scale_(s, g, f, args["growth_factor"], args["backoff_factor"], args["growth_interval"], **extra)
         assert_bitwise(s, before[0])
         assert_bitwise(g, before[1])
+
+
+def test_empty_lists_and_sparse_inputs_give_clear_messages():
+    """Not the dispatcher's NotImplementedError."""
+    ops.sgd_step_([], [], [], [], [], lr=0.1)
+    ops.adam_step_([], [], [], [], [], [], [], lr=0.1)
+    sparse = torch.zeros(3, 3).to_sparse()
+    with pytest.raises(RuntimeError, match=r"accumulators\[0\] must be a strided tensor"):
+        ops.accumulate_grads_([sparse], [torch.zeros(3, 3)], torch.zeros(1))
+    with pytest.raises(RuntimeError, match="scale must be a strided"):
+        ops.update_scale_(torch.ones(1).to_sparse(), torch.zeros(1, dtype=torch.int32), torch.zeros(1), 2.0, 0.5, 10)
+    with pytest.raises(RuntimeError, match=r"grads\[0\] has layout Sparse"):
+        ops.sgd_step_([torch.zeros(3, 3)], [sparse], [], [], [torch.zeros(())], lr=0.1)
+    with pytest.raises(RuntimeError, match=r"params\[0\] has layout Sparse"):
+        ops.adam_step_([sparse], [torch.zeros(3, 3)], [], [torch.zeros(3, 3)], [torch.zeros(3, 3)], [], [torch.zeros(())], lr=0.1)
+
+
+def test_aliased_tensors_are_rejected_before_anything_changes():
+    """The same tensor twice in a written list: a clear error, nothing modified."""
+    t = torch.randn(5)
+    before = t.clone()
+    fi = torch.zeros(1)
+    with pytest.raises(RuntimeError, match=r"tensors\[0\] and tensors\[1\] share memory"):
+        ops.unscale_check_([t, t], fi, torch.full((1,), 0.5))
+    assert torch.equal(t, before) and fi.item() == 0
+    base = torch.randn(10)
+    with pytest.raises(RuntimeError, match=r"share memory"):
+        ops.unscale_check_([base[:6], base[4:]], fi, torch.full((1,), 0.5))
+    p = torch.randn(4)
+    with pytest.raises(RuntimeError, match=r"params\[0\] and grads\[0\] share memory"):
+        ops.sgd_step_([p], [p], [], [], [torch.zeros(())], lr=0.1)
+
+
+@pytest.mark.parametrize("op", ["unscale_check_", "accumulate_grads_", "adam_step_"])
+def test_stride0_tensor_rejected_before_anything_changes(op):
+    """An expanded (stride-0) tensor the kernel would write: rejected before the other
+    tensors (or step counters) change."""
+    good = torch.randn(8)
+    expanded = torch.randn(1).expand(8)
+    before = good.clone()
+    steps = [torch.zeros(()), torch.zeros(())]
+    with pytest.raises(RuntimeError, match=r"\[1\] has internally overlapping memory"):
+        if op == "unscale_check_":
+            ops.unscale_check_([good, expanded], torch.zeros(1), torch.full((1,), 0.5))
+        elif op == "accumulate_grads_":
+            ops.accumulate_grads_([good, expanded], [torch.randn(8), torch.randn(8)], torch.zeros(1))
+        else:
+            ops.adam_step_([good, expanded], [torch.randn(8), torch.randn(8)], [], [torch.zeros(8), torch.zeros(8)],
+                           [torch.zeros(8), torch.zeros(8)], [], steps, lr=0.1)
+    assert torch.equal(good, before) and all(s.item() == 0 for s in steps)
 
 
 def test_library_built_for_another_torch_is_refused():

@@ -1,5 +1,6 @@
 """ampfuse.optim against torch.optim: numerics, master weights, skipped steps, checkpoints, GradScaler
-integration, bad input, memory, and opcheck of the fused step ops.
+integration, bad input (the step's checks run before anything changes), memory, opcheck of the fused
+step ops, params and state edited between steps, and torch's constructor arguments.
 
 Tolerances: SGD matches torch's for-loop implementation bit for bit on CPU. Adam/AdamW match it
 within rtol=1e-6, atol=2e-7 after 200 steps: torch's CPU ``sqrt`` kernel is not correctly rounded
@@ -8,16 +9,20 @@ elements differ by an ulp."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import io
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import ampfuse
 from ampfuse import ops
+from ampfuse.optim import StepScaling
 from conftest import DEVICES, requires_cuda
 
 ADAM_TOL = dict(rtol=1e-6, atol=2e-7)
@@ -357,6 +362,16 @@ def test_load_torch_state_dict_and_continue(kind):
         torch.testing.assert_close(a, b, **tolerance(kind))
 
 
+def test_adam_decoupled_checkpoint_round_trip_with_torch():
+    p = [torch.randn(6, requires_grad=True)]
+    opt = ampfuse.optim.Adam(p, lr=0.1, decoupled_weight_decay=True, weight_decay=0.1)
+    p[0].grad = torch.ones(6)
+    opt.step()
+    t = torch.optim.Adam([p[0].detach().clone().requires_grad_()], lr=0.1)
+    t.load_state_dict(_roundtrip(opt.state_dict()))
+    assert t.param_groups[0]["decoupled_weight_decay"]
+
+
 def test_sgd_state_dict_before_momentum_initialised():
     params = make_params(torch.float32, "cpu")
     opt = ampfuse.optim.SGD(params, lr=0.1, momentum=0.9)
@@ -532,6 +547,94 @@ def test_load_state_dict_with_wrong_shapes_changes_nothing():
     _assert_unchanged(opt, params, before)
 
 
+def test_step_grads_with_unknown_keys_is_an_error():
+    """A key that is not one of the optimizer's params (p.detach()) is refused, by the
+    optimizer and by the scaler, before anything changes."""
+    p = nn.Parameter(torch.randn(4))
+    opt = ampfuse.optim.AdamW([p], lr=0.1)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="grads has a key that is not a parameter of this optimizer"):
+        opt.step(grads={p.detach(): torch.ones(4)})
+    scaler = ampfuse.GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    with pytest.raises(ValueError, match="grads has a key that is not a parameter"):
+        scaler.step(opt, grads={p.detach(): torch.ones(4)})
+    assert torch.equal(p, before) and len(opt.state) == 0
+
+
+def _two_groups():
+    a = nn.Parameter(torch.randn(4))
+    b = nn.Parameter(torch.randn(4))
+    opt = ampfuse.optim.Adam([{"params": [a]}, {"params": [b]}], lr=0.1)
+    a.grad = torch.ones(4)
+    b.grad = torch.ones(4)
+    return a, b, opt
+
+
+@pytest.mark.parametrize("case", ["bf16_grad", "beta2_one", "grad_is_param", "grad_is_param_cached_plan"])
+def test_a_refused_step_changes_nothing(case):
+    """What the kernel would refuse in a later group is refused before any group steps."""
+    a, b, opt = _two_groups()
+    grads = None
+    if case == "grad_is_param_cached_plan":
+        opt.step()  # the plan is built and cached
+    before_a, n_state = a.detach().clone(), len(opt.state)
+    step_a = opt.state[a]["step"].clone() if a in opt.state else None
+    if case == "bf16_grad":
+        grads = {b: torch.ones(4, dtype=torch.bfloat16)}
+    elif case == "beta2_one":
+        opt.param_groups[1]["betas"] = (0.9, 1.0)
+    else:
+        b.grad = b.detach()
+    with pytest.raises((RuntimeError, ValueError)) as info:
+        opt.step(grads=grads)
+    # nothing changed (group 0 not stepped, no state created), and the error names group 1
+    assert torch.equal(a, before_a) and len(opt.state) == n_state
+    if step_a is not None:
+        assert torch.equal(opt.state[a]["step"], step_a)
+    assert re.search(r"param_groups\[1\]", str(info.value)), str(info.value)
+    # fixing the cause and stepping again steps group 0 once
+    ref_a = nn.Parameter(before_a.clone())
+    ref = ampfuse.optim.Adam([ref_a], lr=0.1)
+    if step_a is not None:
+        ref.load_state_dict({"state": {0: copy.deepcopy(dict(opt.state[a]))}, "param_groups": ref.state_dict()["param_groups"]})
+    ref_a.grad = torch.ones(4)
+    ref.step()
+    opt.param_groups[1]["betas"] = (0.9, 0.999)
+    b.grad = torch.ones(4)
+    opt.step()
+    assert torch.equal(a, ref_a)
+
+
+def test_step_scaling_fields_are_checked_first():
+    """A malformed StepScaling field is named, and refused before state is created."""
+    p = nn.Parameter(torch.randn(4))
+    p.grad = torch.ones(4)
+    opt = ampfuse.optim.SGD([p], lr=0.1)
+    with pytest.raises(ValueError, match=r"scaling\.grad_scale must be a 1-element tensor"):
+        opt.step(scaling=StepScaling(grad_scale=torch.ones(2)))
+    with pytest.raises(TypeError, match=r"scaling\.found_inf must be a 1-element tensor"):
+        opt.step(scaling=StepScaling(found_inf=0.0))
+    assert len(opt.state) == 0
+
+
+@pytest.mark.parametrize("copied", [False, True])
+def test_converted_model_is_refused_with_fp32_gradients(copied):
+    """The "was Y when the optimizer was built" check holds when the plan is cached (fp32
+    gradients) and for a deep-copied optimizer."""
+    p = nn.Parameter(torch.randn(4).to(torch.bfloat16))
+    opt = ampfuse.optim.AdamW([p], lr=0.1)
+    opt.step(grads={p: torch.ones(4)})
+    if copied:
+        opt = copy.deepcopy(opt)
+        p = opt.param_groups[0]["params"][0]
+    p.data = p.data.to(torch.float16)
+    before = p.detach().clone()
+    with pytest.raises(RuntimeError, match="has dtype torch.float16 but was torch.bfloat16 when the optimizer was built"):
+        opt.step(grads={p: torch.ones(4)})
+    assert torch.equal(p, before)
+
+
 def test_op_level_errors():
     p = [torch.zeros(4)]
     g = [torch.zeros(4)]
@@ -662,7 +765,7 @@ def test_cuda_no_full_size_temporaries():
     assert torch.cuda.max_memory_allocated() - base < 1 << 16
 
 
-# ---- a param shared by two optimizers; a param replaced between steps ---------------------------
+# ---- a param shared by two optimizers; a param replaced or edited in place between steps --------
 
 
 def _set_grads(params, seed):
@@ -742,3 +845,156 @@ def test_a_replaced_low_precision_param_restarts_its_whole_master(how, form):
     else:
         assert not opt.state[p]["master_remainder"].any()
     torch.testing.assert_close(p.detach(), new, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("edit", ["clamp_", "load_state_dict", "data_copy", "init"])
+def test_inplace_edit_of_a_low_precision_param_is_kept(edit):
+    """An edit of a bf16 param between steps is not undone by the next step: the param takes
+    over its fp32 master (the step starts from the edited value)."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16).bfloat16()
+    opt = ampfuse.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    for k in range(3):
+        model.weight.grad = torch.randn(16, 16).bfloat16()
+        model.bias.grad = torch.randn(16).bfloat16()
+        opt.step()
+    w = model.weight
+    with torch.no_grad():
+        if edit == "clamp_":
+            w.clamp_(-0.01, 0.01)
+        elif edit == "load_state_dict":
+            model.load_state_dict({"weight": torch.full((16, 16), 0.5).bfloat16(), "bias": model.bias.detach().clone()})
+        elif edit == "data_copy":
+            w.data.copy_(torch.full((16, 16), -0.25))
+        else:
+            nn.init.constant_(w, 0.125)
+    edited = w.detach().float().clone()
+    model.weight.grad = torch.zeros(16, 16).bfloat16()
+    model.bias.grad = torch.zeros(16).bfloat16()
+    opt.step()  # a tiny update (momentum) from the edited values
+    assert (w.float() - edited).abs().max().item() < 5e-3, edit
+    assert (opt.state[w]["master_param"] - edited).abs().max().item() < 5e-3
+    opt.sync_masters_from_params()
+    assert torch.equal(opt.state[w]["master_param"], w.float())
+
+
+# ---- state and param groups edited between steps ------------------------------------------------
+
+
+def test_plan_cache_follows_state_and_param_group_changes():
+    """The step honours state.clear(), state[p] = {}, a replaced state tensor or param, and a
+    momentum switched on mid-run (matching torch, dampening included); state_dict() after a reset
+    holds the new state."""
+    torch.manual_seed(0)
+    params = [torch.randn(10, requires_grad=True) for _ in range(3)]
+    ref = [p.detach().clone().requires_grad_() for p in params]
+    opt = ampfuse.optim.SGD(params, lr=0.1, momentum=0.0, dampening=0.3)
+    topt = torch.optim.SGD(ref, lr=0.1, momentum=0.0, dampening=0.3, foreach=False)
+
+    def step(k):
+        g = torch.Generator().manual_seed(k)
+        for p, q in zip(params, ref):
+            p.grad = torch.randn(10, generator=g)
+            q.grad = p.grad.clone()
+        opt.step()
+        topt.step()
+
+    step(0)
+    opt.param_groups[0]["momentum"] = topt.param_groups[0]["momentum"] = 0.9
+    for k in range(1, 4):
+        step(k)
+    for p, q in zip(params, ref):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["momentum_buffer"], topt.state[q]["momentum_buffer"])
+    # a full state reset: the next step starts the momentum again, as torch's does
+    opt.state.clear()
+    topt.state.clear()
+    step(4)
+    assert len(opt.state_dict()["state"]) == 3
+    for p, q in zip(params, ref):
+        assert torch.equal(p, q)
+    # a replaced state tensor and an emptied state entry are used, not the cached ones
+    new_buf = torch.full((10,), 7.0)
+    opt.state[params[0]]["momentum_buffer"] = new_buf
+    topt.state[ref[0]]["momentum_buffer"] = new_buf.clone()
+    opt.state[params[1]] = {}
+    del topt.state[ref[1]]
+    step(5)
+    for p, q in zip(params, ref):
+        assert torch.equal(p, q)
+    assert opt.state[params[0]]["momentum_buffer"] is new_buf
+    # a param replaced in the group
+    fresh = torch.randn(10, requires_grad=True)
+    opt.param_groups[0]["params"][2] = fresh
+    fresh.grad = torch.ones(10)
+    before = fresh.detach().clone()
+    opt.step()
+    assert not torch.equal(fresh, before)
+
+
+def test_state_holds_non_dict_values_under_other_keys():
+    """As torch allows: opt.state["test"] = 1 (a state_dict pre-hook), True from a
+    load_state_dict post-hook; stepping, saving and loading still work."""
+    p = nn.Parameter(torch.randn(4))
+    opt = ampfuse.optim.SGD([p], lr=0.1, momentum=0.9)
+    opt.register_state_dict_pre_hook(lambda o: o.state.__setitem__("test", 1))
+    opt.register_load_state_dict_post_hook(lambda o: o.state.__setitem__("loaded", True))
+    p.grad = torch.ones(4)
+    opt.step()
+    sd = opt.state_dict()
+    assert sd["state"]["test"] == 1
+    opt.load_state_dict(sd)
+    assert opt.state["loaded"] is True and opt.state["test"] == 1
+    opt.step()
+    copy.deepcopy(opt)
+
+
+# ---- torch's constructor arguments: accepted and refused as torch's are -------------------------
+
+
+def test_optimizers_accept_torchs_keyword_arguments():
+    """foreach, fused, capturable (implementation switches: accepted) and Adam's
+    decoupled_weight_decay (== AdamW); differentiable=True is refused clearly."""
+    p = [torch.randn(6, requires_grad=True)]
+    ampfuse.optim.SGD(p, lr=0.1, foreach=True, fused=None, differentiable=False)
+    ampfuse.optim.AdamW(p, foreach=False, fused=True, capturable=True)
+    with pytest.raises(ValueError, match="differentiable=True is not supported"):
+        ampfuse.optim.Adam(p, differentiable=True)
+    runs = []
+    for cls, kw in [(ampfuse.optim.Adam, dict(decoupled_weight_decay=True)), (ampfuse.optim.AdamW, {})]:
+        q = [p[0].detach().clone().requires_grad_()]
+        opt = cls(q, lr=0.1, weight_decay=0.1, **kw)
+        for k in range(3):
+            q[0].grad = torch.full((6,), float(k + 1))
+            opt.step()
+        runs.append(q[0].detach())
+    assert torch.equal(*runs)
+    torch_adam = torch.optim.Adam([torch.zeros(1, requires_grad=True)], decoupled_weight_decay=True)
+    assert torch_adam.defaults["decoupled_weight_decay"]
+
+
+def test_numpy_scalar_lr_is_accepted():
+    """lr=np.float32(0.1) steps as lr=0.1 (torch accepts numpy scalars)."""
+    results = []
+    for lr in (np.float32(0.1), float(np.float32(0.1))):
+        p = nn.Parameter(torch.ones(4))
+        opt = ampfuse.optim.Adam([p], lr=lr)
+        p.grad = torch.full((4,), 0.5)
+        opt.step()
+        results.append(p.detach().clone())
+    torch.testing.assert_close(results[0], results[1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("cls", [ampfuse.optim.Adam, ampfuse.optim.AdamW])
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(lr=torch.tensor(0.01), foreach=True), "lr as a Tensor is not supported"),
+    (dict(betas=(0.9, torch.tensor(0.99))), "betas must be either both floats or both Tensors"),
+    (dict(betas=(torch.tensor(0.9), 0.99)), "betas must be either both floats or both Tensors"),
+    (dict(betas=(torch.tensor(0.9), torch.tensor(0.99)), foreach=True), r"betas\[0\] as a Tensor is not supported"),
+])
+def test_adam_argument_rules_as_strict_as_torch(cls, kwargs, match):
+    torch_cls = getattr(torch.optim, cls.__name__)
+    with pytest.raises(ValueError, match=match):
+        torch_cls([nn.Parameter(torch.zeros(2))], **kwargs)
+    with pytest.raises(ValueError, match=match):
+        cls([nn.Parameter(torch.zeros(2))], **kwargs)

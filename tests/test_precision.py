@@ -5,19 +5,29 @@
   ``True``'s only at exact ties (rounded away from zero instead of to even).
 - ``state_dtype=torch.bfloat16`` runs the fp32 math and stores the state rounded to nearest even:
   one step from bf16-representable state equals the fp32-state step with its state rounded.
-- Checkpoints: fp32 state and an fp32 ``master_param`` on save, loadable by torch.optim and back.
+- Checkpoints: fp32 state and an fp32 ``master_param`` on save, loadable by torch.optim and back;
+  on load the optimizer keeps its own precision options and converts the loaded state.
+- Switching a group's master form or state dtype (and checkpoints of the other form) keeps every
+  master bit for bit, exact ties included; state_dtype switches round the moments once.
 """
 
 from __future__ import annotations
 
+import io
 import math
+import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
 
 import ampfuse
 from ampfuse import ops
-from ampfuse.optim import join_master, split_master
+from ampfuse.optim import StepScaling, join_master, split_master
+
+_FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _rne(master: torch.Tensor) -> torch.Tensor:
@@ -153,12 +163,13 @@ def _run(master_weights, steps: int, checkpoint_every: int, opt_cls=ampfuse.opti
     return params, opt, skipped
 
 
+def _master_of(opt, p):
+    st = opt.state[p]
+    return join_master(p.detach(), st["master_remainder"]) if "master_remainder" in st else st["master_param"]
+
+
 def _masters(params, opt):
-    out = []
-    for p in params:
-        st = opt.state[p]
-        out.append(join_master(p.detach(), st["master_remainder"]) if "master_remainder" in st else st["master_param"])
-    return out
+    return [_master_of(opt, p) for p in params]
 
 
 @pytest.mark.parametrize("opt_cls", [ampfuse.optim.AdamW, ampfuse.optim.SGD], ids=["adamw", "sgd"])
@@ -233,3 +244,204 @@ def test_switching_options_converts_state():
 def test_bad_precision_options(bad, message):
     with pytest.raises(ValueError, match=message):
         ampfuse.optim.AdamW(_model(0), **bad)
+
+
+# ---- precision options on load; switching the master form, ties included ------------------------
+
+
+def _roundtrip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _adamw_step(opt, params):
+    for p in params:
+        p.grad = torch.full_like(p, 0.25)
+    opt.step()
+
+
+def test_load_state_dict_keeps_the_optimizers_precision_options():
+    """The options the optimizer has win over the checkpoint's; its state is converted."""
+    p0 = nn.Parameter(torch.randn(8).to(torch.bfloat16))
+    plain = ampfuse.optim.AdamW([p0], lr=0.1)
+    _adamw_step(plain, [p0])
+    sd = _roundtrip(plain.state_dict())
+
+    p1 = nn.Parameter(p0.detach().clone())
+    small = ampfuse.optim.AdamW([p1], lr=0.1, master_weights="remainder", state_dtype=torch.bfloat16)
+    small.load_state_dict(sd)
+    assert small.param_groups[0]["master_weights"] == "remainder"
+    assert small.param_groups[0]["state_dtype"] == torch.bfloat16
+    _adamw_step(small, [p1])
+    st1 = small.state[p1]
+    assert "master_param" not in st1 and st1["master_remainder"].dtype == torch.int16
+    assert st1["exp_avg"].dtype == torch.bfloat16 and st1["exp_avg_sq"].dtype == torch.bfloat16
+
+    # the reverse: a remainder/bf16 checkpoint into an fp32-master/fp32-state optimizer
+    sd_small = _roundtrip(small.state_dict())
+    p2 = nn.Parameter(p1.detach().clone())
+    big = ampfuse.optim.AdamW([p2], lr=0.1)
+    big.load_state_dict(sd_small)
+    assert big.param_groups[0]["master_weights"] == "auto"
+    assert big.param_groups[0]["state_dtype"] == torch.float32
+    _adamw_step(big, [p2])
+    assert big.state[p2]["exp_avg"].dtype == torch.float32
+    assert big.state[p2]["master_param"].dtype == torch.float32
+
+
+def _tie_setup(n=4096):
+    """An SGD (lr=0, so a step only re-syncs masters) over a bf16 param whose fp32 masters are
+    all exact ties (low 16 bits 0x8000), in the fp32-master form (param = round-half-even)."""
+    torch.manual_seed(3)
+    p = nn.Parameter(torch.randn(n).to(torch.bfloat16))
+    opt = ampfuse.optim.SGD([p], lr=0.0, master_weights=True)
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    hi = (p.detach().view(torch.int16).to(torch.int32) << 16) | 0x8000
+    master = hi.view(torch.float32)
+    with torch.no_grad():
+        opt.state[p]["master_param"].copy_(master)
+        p.copy_(master.to(torch.bfloat16))
+    return p, opt, master.clone()
+
+
+def test_tie_masters_survive_switching_the_master_form():
+    """True -> "remainder" -> True keeps every master bit for bit, ties included."""
+    p, opt, master = _tie_setup()
+    opt.step()
+    assert torch.equal(_bits(_master_of(opt, p)), _bits(master))
+    opt.param_groups[0]["master_weights"] = "remainder"
+    opt.step()
+    assert torch.equal(_bits(_master_of(opt, p)), _bits(master))
+    opt.param_groups[0]["master_weights"] = True
+    opt.step()
+    assert torch.equal(_bits(_master_of(opt, p)), _bits(master))
+
+
+def test_tie_masters_survive_checkpoints_of_the_other_form():
+    """A checkpoint saved in one master form loads into the other with every master exact."""
+    p, opt, master = _tie_setup()
+    opt.param_groups[0]["master_weights"] = "remainder"
+    opt.step()
+    sd = _roundtrip(opt.state_dict())
+    torch.testing.assert_close(sd["state"][0]["master_param"], master, atol=0, rtol=0)
+    # remainder form -> fp32 masters (the model's bf16 weights come from the remainder form)
+    q = nn.Parameter(p.detach().clone())
+    opt_f = ampfuse.optim.SGD([q], lr=0.0, master_weights=True)
+    opt_f.load_state_dict(sd)
+    q.grad = torch.zeros_like(q)
+    opt_f.step()
+    assert torch.equal(_bits(_master_of(opt_f, q)), _bits(master))
+    # fp32 masters -> remainder form
+    sd_f = _roundtrip(opt_f.state_dict())
+    r = nn.Parameter(q.detach().clone())
+    opt_r = ampfuse.optim.SGD([r], lr=0.0, master_weights="remainder")
+    opt_r.load_state_dict(sd_f)
+    r.grad = torch.zeros_like(r)
+    opt_r.step()
+    assert torch.equal(_bits(_master_of(opt_r, r)), _bits(master))
+
+
+def test_master_weights_false_drops_the_master():
+    """True -> False -> True: the master restarts from the param, not a stale one."""
+    p = nn.Parameter(torch.full((4,), 1.0, dtype=torch.bfloat16))
+    opt = ampfuse.optim.SGD([p], lr=2.0**-12, master_weights=True)
+    p.grad = torch.ones_like(p)
+    opt.step()  # master 1 - 2**-12, param 1.0
+    opt.param_groups[0]["master_weights"] = False
+    opt.step()  # updated directly: param 1.0 (the step is below half an ulp)
+    assert "master_param" not in opt.state[p]
+    opt.param_groups[0]["master_weights"] = True
+    opt.step()
+    torch.testing.assert_close(opt.state[p]["master_param"], torch.full((4,), 1.0 - 2.0**-12), atol=0, rtol=0)
+
+
+# ---- property-based: switching master form and state dtype never changes a master ---------------
+
+
+@_FAST
+@given(ops=st.lists(st.sampled_from(["true", "remainder", "bf16_state", "fp32_state", "ckpt", "step", "add_group"]),
+                   min_size=1, max_size=8),
+       seed=st.integers(0, 2**16))
+def test_precision_switches_keep_masters_bit_for_bit(ops, seed):
+    """Switching master form and state dtype (group edits, add_param_group, checkpoints of
+    either form) never changes a master: after every operation each param's master is the one an
+    optimizer that never switched holds (ties included), and the trajectories agree."""
+    torch.manual_seed(seed)
+    base = torch.randn(64)
+    tie = (base.to(torch.bfloat16).view(torch.int16).to(torch.int32) << 16) | 0x8000
+    init = torch.where(torch.arange(64) % 2 == 0, tie.view(torch.float32), base)
+    groups = [nn.Parameter(init.to(torch.bfloat16))]
+    ref_p = nn.Parameter(init.to(torch.bfloat16))
+    ref = ampfuse.optim.Adam([ref_p], lr=1e-3, master_weights=True)
+    opt = ampfuse.optim.Adam([groups[0]], lr=1e-3, master_weights=True)
+    with torch.no_grad():
+        for o, p in ((ref, ref_p), (opt, groups[0])):
+            p.grad = torch.zeros_like(p)
+            o.step()  # create the masters, then make them ties
+            o.state[p]["master_param"].copy_(init)
+            p.copy_(init.to(torch.bfloat16))
+    extra = []
+    for op in ops:
+        g = opt.param_groups[-1]
+        if op in ("true", "remainder"):
+            g["master_weights"] = True if op == "true" else "remainder"
+        elif op.endswith("_state"):  # the same moments on both sides: the masters must agree
+            for o in (ref, opt):
+                o.param_groups[0]["state_dtype"] = torch.bfloat16 if op == "bf16_state" else torch.float32
+        elif op == "ckpt":
+            sd = _roundtrip(opt.state_dict())
+            mw = [gr["master_weights"] for gr in opt.param_groups]
+            sdt = [gr["state_dtype"] for gr in opt.param_groups]
+            opt = ampfuse.optim.Adam([{"params": gr["params"], "master_weights": m, "state_dtype": d}
+                                      for gr, m, d in zip(opt.param_groups, mw, sdt)], lr=1e-3)
+            opt.load_state_dict(sd)
+        elif op == "add_group" and not extra:
+            q = nn.Parameter(torch.randn(8).to(torch.bfloat16))
+            extra.append(q)
+            opt.add_param_group({"params": [q], "master_weights": "remainder"})
+        grad = torch.randn(64).to(torch.bfloat16) if op == "step" else torch.zeros(64, dtype=torch.bfloat16)
+        for o, p in ((ref, ref_p), (opt, groups[0])):
+            p.grad = grad.clone()
+            if op != "step":
+                o.step(scaling=StepScaling(found_inf=torch.ones(())))  # a skipped step: converts only
+            else:
+                o.step()
+        for q in extra:
+            q.grad = None
+        assert torch.equal(_bits(_master_of(opt, groups[0])), _bits(_master_of(ref, ref_p))), op
+
+
+@_FAST
+@given(seq=st.lists(st.sampled_from([torch.float32, torch.bfloat16]), min_size=1, max_size=5), seed=st.integers(0, 99))
+def test_state_dtype_switches_round_the_moments_once(seq, seed):
+    """Switching state_dtype stores the moments rounded to nearest even (fp32 -> bf16) or widened
+    exactly (bf16 -> fp32), for every param with state (one without a gradient at that step too,
+    as the README says); the masters are untouched."""
+    torch.manual_seed(seed)
+    p = nn.Parameter(torch.randn(32).to(torch.bfloat16))
+    q = nn.Parameter(torch.randn(16).to(torch.bfloat16))  # has state, gets no gradient later
+    opt = ampfuse.optim.Adam([p, q], lr=1e-3, master_weights="remainder")
+    p.grad = torch.randn(32).to(torch.bfloat16)
+    q.grad = torch.randn(16).to(torch.bfloat16)
+    opt.step()
+    q.grad = None
+    for dtype in seq:
+        before = {(x, k): opt.state[x][k].clone() for x in (p, q) for k in ("exp_avg", "exp_avg_sq")}
+        masters = [_master_of(opt, x).clone() for x in (p, q)]
+        opt.param_groups[0]["state_dtype"] = dtype
+        opt.step(scaling=StepScaling(found_inf=torch.ones(())))
+        for (x, k), v in before.items():
+            assert opt.state[x][k].dtype == dtype
+            assert torch.equal(opt.state[x][k], v.to(dtype))
+        for x, master in zip((p, q), masters):
+            assert torch.equal(_bits(_master_of(opt, x)), _bits(master))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.state_dict()
