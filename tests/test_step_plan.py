@@ -416,6 +416,15 @@ def test_plan_object_rejects_bad_construction():
         plan.finalize()
 
 
+@pytest.mark.parametrize("kind,name", [("sgd", "momentum_buffers"), ("adam", "exp_avgs")])
+def test_plan_bucket_messages_name_the_state_lists_as_the_step_op_does(kind, name):
+    plan = torch.classes.ampfuse.StepPlan(kind)
+    p = torch.zeros(3)
+    two = [torch.zeros(3), torch.zeros(3)]
+    with pytest.raises(RuntimeError, match=rf"{name} must be empty or have one tensor per param \(1\), got 2"):
+        plan.add_bucket(0, [p], [], two, [], [], [torch.zeros(())], False)
+
+
 # ---- the accumulator's plan ------------------------------------------------------------------------
 
 

@@ -35,6 +35,13 @@ std::optional<at::Tensor> scalar_on(const std::optional<at::Tensor>& t,
   return scalar_on(*t, device);
 }
 
+// The state lists' names in messages, as the step ops name their arguments.
+const std::vector<const char*>& state_names(bool adam) {
+  static const std::vector<const char*> sgd{"momentum_buffers", "", ""};
+  static const std::vector<const char*> adam_names{"exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"};
+  return adam ? adam_names : sgd;
+}
+
 }  // namespace
 
 StepPlan::StepPlan(const std::string& kind) {
@@ -85,8 +92,8 @@ void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
   std::vector<at::Tensor> probe;
   probe.reserve(params.size());
   for (const auto& p : params) probe.push_back(fp32_grads ? p.to(c10::kFloat) : p);
-  const detail::OptimLists l{params, probe, masters, {state0, state1, state2},
-                             {"momentum_buffers", "exp_avg_sqs", "max_exp_avg_sqs"}, steps};
+  const detail::OptimLists l{params, probe, masters, {state0, state1, state2}, state_names(adam_),
+                             steps};
   detail::check_optim_args(l, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
   for (const auto& p : params) {
     b.geom_at.push_back(b.geom.size());
@@ -504,10 +511,9 @@ int64_t StepPlan::step(const std::vector<double>& hyper, const std::vector<at::T
     release_grads();
     return kStale;
   }
-  auto lists = [](Bucket& b) {
+  auto lists = [this](Bucket& b) {
     return detail::OptimLists{b.params, b.grads, b.masters,
-                              {b.states[0], b.states[1], b.states[2]},
-                              {"momentum_buffers", "exp_avg_sqs", "max_exp_avg_sqs"}, b.steps};
+                              {b.states[0], b.states[1], b.states[2]}, state_names(adam_), b.steps};
   };
   auto sgd_hyper = [&](const Bucket& b) {
     const double* h = hyper.data() + b.group * width;
