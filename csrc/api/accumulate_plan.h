@@ -1,6 +1,6 @@
 // ampfuse::GradAccumulator's handle on the native micro-batch plan (ops::AccumulatePlan, the
-// object Python's GradAccumulator holds). A unit of its own: the ops headers and the public API's
-// headers each define the scale statistics, so no file includes both.
+// object Python's GradAccumulator holds), and the optimizer's view of it while a window step
+// reads the window's fp32 sums.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "ampfuse/ops.h"
+#include "ampfuse/scale_stat.h"
 #include "engine/scaler_rules.h"
 #include "ops/step_plan.h"
 
@@ -94,6 +95,11 @@ TORCH_LIBRARY(ampfuse, m) {
   // The scale bounds' rules (None, or numbers: min_scale finite in [0, FLT_MAX], max_scale > 0 and
   // not below FLT_MIN, min <= max). Raises ValueError.
   m.def("scale_bounds_check(Any min_scale, Any max_scale) -> ()", &ampfuse::engine::scale_bounds_op);
+  // The names of update_scale_'s counters in the order of the stats tensor (ampfuse/scale_stat.h):
+  // Python's ampfuse.ops.ScaleStat is built from them.
+  m.def("scale_stat_names() -> str[]", []() {
+    return std::vector<std::string>(std::begin(ampfuse::kScaleStatNames), std::end(ampfuse::kScaleStatNames));
+  });
   using ampfuse::ops::AccumulatePlan;
   using ampfuse::ops::StepPlan;
   // GradAccumulator's plan (ops/step_plan.h): a micro-batch's fp32 accumulation in one native

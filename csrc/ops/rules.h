@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "include/ampfuse/scale_stat.h"
+
 // Always inlined, as nvcc's __forceinline__: the rules are a few operations each, called per
 // element (or per vector) in the kernels' inner loops, where a call would cost more than the rule.
 #if defined(__CUDACC__)
@@ -21,15 +23,6 @@ namespace ampfuse {
 
 // Norm selector passed to kernels.
 enum class NormKind : int { None = 0, L2 = 1, Inf = 2 };
-
-// Layout of the optional int64 `stats` tensor written by update_scale_.
-enum ScaleStat : int {
-  kStatUpdates = 0,    // number of update_scale_ calls
-  kStatOverflows = 1,  // calls that saw found_inf != 0 (skipped optimizer steps)
-  kStatBackoffs = 2,   // overflows that actually reduced the scale (hysteresis exhausted)
-  kStatFloorHits = 3,  // backoffs that were clamped at the floor (min_scale or FLT_MIN)
-  kNumScaleStats = 4,
-};
 
 struct ScaleRuleParams {
   double growth_factor;
@@ -53,10 +46,10 @@ AMPFUSE_HOST_DEVICE void update_scale_rule(float* scale, int32_t* growth_tracker
                                            int32_t* hysteresis_left, int64_t* stats,
                                            const ScaleRuleParams& p) {
   float s = *scale;
-  if (stats) stats[kStatUpdates] += 1;
+  if (stats) stats[static_cast<int64_t>(ScaleStat::kUpdates)] += 1;
   if (found_inf != 0.0f) {
     *growth_tracker = 0;
-    if (stats) stats[kStatOverflows] += 1;
+    if (stats) stats[static_cast<int64_t>(ScaleStat::kOverflows)] += 1;
     int32_t left = hysteresis_left ? *hysteresis_left : 1;
     left = left > 0 ? left - 1 : 0;
     if (hysteresis_left) *hysteresis_left = left;
@@ -70,8 +63,8 @@ AMPFUSE_HOST_DEVICE void update_scale_rule(float* scale, int32_t* growth_tracker
       if (ns > p.ceiling) ns = p.ceiling;
       *scale = ns;
       if (stats) {
-        stats[kStatBackoffs] += 1;
-        if (clamped) stats[kStatFloorHits] += 1;
+        stats[static_cast<int64_t>(ScaleStat::kBackoffs)] += 1;
+        if (clamped) stats[static_cast<int64_t>(ScaleStat::kFloorHits)] += 1;
       }
     }
   } else {

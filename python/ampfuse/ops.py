@@ -7,6 +7,7 @@ their Meta kernels, registered in C++ with the very checks (and messages) of the
 
 from __future__ import annotations
 
+import enum
 import sys
 
 from collections.abc import Sequence
@@ -45,17 +46,17 @@ __all__ = [
     "ScaleStat",
 ]
 
+ScaleStat = enum.IntEnum("ScaleStat", [(n, i) for i, n in enumerate(torch.ops.ampfuse.scale_stat_names())])
+ScaleStat.__module__ = __name__
+ScaleStat.__doc__ = """Indices into the ``stats`` tensor written by :func:`update_scale_` (the native library's list).
+
+    ``UPDATES``: update_scale_ calls; ``OVERFLOWS``: calls that saw found_inf != 0 (skipped steps);
+    ``BACKOFFS``: overflows that reduced the scale; ``FLOOR_HITS``: backoffs clamped at the floor
+    (min_scale or the smallest normal fp32).
+    """
+
 #: Number of int64 counters in the ``stats`` tensor of :func:`update_scale_`.
-NUM_SCALE_STATS = 4
-
-
-class ScaleStat:
-    """Indices into the ``stats`` tensor written by :func:`update_scale_`."""
-
-    UPDATES = 0  #: update_scale_ calls
-    OVERFLOWS = 1  #: calls that saw found_inf != 0 (skipped steps)
-    BACKOFFS = 2  #: overflows that reduced the scale
-    FLOOR_HITS = 3  #: backoffs clamped at the floor (min_scale or the smallest normal fp32)
+NUM_SCALE_STATS = len(ScaleStat)
 
 
 def unscale_check_(

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "ampfuse/ops.h"
+#include "ampfuse/scale_stat.h"
 
 namespace torch::optim {
 class Optimizer;
@@ -42,15 +43,6 @@ class GradAccumulator;
 namespace engine {
 struct ScalerCheckpoint;
 }
-
-// Indices into GradScaler::stats() (the counters kept by update_scale_).
-enum class ScaleStat : int64_t {
-  kUpdates = 0,    // update() calls that ran the scale rule
-  kOverflows = 1,  // of those, iterations whose steps were skipped (inf/NaN found)
-  kBackoffs = 2,   // overflows that reduced the scale (hysteresis exhausted)
-  kFloorHits = 3,  // backoffs clamped at the floor (min_scale, or the smallest normal float)
-};
-inline constexpr int64_t kNumScaleStats = 4;
 
 // Options of GradScaler; the defaults reproduce torch.amp.GradScaler exactly.
 struct GradScalerOptions {
