@@ -408,12 +408,43 @@ def test_plan_object_rejects_bad_construction():
         plan.add_bucket(0, [], [], [], [], [], [], False)
     p = torch.zeros(3)
     with pytest.raises(RuntimeError, match="not finalized"):
-        plan.step([0.1, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0], [], None, None, None)
+        plan.step(None, None, None)
     # the same tensor written twice is refused when the plan is finalized, naming it
     plan.add_bucket(0, [p], [], [], [], [], [torch.zeros(())], False)
     plan.add_bucket(0, [p], [], [], [], [], [torch.zeros(())], False)
     with pytest.raises(RuntimeError, match="share memory"):
         plan.finalize()
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_plan_hyper_parameters_are_taken_by_name_each_exactly_once(kind):
+    """A plan takes each group's hyper-parameters by name (no positional layout): an unknown or a
+    missing name, a flag that is not 0 or 1 and a group stepped without any are refused by name."""
+    plan = torch.classes.ampfuse.StepPlan(kind)
+    names = plan.hyper_names()
+    assert names == (["lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"] if kind == "sgd" else
+                     ["lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay"])
+    good = dict.fromkeys(names, 0.0)
+    with pytest.raises(RuntimeError, match=r"unknown hyper-parameter 'betas'; a .* plan takes lr, "):
+        plan.set_hyper(0, {**good, "betas": 0.9}, None)
+    with pytest.raises(RuntimeError, match="hyper-parameter 'weight_decay' is missing"):
+        plan.set_hyper(0, {k: v for k, v in good.items() if k != "weight_decay"}, None)
+    with pytest.raises(RuntimeError, match="'maximize' is a flag \\(0 or 1\\), got 0.5"):
+        plan.set_hyper(0, {**good, "maximize": 0.5}, None)
+    with pytest.raises(RuntimeError, match="lr must be a 1-element tensor"):
+        plan.set_hyper(0, good, torch.zeros(2))
+    p = torch.zeros(3)
+    p.grad = torch.ones(3)
+    states = ([], []) if kind == "sgd" else ([torch.zeros(3)], [torch.zeros(3)])
+    plan.add_bucket(1, [p], [], *states, [], [torch.zeros(())], False)
+    plan.finalize()
+    plan.set_hyper(0, good, None)
+    with pytest.raises(RuntimeError, match="no hyper-parameters were set for group 1"):
+        plan.step(None, None, None)
+    assert torch.equal(p, torch.zeros(3))
+    plan.set_hyper(1, {**good, "lr": 0.5} if kind == "sgd" else {**good, "lr": 0.5, "beta2": 0.5}, None)
+    assert plan.step(None, None, None) == 0
+    assert torch.all(p < 0)
 
 
 @pytest.mark.parametrize("kind,name", [("sgd", "momentum_buffers"), ("adam", "exp_avgs")])

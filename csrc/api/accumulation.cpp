@@ -17,7 +17,7 @@
 
 #include "ampfuse/optim.h"
 #include "api/accumulate_plan.h"
-#include "engine/scaler_rules.h"
+#include "api/internals.h"
 
 namespace ampfuse {
 namespace {
@@ -299,7 +299,7 @@ void GradAccumulator::end_window(int64_t micro_batches) {
   const bool sourced = fused != nullptr && !low_.empty() && has_accumulate_plan();
   auto reset = [&] {
     if (fused != nullptr) {
-      fused->grad_source_.reset();
+      fused->internals().grad_source.reset();
       if (!sourced) {
         for (const auto& p : low_) fused->remove_grad_buffer(p);
       }
@@ -340,7 +340,7 @@ void GradAccumulator::end_window(int64_t micro_batches) {
     if (sourced) {
       // The fused step reads the fp32 sums, for this step only, from the plan: a param that got
       // no gradient in the window has neither a sum nor a .grad(), so it is not stepped.
-      fused->grad_source_ = plan_->plan;
+      fused->internals().grad_source = plan_->plan;
     } else if (fused != nullptr) {
       // The same through grad buffers.
       for (size_t k = 0; k < low_.size(); ++k) {
@@ -350,7 +350,7 @@ void GradAccumulator::end_window(int64_t micro_batches) {
     last_window_skipped_ = step_window();
   } catch (...) {
     // A failed step must not leave the scaler's iteration half-recorded, nor this window open.
-    if (scaler_ != nullptr) scaler_->per_optimizer_states_.clear();
+    if (scaler_ != nullptr) scaler_->discard_iteration();
     reset();
     throw;
   }
@@ -374,7 +374,7 @@ std::optional<at::Tensor> GradAccumulator::step_window() {
     // The accumulation kernel already checked every gradient: no check pass at the end.
     GradScaler::PerDevice found;
     for (const auto& [d, f] : found_inf_) found.emplace_back(d, f);
-    scaler_->record_external_check(optimizer_, std::move(found));
+    scaler_->record_inf_check(optimizer_, std::move(found));
   }
   scaler_->step(optimizer_);
   std::optional<at::Tensor> flag;
@@ -557,17 +557,14 @@ void GradAccumulator::load(InputArchive& archive) {
       grads.emplace(p.unsafeGetTensorImpl(), v.toTensor());
     }
   }
-  std::optional<engine::ScalerCheckpoint> scaler_checkpoint;
-  if (scaler_ != nullptr) {
-    torch::serialize::InputArchive scaler_archive;
-    if (archive.try_read("scaler", scaler_archive)) {
-      scaler_checkpoint = scaler_->check_checkpoint(scaler_archive);
-    }
-  }
-  torch::serialize::InputArchive optimizer_archive;
+  torch::serialize::InputArchive optimizer_archive, scaler_archive;
   archive.read("optimizer", optimizer_archive);
-  optimizer_.load(optimizer_archive);
-  if (scaler_checkpoint.has_value()) scaler_->apply_checkpoint(*scaler_checkpoint);
+  if (scaler_ != nullptr && archive.try_read("scaler", scaler_archive)) {
+    // the scaler's entries are checked before the optimizer changes
+    scaler_->load(scaler_archive, [&] { optimizer_.load(optimizer_archive); });
+  } else {
+    optimizer_.load(optimizer_archive);
+  }
   micro_step_ = micro_step;
   windows_ = windows;
   skipped_windows_host_ = skipped;

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "ampfuse/optim.h"
+#include "api/internals.h"
 #include "engine/scaler_rules.h"
 
 namespace ampfuse {
@@ -181,10 +182,10 @@ GradScaler::PerDevice GradScaler::unscale_grads(torch::optim::Optimizer& optimiz
   // (allow_fp16, an inv_scale of exactly 1: read only). The plan divides by the scale it is
   // given (float(1 / double(scale)), the same value as inv_scale()).
   auto* fused = as_fused(optimizer);
-  if (fused != nullptr && (allow_fp16 || !fused->plan_reads_fp16())) {
+  if (fused != nullptr && (allow_fp16 || !detail::plan_reads_fp16(*fused))) {
     const bool check_only = allow_fp16;
     at::NoGradGuard no_grad;
-    if (auto out = fused->plan_check(check_only ? inv_scale : scale_, !check_only, false, 2.0,
+    if (auto out = detail::plan_check(*fused, check_only ? inv_scale : scale_, !check_only, false, 2.0,
                                      std::nullopt)) {
       PerDevice found;
       for (auto& f : *out) found.emplace_back(f.device(), f);
@@ -244,9 +245,9 @@ at::Tensor GradScaler::unscale_and_clip_(torch::optim::Optimizer& optimizer, dou
   if (fused != nullptr) {
     // Through the optimizer's step plan when current: read only, the optimizer's step applies
     // 1/scale and the clip coefficient.
-    const bool single = fused->plan_devices() <= 1;
+    const bool single = detail::plan_devices(*fused) <= 1;
     at::NoGradGuard no_grad;
-    if (auto out = fused->plan_check(scale_, false, true, norm_type,
+    if (auto out = detail::plan_check(*fused, scale_, false, true, norm_type,
                                      single ? std::optional<double>(max_norm) : std::nullopt)) {
       PerDevice found;
       std::vector<at::Tensor> norms;
@@ -309,8 +310,8 @@ at::Tensor GradScaler::unscale_and_clip_(torch::optim::Optimizer& optimizer, dou
   return total_norm;
 }
 
-void GradScaler::record_external_check(torch::optim::Optimizer& optimizer,
-                                       PerDevice found_inf_per_device) {
+void GradScaler::record_inf_check(torch::optim::Optimizer& optimizer,
+                                  PerDevice found_inf_per_device) {
   TORCH_CHECK(as_fused(optimizer) != nullptr,
               "An external inf check can only stand in for the check of an ampfuse optimizer.");
   auto& state = check_unscale_stage(optimizer, "unscale_");
@@ -323,6 +324,8 @@ void GradScaler::record_external_check(torch::optim::Optimizer& optimizer,
 const GradScaler::PerDevice& GradScaler::found_inf_per_device(torch::optim::Optimizer& optimizer) {
   return per_optimizer_states_[&optimizer].found_inf_per_device;
 }
+
+void GradScaler::discard_iteration() { per_optimizer_states_.clear(); }
 
 // ---- step -------------------------------------------------------------------------------------------
 at::Tensor GradScaler::step(torch::optim::Optimizer& optimizer, LossClosure closure) {
@@ -515,9 +518,16 @@ void GradScaler::apply_checkpoint(const engine::ScalerCheckpoint& c) {
   if (stats_.defined()) stats_.copy_(at::tensor(c.stats, at::TensorOptions().dtype(at::kLong)));
 }
 
-void GradScaler::load(InputArchive& archive) {
-  if (!options_.enabled()) return;
-  apply_checkpoint(check_checkpoint(archive));
+void GradScaler::load(InputArchive& archive) { load(archive, [] {}); }
+
+void GradScaler::load(InputArchive& archive, const std::function<void()>& before_apply) {
+  if (!options_.enabled()) {
+    before_apply();
+    return;
+  }
+  const engine::ScalerCheckpoint checkpoint = check_checkpoint(archive);
+  before_apply();
+  apply_checkpoint(checkpoint);
 }
 
 OutputArchive& operator<<(OutputArchive& archive, const GradScaler& scaler) {

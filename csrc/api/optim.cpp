@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "api/accumulate_plan.h"
+#include "api/internals.h"
 #include "engine/master_forms.h"
 #include "engine/step_checks.h"
 #include "ops/step_plan.h"
@@ -247,7 +248,7 @@ void create_fresh_state(torch::optim::Optimizer& opt, const std::vector<at::Tens
 // The validated step: every check, state created, one op call per bucket. Reports the buckets
 // it ran and the params it left idle, for the step plan.
 template <typename P>
-void fused_step(FusedOptimizer& opt, std::vector<StepPlanBucket>& ran,
+void fused_step(FusedOptimizer& opt, std::vector<detail::StepPlanBucket>& ran,
                 std::vector<at::Tensor>& idle, std::unordered_set<const c10::TensorImpl*>& reconcile) {
   opt.validate();
   size_t gi = 0;
@@ -279,7 +280,7 @@ void fused_step(FusedOptimizer& opt, std::vector<StepPlanBucket>& ran,
     }
     for (auto& b : buckets) {
       P::run(o, b, scaling_on(opt.step_scaling(), b.device));
-      ran.push_back(StepPlanBucket{gi, b.params, b.masters, b.steps, b.states,
+      ran.push_back(detail::StepPlanBucket{gi, b.params, b.masters, b.steps, b.states,
                                        b.grad_dtype == at::kFloat && b.param_dtype != at::kFloat});
     }
     ++gi;
@@ -590,7 +591,12 @@ void AdamParamState::serialize(InputArchive& archive) {
 // FusedOptimizer
 // ============================================================================================
 FusedOptimizer::FusedOptimizer(std::unique_ptr<OptimizerOptions> defaults)
-    : torch::optim::Optimizer(std::vector<OptimizerParamGroup>{}, std::move(defaults)) {}
+    : torch::optim::Optimizer(std::vector<OptimizerParamGroup>{}, std::move(defaults)),
+      internals_(std::make_unique<detail::OptimizerInternals>()) {}
+
+FusedOptimizer::~FusedOptimizer() = default;
+
+detail::OptimizerInternals& FusedOptimizer::internals() const { return *internals_; }
 
 void FusedOptimizer::add_param_group(const OptimizerParamGroup& param_group) {
   // The base class checks leafness and duplicates, and gives the group a copy of the defaults.
@@ -626,8 +632,8 @@ void FusedOptimizer::check_params(size_t gi) {
     TORCH_CHECK(p.device() == params[0].device(), "param_groups()[", gi, "] has parameters on ",
                 params[0].device(), " and on ", p.device(),
                 "; ampfuse optimizers need the parameters of one group on one device.");
-    auto rec = param_dtypes_.find(p.unsafeGetTensorImpl());
-    if (rec == param_dtypes_.end()) {
+    auto rec = internals_->param_dtypes.find(p.unsafeGetTensorImpl());
+    if (rec == internals_->param_dtypes.end()) {
       seen.emplace_back(p.unsafeGetTensorImpl(), p.scalar_type());
     } else {
       TORCH_CHECK(rec->second == p.scalar_type(), where(gi, i), " has dtype ",
@@ -637,7 +643,7 @@ void FusedOptimizer::check_params(size_t gi) {
                   "(e.g. after model->to(torch::kBFloat16)).");
     }
   }
-  for (const auto& [impl, dtype] : seen) param_dtypes_.emplace(impl, dtype);
+  for (const auto& [impl, dtype] : seen) internals_->param_dtypes.emplace(impl, dtype);
 }
 
 void FusedOptimizer::validate() {
@@ -666,9 +672,13 @@ void FusedOptimizer::validate() {
                            "param_groups()[{g}].params()[{i}]");
 }
 
-void FusedOptimizer::set_step_scaling(StepScaling scaling) { scaling_ = std::move(scaling); }
-void FusedOptimizer::clear_step_scaling() { scaling_.reset(); }
-const std::optional<StepScaling>& FusedOptimizer::step_scaling() const { return scaling_; }
+void FusedOptimizer::set_step_scaling(StepScaling scaling) {
+  internals_->scaling = std::move(scaling);
+}
+void FusedOptimizer::clear_step_scaling() { internals_->scaling.reset(); }
+const std::optional<StepScaling>& FusedOptimizer::step_scaling() const {
+  return internals_->scaling;
+}
 
 void FusedOptimizer::set_grad_buffer(const at::Tensor& param, at::Tensor buffer) {
   TORCH_CHECK(param.defined() && buffer.defined(),
@@ -677,40 +687,50 @@ void FusedOptimizer::set_grad_buffer(const at::Tensor& param, at::Tensor buffer)
               "torch.float32 tensor, got ", detail::dtype_name(buffer.scalar_type()), ".");
   TORCH_CHECK(buffer.sizes() == param.sizes(), "set_grad_buffer: buffer has shape ",
               buffer.sizes(), " but the parameter has shape ", param.sizes(), ".");
-  grad_buffers_[param.unsafeGetTensorImpl()] = std::move(buffer);
+  internals_->grad_buffers[param.unsafeGetTensorImpl()] = std::move(buffer);
 }
 
 void FusedOptimizer::remove_grad_buffer(const at::Tensor& param) {
-  grad_buffers_.erase(param.unsafeGetTensorImpl());
+  internals_->grad_buffers.erase(param.unsafeGetTensorImpl());
 }
 
 at::Tensor FusedOptimizer::grad_of(const at::Tensor& param) const {
-  auto it = grad_buffers_.find(param.unsafeGetTensorImpl());
-  if (it != grad_buffers_.end()) return it->second;
-  if (grad_source_ != nullptr) {
-    if (const at::Tensor* sum = grad_source_->window_grad(param)) return *sum;
+  const auto& in = *internals_;
+  auto it = in.grad_buffers.find(param.unsafeGetTensorImpl());
+  if (it != in.grad_buffers.end()) return it->second;
+  if (in.grad_source != nullptr) {
+    if (const at::Tensor* sum = in.grad_source->window_grad(param)) return *sum;
   }
   return param.grad();
 }
 
 // ---- the step plan ----------------------------------------------------------------------------------
-struct FusedOptimizer::Plan {
+}  // namespace ampfuse::optim
+
+namespace ampfuse::detail {
+
+struct OptimizerPlan {
   c10::intrusive_ptr<ops::StepPlan> plan;
-  std::shared_ptr<const detail::MicroBatchPlan> source;  // the gradients' source it is bound to
+  std::shared_ptr<const MicroBatchPlan> source;  // the gradients' source it is bound to
   std::vector<const void*> key;
   int devices = 0;
   bool fp16_grads = false;
 };
 
-void FusedOptimizer::build_plan(const std::vector<StepPlanBucket>& buckets,
-                                const std::vector<at::Tensor>& idle, bool adam) {
-  plan_.reset();
+namespace {
+
+// After a validated step: the plan of the buckets that step ran and the params it left idle (no
+// gradient), for what the optimizer's `key` is now (none for tensor subclasses: they go through
+// the ops, which their __torch_dispatch__ routes).
+void build_plan(OptimizerInternals& in, const std::vector<StepPlanBucket>& buckets,
+                const std::vector<at::Tensor>& idle, bool adam, std::vector<const void*> key) {
+  in.plan.reset();
   for (const auto& b : buckets) {
     for (const auto& p : b.params) {
-      if (p.key_set().has(c10::DispatchKey::Python) || p.is_meta()) return;  // subclasses: the ops
+      if (p.key_set().has(c10::DispatchKey::Python) || p.is_meta()) return;
     }
   }
-  auto plan = std::make_shared<Plan>();
+  auto plan = std::make_shared<OptimizerPlan>();
   plan->plan = c10::make_intrusive<ops::StepPlan>(adam ? "adam" : "sgd");
   std::vector<c10::Device> devices;
   for (const auto& b : buckets) {
@@ -721,50 +741,63 @@ void FusedOptimizer::build_plan(const std::vector<StepPlanBucket>& buckets,
     plan->fp16_grads |= !b.fp32_grads && b.params[0].scalar_type() == at::kHalf;
   }
   if (!idle.empty()) plan->plan->add_idle(idle);
-  if (grad_source_ != nullptr) {
-    plan->plan->bind_source(grad_source_->native());
-    plan->source = grad_source_;
+  if (in.grad_source != nullptr) {
+    plan->plan->bind_source(in.grad_source->native());
+    plan->source = in.grad_source;
   }
   plan->plan->finalize();
   plan->devices = static_cast<int>(devices.size());
-  plan->key = plan_key();
-  plan_ = std::move(plan);
+  plan->key = std::move(key);
+  in.plan = std::move(plan);
 }
 
-bool FusedOptimizer::has_step_plan() const {
-  return plan_ != nullptr && grad_buffers_.empty() && plan_->source == grad_source_ &&
-         plan_key() == plan_->key;
+}  // namespace
+
+int plan_devices(const optim::FusedOptimizer& opt) {
+  return opt.has_step_plan() ? opt.internals().plan->devices : 0;
 }
 
-int FusedOptimizer::plan_devices() const { return has_step_plan() ? plan_->devices : 0; }
-
-bool FusedOptimizer::plan_reads_fp16() const { return has_step_plan() && plan_->fp16_grads; }
-
-bool FusedOptimizer::step_with_plan() {
-  if (!has_step_plan()) {
-    plan_.reset();
-    return false;
-  }
-  const std::vector<double> hyper = plan_hyper();
-  std::optional<at::Tensor> gs, fi, cc;
-  if (scaling_) {
-    if (scaling_->grad_scale && scaling_->grad_scale->defined()) gs = scaling_->grad_scale;
-    if (scaling_->found_inf && scaling_->found_inf->defined()) fi = scaling_->found_inf;
-    if (scaling_->clip_coef && scaling_->clip_coef->defined()) cc = scaling_->clip_coef;
-  }
-  if (plan_->plan->step(hyper, {}, gs, fi, cc) == ops::StepPlan::kOk) return true;
-  plan_.reset();  // something changed: the validated way, which rebuilds the plan
-  return false;
+bool plan_reads_fp16(const optim::FusedOptimizer& opt) {
+  return opt.has_step_plan() && opt.internals().plan->fp16_grads;
 }
 
-std::optional<std::vector<at::Tensor>> FusedOptimizer::plan_check(const at::Tensor& scale,
-                                                                  bool write, bool with_norm,
-                                                                  double norm_type,
-                                                                  std::optional<double> max_norm) {
-  if (!has_step_plan()) return std::nullopt;
-  std::vector<at::Tensor> out = plan_->plan->check(scale, write, with_norm, norm_type, max_norm);
+std::optional<std::vector<at::Tensor>> plan_check(optim::FusedOptimizer& opt,
+                                                  const at::Tensor& scale, bool write,
+                                                  bool with_norm, double norm_type,
+                                                  std::optional<double> max_norm) {
+  if (!opt.has_step_plan()) return std::nullopt;
+  std::vector<at::Tensor> out =
+      opt.internals().plan->plan->check(scale, write, with_norm, norm_type, max_norm);
   if (out.empty()) return std::nullopt;
   return out;
+}
+
+}  // namespace ampfuse::detail
+
+namespace ampfuse::optim {
+
+bool FusedOptimizer::has_step_plan() const {
+  const auto& in = *internals_;
+  return in.plan != nullptr && in.grad_buffers.empty() && in.plan->source == in.grad_source &&
+         plan_key() == in.plan->key;
+}
+
+bool FusedOptimizer::step_with_plan() {
+  auto& in = *internals_;
+  if (!has_step_plan()) {
+    in.plan.reset();
+    return false;
+  }
+  set_plan_hyper(*in.plan);
+  std::optional<at::Tensor> gs, fi, cc;
+  if (const auto& sc = in.scaling) {
+    if (sc->grad_scale && sc->grad_scale->defined()) gs = sc->grad_scale;
+    if (sc->found_inf && sc->found_inf->defined()) fi = sc->found_inf;
+    if (sc->clip_coef && sc->clip_coef->defined()) cc = sc->clip_coef;
+  }
+  if (in.plan->plan->step(gs, fi, cc) == ops::StepPlan::kOk) return true;
+  in.plan.reset();  // something changed: the validated way, which rebuilds the plan
+  return false;
 }
 
 // ============================================================================================
@@ -786,11 +819,9 @@ struct SgdPolicy {
     TORCH_CHECK(!o.nesterov() || (o.momentum() > 0 && o.dampening() == 0),
                 "SGD: nesterov momentum requires a momentum > 0 and zero dampening.");
   }
-  // ops::StepPlan's hyper layout: lr, lr tensor index, momentum, dampening, weight_decay,
-  // nesterov, maximize.
-  static void hyper(const Options& o, std::vector<double>& out) {
-    out.insert(out.end(), {o.lr(), -1.0, o.momentum(), o.dampening(), o.weight_decay(),
-                           o.nesterov() ? 1.0 : 0.0, o.maximize() ? 1.0 : 0.0});
+  static void set_hyper(ops::StepPlan& plan, int64_t group, const Options& o) {
+    plan.set_sgd_hyper(group, SgdHyper{o.lr(), o.momentum(), o.dampening(), o.weight_decay(),
+                                       o.nesterov(), o.maximize()}, std::nullopt);
   }
   static void run(const Options& o, Bucket& b, const StepScaling& sc) {
     SgdStepOptions so;
@@ -830,12 +861,10 @@ struct AdamPolicyT {
     TORCH_CHECK(b1 >= 0.0 && b1 < 1.0, kName, ": betas[0] must be in [0, 1), got ", b1, ".");
     TORCH_CHECK(b2 >= 0.0 && b2 < 1.0, kName, ": betas[1] must be in [0, 1), got ", b2, ".");
   }
-  // ops::StepPlan's hyper layout: lr, lr tensor index, beta1, beta2, eps, weight_decay, amsgrad,
-  // maximize, decoupled.
-  static void hyper(const Options& o, std::vector<double>& out) {
-    out.insert(out.end(), {o.lr(), -1.0, std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(),
-                           o.weight_decay(), o.amsgrad() ? 1.0 : 0.0, o.maximize() ? 1.0 : 0.0,
-                           kDecoupled ? 1.0 : 0.0});
+  static void set_hyper(ops::StepPlan& plan, int64_t group, const Options& o) {
+    plan.set_adam_hyper(group, AdamHyper{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()),
+                                         o.eps(), o.weight_decay(), o.amsgrad(), o.maximize(),
+                                         kDecoupled}, std::nullopt);
   }
   static void run(const Options& o, Bucket& b, const StepScaling& sc) {
     AdamStepOptions ao;
@@ -878,10 +907,13 @@ at::Tensor Fused<P>::step(LossClosure closure) {
   }
   at::NoGradGuard no_grad;
   if (step_with_plan()) return loss;
-  std::vector<StepPlanBucket> ran;
+  std::vector<detail::StepPlanBucket> ran;
   std::vector<at::Tensor> idle;
-  fused_step<P>(*this, ran, idle, reconcile_);
-  if (grad_buffers_.empty()) build_plan(ran, idle, !std::is_same_v<P, SgdPolicy>);
+  auto& in = internals();
+  fused_step<P>(*this, ran, idle, in.reconcile);
+  if (in.grad_buffers.empty()) {
+    detail::build_plan(in, ran, idle, !std::is_same_v<P, SgdPolicy>, plan_key());
+  }
   return loss;
 }
 
@@ -891,14 +923,12 @@ std::vector<const void*> Fused<P>::plan_key() const {
 }
 
 template <class P>
-std::vector<double> Fused<P>::plan_hyper() const {
-  std::vector<double> hyper;
-  for (const auto& group : param_groups()) {
-    const auto& o = static_cast<const Options&>(group.options());
-    P::check(o);
-    P::hyper(o, hyper);
+void Fused<P>::set_plan_hyper(detail::OptimizerPlan& plan) const {
+  for (const auto& group : param_groups()) P::check(static_cast<const Options&>(group.options()));
+  for (size_t g = 0; g < param_groups().size(); ++g) {
+    P::set_hyper(*plan.plan, static_cast<int64_t>(g),
+                 static_cast<const Options&>(param_groups()[g].options()));
   }
-  return hyper;
 }
 
 template <class P>
@@ -908,7 +938,7 @@ void Fused<P>::save(OutputArchive& archive) const {
 
 template <class P>
 void Fused<P>::load(InputArchive& archive) {
-  fused_load<P>(*this, archive, reconcile_);
+  fused_load<P>(*this, archive, internals().reconcile);
 }
 
 template <class P>

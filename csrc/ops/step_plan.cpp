@@ -19,8 +19,11 @@
 namespace ampfuse::ops {
 namespace {
 
-constexpr int64_t kSgdWidth = 7;
-constexpr int64_t kAdamWidth = 9;
+// The hyper-parameters by name, as Python's param groups name them (the betas split in two).
+const std::vector<std::string> kSgdNames{"lr", "momentum", "dampening", "weight_decay",
+                                         "nesterov", "maximize"};
+const std::vector<std::string> kAdamNames{"lr", "beta1", "beta2", "eps", "weight_decay",
+                                          "amsgrad", "maximize", "decoupled_weight_decay"};
 
 // A 1-element scaling tensor as the kernels read it: fp32 on `device` (copied without a sync
 // when it is elsewhere, as the Python optimizers do).
@@ -50,7 +53,61 @@ StepPlan::StepPlan(const std::string& kind) {
   adam_ = kind == "adam";
 }
 
-int64_t StepPlan::hyper_width() const { return adam_ ? kAdamWidth : kSgdWidth; }
+StepPlan::GroupHyper& StepPlan::hyper_slot(int64_t group, const std::optional<at::Tensor>& lr) {
+  TORCH_CHECK(group >= 0, "StepPlan.set_hyper: group must be >= 0, got ", group, ".");
+  TORCH_CHECK(!lr || lr->numel() == 1, "StepPlan.set_hyper: lr must be a 1-element tensor, got "
+              "shape ", lr->sizes(), ".");
+  if (static_cast<size_t>(group) >= hyper_.size()) hyper_.resize(group + 1);
+  return hyper_[group];
+}
+
+void StepPlan::set_sgd_hyper(int64_t group, const SgdHyper& hyper, std::optional<at::Tensor> lr) {
+  TORCH_CHECK(!adam_, "StepPlan.set_hyper: an adam plan takes Adam hyper-parameters.");
+  auto& slot = hyper_slot(group, lr);
+  slot = GroupHyper{true, hyper, {}, std::move(lr)};
+}
+
+void StepPlan::set_adam_hyper(int64_t group, const AdamHyper& hyper,
+                              std::optional<at::Tensor> lr) {
+  TORCH_CHECK(adam_, "StepPlan.set_hyper: an sgd plan takes SGD hyper-parameters.");
+  auto& slot = hyper_slot(group, lr);
+  slot = GroupHyper{true, {}, hyper, std::move(lr)};
+}
+
+std::vector<std::string> StepPlan::hyper_names() const { return adam_ ? kAdamNames : kSgdNames; }
+
+void StepPlan::set_hyper(int64_t group, const c10::Dict<std::string, double>& hyper,
+                         std::optional<at::Tensor> lr) {
+  const auto& names = adam_ ? kAdamNames : kSgdNames;
+  auto listed = [&names] {
+    std::string out;
+    for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+    return out;
+  };
+  for (const auto& entry : hyper) {
+    TORCH_CHECK(std::find(names.begin(), names.end(), entry.key()) != names.end(),
+                "StepPlan.set_hyper: unknown hyper-parameter '", entry.key(), "'; a ", kind(),
+                " plan takes ", listed(), ".");
+  }
+  std::vector<double> v;
+  for (const auto& n : names) {
+    auto it = hyper.find(n);
+    TORCH_CHECK(it != hyper.end(), "StepPlan.set_hyper: hyper-parameter '", n, "' is missing; a ",
+                kind(), " plan takes ", listed(), ".");
+    v.push_back(it->value());
+  }
+  auto flag = [&](size_t k) {
+    TORCH_CHECK(v[k] == 0.0 || v[k] == 1.0, "StepPlan.set_hyper: '", names[k],
+                "' is a flag (0 or 1), got ", v[k], ".");
+    return v[k] != 0.0;
+  };
+  if (adam_) {
+    set_adam_hyper(group, AdamHyper{v[0], v[1], v[2], v[3], v[4], flag(5), flag(6), flag(7)},
+                   std::move(lr));
+  } else {
+    set_sgd_hyper(group, SgdHyper{v[0], v[1], v[2], v[3], flag(4), flag(5)}, std::move(lr));
+  }
+}
 
 StepPlan::Span StepPlan::extent_of(c10::IntArrayRef sizes, c10::IntArrayRef strides,
                                     size_t item) {
@@ -481,20 +538,14 @@ bool StepPlan::idle_unchanged() const {
   return true;
 }
 
-int64_t StepPlan::step(const std::vector<double>& hyper, const std::vector<at::Tensor>& lr_tensors,
-                       const std::optional<at::Tensor>& grad_scale,
+int64_t StepPlan::step(const std::optional<at::Tensor>& grad_scale,
                        const std::optional<at::Tensor>& found_inf,
                        const std::optional<at::Tensor>& clip_coef) {
   TORCH_CHECK(finalized_, "StepPlan.step: the plan is not finalized.");
-  const int64_t width = hyper_width();
   // Everything is checked before the first bucket runs.
   for (auto& b : buckets_) {
-    TORCH_CHECK(static_cast<int64_t>(hyper.size()) >= (b.group + 1) * width, "StepPlan.step: hyper "
-                "has ", hyper.size(), " numbers; group ", b.group, " needs ", (b.group + 1) * width,
-                ".");
-    const auto lr_index = static_cast<int64_t>(hyper[b.group * width + 1]);
-    TORCH_CHECK(lr_index < static_cast<int64_t>(lr_tensors.size()), "StepPlan.step: lr tensor ",
-                lr_index, " of group ", b.group, " is not in lr_tensors.");
+    TORCH_CHECK(static_cast<size_t>(b.group) < hyper_.size() && hyper_[b.group].set,
+                "StepPlan.step: no hyper-parameters were set for group ", b.group, ".");
     const Gathered got = gather_grads(b, Want::Rows, /*write=*/false);
     if (got == Gathered::Stale) {
       release_grads();
@@ -506,7 +557,10 @@ int64_t StepPlan::step(const std::vector<double>& hyper, const std::vector<at::T
   for (const auto* t : {&grad_scale, &found_inf, &clip_coef}) {
     stale = stale || (*t && touches_written(**t));
   }
-  for (const auto& t : lr_tensors) stale = stale || touches_written(t);
+  for (const auto& h : hyper_) {
+    // an lr tensor resized in place: the owner's checks name it
+    stale = stale || (h.lr && (h.lr->numel() != 1 || touches_written(*h.lr)));
+  }
   if (stale) {
     release_grads();
     return kStale;
@@ -515,14 +569,8 @@ int64_t StepPlan::step(const std::vector<double>& hyper, const std::vector<at::T
     return detail::OptimLists{b.params, b.grads, b.masters,
                               {b.states[0], b.states[1], b.states[2]}, state_names(adam_), b.steps};
   };
-  auto sgd_hyper = [&](const Bucket& b) {
-    const double* h = hyper.data() + b.group * width;
-    return SgdHyper{h[0], h[2], h[3], h[4], h[5] != 0.0, h[6] != 0.0};
-  };
-  auto adam_hyper = [&](const Bucket& b) {
-    const double* h = hyper.data() + b.group * width;
-    return AdamHyper{h[0], h[2], h[3], h[4], h[5], h[6] != 0.0, h[7] != 0.0, h[8] != 0.0};
-  };
+  auto sgd_hyper = [this](const Bucket& b) { return hyper_[b.group].sgd; };
+  auto adam_hyper = [this](const Bucket& b) { return hyper_[b.group].adam; };
   for (auto& b : buckets_) {
     const detail::OptimLists l = lists(b);
     if (adam_) {
@@ -533,9 +581,7 @@ int64_t StepPlan::step(const std::vector<double>& hyper, const std::vector<at::T
   }
   for (auto& b : buckets_) {
     const detail::OptimLists l = lists(b);
-    const auto lr_index = static_cast<int64_t>(hyper[b.group * width + 1]);
-    std::optional<at::Tensor> lr_tensor;
-    if (lr_index >= 0) lr_tensor = scalar_on(lr_tensors[lr_index], b.device);
+    const auto lr_tensor = scalar_on(hyper_[b.group].lr, b.device);
     const auto gs = scalar_on(grad_scale, b.device);
     const auto fi = scalar_on(found_inf, b.device);
     const auto cc = scalar_on(clip_coef, b.device);

@@ -42,11 +42,14 @@ class StepPlan : public torch::CustomClassHolder {
   // kind: "sgd" or "adam".
   explicit StepPlan(const std::string& kind);
 
-  // The width of one group's entry in step()'s `hyper` list:
-  //   sgd:  lr, lr_tensor_index, momentum, dampening, weight_decay, nesterov, maximize
-  //   adam: lr, lr_tensor_index, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled
-  // lr_tensor_index: -1 (use lr) or the index of the group's lr tensor in `lr_tensors`.
-  int64_t hyper_width() const;
+  // The hyper-parameters of param group `group`, kept until set again: typed (the C++ surface) or
+  // by name (Python: `hyper_names()` of the kind, each exactly once; flags as 0 or 1). `lr`: the
+  // group's lr tensor (1 element, read at every step), or none (hyper.lr is used).
+  void set_sgd_hyper(int64_t group, const SgdHyper& hyper, std::optional<at::Tensor> lr);
+  void set_adam_hyper(int64_t group, const AdamHyper& hyper, std::optional<at::Tensor> lr);
+  void set_hyper(int64_t group, const c10::Dict<std::string, double>& hyper,
+                 std::optional<at::Tensor> lr);
+  std::vector<std::string> hyper_names() const;
 
   // One bucket of param group `group`: same device, param dtype, gradient dtype (the params' own,
   // or fp32 when `fp32_grads`) and master kind. masters and each state list empty or one tensor
@@ -66,10 +69,9 @@ class StepPlan : public torch::CustomClassHolder {
   // Done adding: checks that no tensor the step writes shares memory with another.
   void finalize();
 
-  // One fused step of every bucket (kOk), or nothing at all (kStale). `hyper`: hyper_width()
-  // numbers per param group. The scaling tensors are moved to each bucket's device (no sync).
-  int64_t step(const std::vector<double>& hyper, const std::vector<at::Tensor>& lr_tensors,
-               const std::optional<at::Tensor>& grad_scale,
+  // One fused step of every bucket (kOk), or nothing at all (kStale), with each group's
+  // hyper-parameters as last set. The scaling tensors are moved to each bucket's device (no sync).
+  int64_t step(const std::optional<at::Tensor>& grad_scale,
                const std::optional<at::Tensor>& found_inf,
                const std::optional<at::Tensor>& clip_coef);
 
@@ -84,6 +86,15 @@ class StepPlan : public torch::CustomClassHolder {
   std::string kind() const { return adam_ ? "adam" : "sgd"; }
 
  private:
+  struct GroupHyper {
+    bool set = false;
+    SgdHyper sgd{};
+    AdamHyper adam{};
+    std::optional<at::Tensor> lr;
+  };
+  GroupHyper& hyper_slot(int64_t group, const std::optional<at::Tensor>& lr);
+  std::vector<GroupHyper> hyper_;
+
   struct Span {
     uintptr_t begin = 0, end = 0;
     bool operator==(const Span& o) const { return begin == o.begin && end == o.end; }

@@ -274,9 +274,9 @@ class _NativePlan:
         self.groups = groups  # [(params list, a copy of its entries, signature)]
         self.devices = devices  # how many devices its buckets are on
         self.fp16_grads = fp16_grads  # whether it reads fp16 gradients
-        # The last checked hyper-parameters, when every group's values are immutable: (per group
-        # its _hyper_snapshot, hyper numbers, lr tensors)
-        self.hyper: tuple[list[tuple[tuple, tuple]], list[float], list[torch.Tensor]] | None = None
+        # Per group the _hyper_snapshot of the hyper-parameters the plan holds, when every group's
+        # values are immutable (else None: they are set again at every step)
+        self.hyper: list[tuple[tuple, tuple]] | None = None
 
 
 class _SourcedGrads(Mapping):
@@ -764,8 +764,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             self._native = None
         native = self._live_native(source) if grads is None or source is not None else None
         if native is not None:
-            hyper, lr_tensors = self._native_hyper()
-            if native.plan.step(hyper, lr_tensors, scaling.grad_scale, scaling.found_inf, scaling.clip_coef) == 0:
+            self._set_native_hyper(native)
+            if native.plan.step(scaling.grad_scale, scaling.found_inf, scaling.clip_coef) == 0:
                 self._last_found_inf = scaling.found_inf
                 return loss
             # stale (a gradient or param changed in a way the plan was not built for): nothing
@@ -923,32 +923,24 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 return None
         return native
 
-    def _native_hyper(self) -> tuple[list[float], list[torch.Tensor]]:
-        """Every group's hyper-parameters, checked (as the validated way checks them), as the
-        plan's ``hyper`` numbers and lr tensors."""
+    def _set_native_hyper(self, native: _NativePlan) -> None:
+        """Every group's hyper-parameters, checked (as the validated way checks them), into the
+        plan by name; kept there while no value of any group was replaced (and none can change
+        in place: the lr tensor's value the plan reads at every step)."""
         snapshots = [_hyper_snapshot(g) for g in self.param_groups]
-        native = self._native
-        cached = native.hyper if native is not None else None
-        if (cached is not None and _same_snapshots(snapshots, cached[0])
-                and all(t.numel() == 1 for t in cached[2])):
-            return cached[1], cached[2]  # no value replaced since they were checked
-        hyper: list[float] = []
-        lr_tensors: list[torch.Tensor] = []
+        if native.hyper is not None and _same_snapshots(snapshots, native.hyper):
+            return
         for gi, group in enumerate(self.param_groups):
-            self._check_group_options(gi, group)
+            self._check_group_options(gi, group)  # all of them before the plan holds any
+        for gi, group in enumerate(self.param_groups):
             lr = group["lr"]
-            if isinstance(lr, torch.Tensor):
-                hyper += (0.0, float(len(lr_tensors)))
-                lr_tensors.append(lr)
-            else:
-                hyper += (float(lr), -1.0)
-            hyper += self._native_group_hyper(group)
-        if native is not None:
-            immutable = all(map(_immutable_hyper, self.param_groups))
-            native.hyper = (snapshots, hyper, lr_tensors) if immutable else None
-        return hyper, lr_tensors
+            tensor_lr = isinstance(lr, torch.Tensor)
+            native.plan.set_hyper(gi, {"lr": 0.0 if tensor_lr else float(lr), **self._native_group_hyper(group)},
+                                  lr if tensor_lr else None)
+        native.hyper = snapshots if all(map(_immutable_hyper, self.param_groups)) else None
 
-    def _native_group_hyper(self, group: dict[str, Any]) -> tuple[float, ...]:
+    def _native_group_hyper(self, group: dict[str, Any]) -> dict[str, float]:
+        """A group's hyper-parameters but lr, by the plan's names (``StepPlan.hyper_names()``)."""
         raise NotImplementedError
 
     # ---- checkpoints -------------------------------------------------------------------------
@@ -1165,9 +1157,10 @@ class SGD(_FusedOptimizer):
     _native_kind = "sgd"
     _native_state_keys = ("momentum_buffer",)
 
-    def _native_group_hyper(self, group: dict[str, Any]) -> tuple[float, ...]:
-        return (float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
-                float(bool(group["nesterov"])), float(bool(group["maximize"])))
+    def _native_group_hyper(self, group: dict[str, Any]) -> dict[str, float]:
+        return {"momentum": float(group["momentum"]), "dampening": float(group["dampening"]),
+                "weight_decay": float(group["weight_decay"]), "nesterov": float(bool(group["nesterov"])),
+                "maximize": float(bool(group["maximize"]))}
 
     def __init__(
         self,
@@ -1319,11 +1312,12 @@ class Adam(_FusedOptimizer):
     _native_kind = "adam"
     _native_state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
-    def _native_group_hyper(self, group: dict[str, Any]) -> tuple[float, ...]:
+    def _native_group_hyper(self, group: dict[str, Any]) -> dict[str, float]:
         beta1, beta2 = group["betas"]
-        return (float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-                float(bool(group["amsgrad"])), float(bool(group["maximize"])),
-                float(bool(group.get("decoupled_weight_decay", False))))
+        return {"beta1": float(beta1), "beta2": float(beta2), "eps": float(group["eps"]),
+                "weight_decay": float(group["weight_decay"]), "amsgrad": float(bool(group["amsgrad"])),
+                "maximize": float(bool(group["maximize"])),
+                "decoupled_weight_decay": float(bool(group.get("decoupled_weight_decay", False)))}
 
     def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")

@@ -39,7 +39,6 @@ class InputArchive;
 
 namespace ampfuse {
 
-class GradAccumulator;
 namespace engine {
 struct ScalerCheckpoint;
 }
@@ -136,6 +135,22 @@ class GradScaler {
   // scaler writes nothing. Reads device values (host syncs).
   void save(torch::serialize::OutputArchive& archive) const;
   void load(torch::serialize::InputArchive& archive);
+  // load() that checks the whole checkpoint, then runs `before_apply` (e.g. loading the
+  // optimizer saved beside it), then applies it: when the check or `before_apply` throws, the
+  // scaler is unchanged.
+  void load(torch::serialize::InputArchive& archive, const std::function<void()>& before_apply);
+
+  // The hand-off with code that checks the gradients itself (GradAccumulator's accumulation
+  // kernel checks every sum it writes), as Python's record_inf_check:
+  using PerDevice = std::vector<std::pair<c10::Device, at::Tensor>>;
+  // An inf check of an ampfuse optimizer's still-scaled gradients made elsewhere stands in for
+  // this iteration's unscale_ of `optimizer` (its found_inf per device: 0-dim fp32 tensors).
+  void record_inf_check(torch::optim::Optimizer& optimizer, PerDevice found_inf_per_device);
+  // The inf flags recorded for `optimizer` this iteration (empty before its unscale_ or step).
+  const PerDevice& found_inf_per_device(torch::optim::Optimizer& optimizer);
+  // Forgets this iteration's records (stages, inf flags) without updating the scale, after a
+  // step that failed part-way.
+  void discard_iteration();
 
   GradScaler(const GradScaler&) = delete;
   GradScaler& operator=(const GradScaler&) = delete;
@@ -143,10 +158,7 @@ class GradScaler {
   GradScaler& operator=(GradScaler&&) = default;
 
  private:
-  friend class GradAccumulator;
-
   enum class Stage { kReady, kUnscaled, kStepped };
-  using PerDevice = std::vector<std::pair<c10::Device, at::Tensor>>;
   struct OptimizerState {
     Stage stage = Stage::kReady;
     PerDevice found_inf_per_device;
@@ -155,7 +167,6 @@ class GradScaler {
   };
 
   void lazy_init(const c10::Device& device);
-  // load() in two halves, so that GradAccumulator checks everything before it changes anything.
   engine::ScalerCheckpoint check_checkpoint(torch::serialize::InputArchive& archive) const;
   void apply_checkpoint(const engine::ScalerCheckpoint& checkpoint);
   // `scale` within [min_scale, max_scale] (a warning when it was not).
@@ -165,11 +176,6 @@ class GradScaler {
   PerDevice unscale_grads(torch::optim::Optimizer& optimizer, const at::Tensor& inv_scale,
                           const at::Tensor& found_inf, bool allow_fp16);
   at::Tensor inv_scale() const;
-  // For GradAccumulator: an inf check made by the accumulation kernel stands in for the check of
-  // a fused ampfuse optimizer whose gradients are still scaled.
-  void record_external_check(torch::optim::Optimizer& optimizer, PerDevice found_inf_per_device);
-  // For GradAccumulator: the inf flags recorded for `optimizer` this iteration.
-  const PerDevice& found_inf_per_device(torch::optim::Optimizer& optimizer);
 
   GradScalerOptions options_;
   double init_scale_;

@@ -31,21 +31,16 @@
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 
-#include <array>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <tuple>
-#include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
-namespace ampfuse {
-class GradAccumulator;
-namespace detail {
-class MicroBatchPlan;
-}  // namespace detail
-}  // namespace ampfuse
+namespace ampfuse::detail {
+struct OptimizerInternals;
+struct OptimizerPlan;
+}  // namespace ampfuse::detail
 
 #include "ampfuse/ops.h"
 
@@ -196,15 +191,6 @@ std::tuple<at::Tensor, at::Tensor> split_master(const at::Tensor& master);
 
 // What ampfuse's optimizers share: parameter checks, param groups with their own options, the
 // scaling hand-off with GradScaler and the fp32 gradient buffers of GradAccumulator.
-// One bucket of a validated step, as a step plan holds it (group index, params, masters, state
-// lists, step counters, whether the gradients are fp32 for low-precision params).
-struct StepPlanBucket {
-  size_t group = 0;
-  std::vector<at::Tensor> params, masters, steps;
-  std::array<std::vector<at::Tensor>, 3> states;
-  bool fp32_grads = false;
-};
-
 class FusedOptimizer : public torch::optim::Optimizer {
  public:
   // Runs the closure (with grad enabled) if given, then the fused step (without grad).
@@ -240,16 +226,12 @@ class FusedOptimizer : public torch::optim::Optimizer {
   // come from where they came from then (.grad, or a GradAccumulator window's fp32 sums); per
   // step it checks the gradients and the params' data itself. False when no plan is current.
   bool has_step_plan() const;
-  // GradScaler's pass over the gradients the next step reads, through the plan: per device
-  // [found_inf] or [found_inf, total_norm, clip_coef] (see ops/step_plan.h); nullopt when no plan
-  // is current or it saw a change (the caller then goes the validated way).
-  std::optional<std::vector<at::Tensor>> plan_check(const at::Tensor& scale, bool write,
-                                                    bool with_norm, double norm_type,
-                                                    std::optional<double> max_norm);
-  // How many devices the current plan's gradients are on (0 without a plan), and whether it
-  // reads fp16 gradients.
-  int plan_devices() const;
-  bool plan_reads_fp16() const;
+
+  // The hand-off between the library's own objects (GradScaler's pass through the step plan,
+  // GradAccumulator's window sums): an opaque handle outside the library.
+  detail::OptimizerInternals& internals() const;
+
+  ~FusedOptimizer() override;
 
  protected:
   explicit FusedOptimizer(std::unique_ptr<torch::optim::OptimizerOptions> defaults);
@@ -264,31 +246,15 @@ class FusedOptimizer : public torch::optim::Optimizer {
   void check_params(size_t group_index);
 
   // What the optimizer's step plan depends on that the optimizer owns (param groups, state
-  // objects and tensors, structural options), as identities; and the hyper-parameters of every
-  // group in the plan's layout (StepPlan::hyper_width() numbers per group).
+  // objects and tensors, structural options), as identities; and every group's hyper-parameters,
+  // checked, into the plan.
   virtual std::vector<const void*> plan_key() const = 0;
-  virtual std::vector<double> plan_hyper() const = 0;
+  virtual void set_plan_hyper(detail::OptimizerPlan& plan) const = 0;
   // A step through the current plan (true), or nothing done (false: no plan, or stale).
   bool step_with_plan();
 
-  std::optional<StepScaling> scaling_;
-  // Params whose fp32 master was loaded: the next step brings their params to round-half-even.
-  std::unordered_set<const c10::TensorImpl*> reconcile_;
-  std::unordered_map<const c10::TensorImpl*, at::Tensor> grad_buffers_;
-  std::unordered_map<const c10::TensorImpl*, c10::ScalarType> param_dtypes_;
-  // Called after a validated step: builds the plan of the buckets that step ran and the params
-  // it left idle (no gradient).
-  void build_plan(const std::vector<StepPlanBucket>& buckets,
-                  const std::vector<at::Tensor>& idle, bool adam);
-
-  struct Plan;  // csrc/api/optim.cpp
-  std::shared_ptr<Plan> plan_;
-
  private:
-  // GradAccumulator's window step: the window's sums come from its native plan (the step plan
-  // binds it as its gradients' source), set around the step.
-  friend class ampfuse::GradAccumulator;
-  std::shared_ptr<const detail::MicroBatchPlan> grad_source_;
+  std::unique_ptr<detail::OptimizerInternals> internals_;
 };
 
 // The optimizers' policies (defined in csrc/api/optim.cpp): Options, State, and how a bucket of
@@ -336,7 +302,7 @@ class Fused : public FusedOptimizer {
   void check_options(const torch::optim::OptimizerOptions& options) const override;
   std::vector<std::pair<const char*, at::Tensor>> state_tensors(const at::Tensor& param) const override;
   std::vector<const void*> plan_key() const override;
-  std::vector<double> plan_hyper() const override;
+  void set_plan_hyper(detail::OptimizerPlan& plan) const override;
 };
 
 extern template class Fused<SgdPolicy>;

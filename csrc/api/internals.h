@@ -1,0 +1,59 @@
+// What the library's own objects hand each other about an ampfuse optimizer: its internals,
+// which FusedOptimizer::internals() gives as an opaque handle (this header is not installed).
+// GradScaler runs its gradient pass through the optimizer's step plan; GradAccumulator sets the
+// fp32 sums a window step reads.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <memory>
+#include <optional>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "ampfuse/optim.h"
+
+namespace ampfuse::detail {
+
+class MicroBatchPlan;
+struct OptimizerPlan;  // the persistent step plan and what it was built for (api/optim.cpp)
+
+// One bucket of a validated step, as the step plan takes it (group index, params, masters, state
+// lists, step counters, whether the gradients are fp32 for low-precision params).
+struct StepPlanBucket {
+  size_t group = 0;
+  std::vector<at::Tensor> params, masters, steps;
+  std::array<std::vector<at::Tensor>, 3> states;
+  bool fp32_grads = false;
+};
+
+struct OptimizerInternals {
+  // Scaling for the next steps (GradScaler::step sets it around its call).
+  std::optional<StepScaling> scaling;
+  // Params whose fp32 master was loaded: the next step brings their params to round-half-even.
+  std::unordered_set<const c10::TensorImpl*> reconcile;
+  // fp32 buffers a step reads instead of param.grad() (set_grad_buffer).
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> grad_buffers;
+  // Each param's dtype when it joined (a model converted since is named).
+  std::unordered_map<const c10::TensorImpl*, c10::ScalarType> param_dtypes;
+  std::shared_ptr<OptimizerPlan> plan;
+  // GradAccumulator's window step: the window's sums come from its native plan (the step plan
+  // binds it as its gradients' source), set around the step.
+  std::shared_ptr<const MicroBatchPlan> grad_source;
+};
+
+// GradScaler's pass over the gradients the next step of `opt` reads, through its current step
+// plan: per device [found_inf] or [found_inf, total_norm, clip_coef] (see ops/step_plan.h);
+// nullopt when no plan is current or it saw a change (the caller then goes the validated way).
+std::optional<std::vector<at::Tensor>> plan_check(optim::FusedOptimizer& opt,
+                                                  const at::Tensor& scale, bool write,
+                                                  bool with_norm, double norm_type,
+                                                  std::optional<double> max_norm);
+// How many devices the current plan's gradients are on (0 without a plan), and whether it reads
+// fp16 gradients.
+int plan_devices(const optim::FusedOptimizer& opt);
+bool plan_reads_fp16(const optim::FusedOptimizer& opt);
+
+}  // namespace ampfuse::detail
