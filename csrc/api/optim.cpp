@@ -541,19 +541,18 @@ bool operator==(const SGDOptions& a, const SGDOptions& b) { return equal_options
 void SGDOptions::serialize(OutputArchive& archive) const { write_options(*this, archive); }
 void SGDOptions::serialize(InputArchive& archive) { read_options(*this, archive); }
 
-AdamOptions::AdamOptions(double lr) : lr_(lr) {}
-double AdamOptions::get_lr() const { return lr(); }
-void AdamOptions::set_lr(const double lr) { this->lr(lr); }
+template <class D>
+void AdamOptionsBase<D>::serialize(OutputArchive& archive) const {
+  write_options(static_cast<const D&>(*this), archive);
+}
+template <class D>
+void AdamOptionsBase<D>::serialize(InputArchive& archive) {
+  read_options(static_cast<D&>(*this), archive);
+}
+template struct AdamOptionsBase<AdamOptions>;
+template struct AdamOptionsBase<AdamWOptions>;
 bool operator==(const AdamOptions& a, const AdamOptions& b) { return equal_options(a, b); }
-void AdamOptions::serialize(OutputArchive& archive) const { write_options(*this, archive); }
-void AdamOptions::serialize(InputArchive& archive) { read_options(*this, archive); }
-
-AdamWOptions::AdamWOptions(double lr) : lr_(lr) {}
-double AdamWOptions::get_lr() const { return lr(); }
-void AdamWOptions::set_lr(const double lr) { this->lr(lr); }
 bool operator==(const AdamWOptions& a, const AdamWOptions& b) { return equal_options(a, b); }
-void AdamWOptions::serialize(OutputArchive& archive) const { write_options(*this, archive); }
-void AdamWOptions::serialize(InputArchive& archive) { read_options(*this, archive); }
 
 // ============================================================================================
 // Per-parameter state

@@ -431,4 +431,47 @@ TEST(GradScaler, SaveLoadRoundTripsBitwise) {
   EXPECT_TRUE(bitwise_equal(live.stats(), a.stats()));
 }
 
+TEST(GradScaler, LoadRunsBeforeApplyBetweenTheCheckAndTheChange) {
+  ampfuse::GradScaler saved(ampfuse::GradScalerOptions().init_scale(512.0).growth_interval(3));
+  saved.scale(at::ones({}));
+  std::stringstream stream;
+  torch::save(saved, stream);
+  auto archive = [&] {
+    stream.clear();
+    stream.seekg(0);
+    torch::serialize::InputArchive in;
+    in.load_from(stream);
+    return in;
+  };
+  ampfuse::GradScaler target(ampfuse::GradScalerOptions().init_scale(8.0));
+  // before_apply throws: the checked checkpoint is not applied.
+  auto in = archive();
+  EXPECT_TRUE(throws_with([&] { target.load(in, [] { TORCH_CHECK(false, "refused"); }); },
+                          "refused"));
+  EXPECT_EQ(target.get_scale(), 8.0);
+  EXPECT_EQ(target.get_growth_interval(), 2000);
+  // A checkpoint the check refuses: before_apply is not run.
+  torch::serialize::OutputArchive bad_out;
+  saved.save(bad_out);
+  bad_out.write("scale", c10::IValue(-1.0));
+  std::stringstream bad_stream;
+  bad_out.save_to(bad_stream);
+  torch::serialize::InputArchive bad;
+  bad.load_from(bad_stream);
+  bool ran = false;
+  EXPECT_ANY_THROW(target.load(bad, [&] { ran = true; }));
+  EXPECT_FALSE(ran);
+  EXPECT_EQ(target.get_scale(), 8.0);
+  // Otherwise before_apply runs once, then the checkpoint is applied.
+  int runs = 0;
+  in = archive();
+  target.load(in, [&] {
+    ++runs;
+    EXPECT_EQ(target.get_scale(), 8.0);
+  });
+  EXPECT_EQ(runs, 1);
+  EXPECT_EQ(target.get_scale(), 512.0);
+  EXPECT_EQ(target.get_growth_interval(), 3);
+}
+
 }  // namespace

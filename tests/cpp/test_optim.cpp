@@ -156,6 +156,26 @@ TEST(Optim, DefaultsMirrorTorch) {
   EXPECT_FALSE(ampfuse::optim::AdamWOptions().maximize());
 }
 
+TEST(Optim, ChainedOptionSettersKeepTheOptionsType) {
+  // Adam's and AdamW's options share one declaration; a chain of setters still gives the
+  // optimizer's own options type (each starting from its own defaults).
+  const ampfuse::optim::AdamWOptions w = ampfuse::optim::AdamWOptions(0.5).eps(1e-6).amsgrad(true);
+  const ampfuse::optim::AdamOptions a = ampfuse::optim::AdamOptions(0.5).eps(1e-6).amsgrad(true);
+  EXPECT_EQ(w.lr(), 0.5);
+  EXPECT_EQ(w.eps(), 1e-6);
+  EXPECT_TRUE(w.amsgrad());
+  EXPECT_EQ(w.weight_decay(), 1e-2);
+  EXPECT_EQ(a.weight_decay(), 0.0);
+  EXPECT_FALSE(a == ampfuse::optim::AdamOptions(0.5));
+  EXPECT_TRUE(a == ampfuse::optim::AdamOptions(0.5).eps(1e-6).amsgrad(true));
+  // a group built with them keeps them (the optimizer clones its options by their own type)
+  auto p = at::zeros({2}).set_requires_grad(true);
+  ampfuse::optim::AdamW opt({p}, w);
+  const auto& kept = static_cast<const ampfuse::optim::AdamWOptions&>(opt.param_groups()[0].options());
+  EXPECT_TRUE(kept == w);
+  EXPECT_EQ(kept.get_lr(), 0.5);
+}
+
 // ---- master weights -------------------------------------------------------------------------------
 // A low-precision run keeps fp32 masters that follow exactly the fp32 run fed the same (widened)
 // gradients, and its params are the masters rounded to nearest.

@@ -46,10 +46,6 @@ struct OptimizerPlan;
 
 namespace ampfuse::optim {
 
-// The fields of Adam's and AdamW's options, listed once for both.
-template <class Self, class F>
-void adam_fields(Self& self, F&& f);
-
 struct SGDOptions : public torch::optim::OptimizerCloneableOptions<SGDOptions> {
   SGDOptions(double lr = 1e-3);  // NOLINT: implicit, as torch's
   TORCH_ARG(double, lr) = 1e-3;
@@ -86,78 +82,68 @@ struct SGDOptions : public torch::optim::OptimizerCloneableOptions<SGDOptions> {
   void set_lr(const double lr) override;
 };
 
-struct AdamOptions : public torch::optim::OptimizerCloneableOptions<AdamOptions> {
-  AdamOptions(double lr = 1e-3);  // NOLINT
+// An option of Derived's options type: as TORCH_ARG, but the setter returns Derived& (chained
+// setters keep the type) for options a base template declares.
+#define AMPFUSE_OPTION(T, name)                    \
+ public:                                           \
+  Derived& name(const T& value) {                  \
+    name##_ = value;                               \
+    return static_cast<Derived&>(*this);           \
+  }                                                \
+  const T& name() const noexcept { return name##_; } \
+  T& name() noexcept { return name##_; }           \
+                                                   \
+ private:                                          \
+  T name##_
+
+// Adam's and AdamW's options, declared once: AdamW's weight_decay defaults to 1e-2 (torch's).
+template <class Derived>
+struct AdamOptionsBase : public torch::optim::OptimizerCloneableOptions<Derived> {
   using betas_t = std::tuple<double, double>;
-  TORCH_ARG(double, lr) = 1e-3;
-  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
-  TORCH_ARG(double, eps) = 1e-8;
-  TORCH_ARG(double, weight_decay) = 0;
-  TORCH_ARG(bool, amsgrad) = false;
-  TORCH_ARG(bool, maximize) = false;
-  TORCH_ARG(bool, master_weights) = true;
-  TORCH_ARG(bool, master_remainders) = false;
+  AMPFUSE_OPTION(double, lr);
+  AMPFUSE_OPTION(betas_t, betas) = std::make_tuple(0.9, 0.999);
+  AMPFUSE_OPTION(double, eps) = 1e-8;
+  AMPFUSE_OPTION(double, weight_decay);
+  AMPFUSE_OPTION(bool, amsgrad) = false;
+  AMPFUSE_OPTION(bool, maximize) = false;
+  AMPFUSE_OPTION(bool, master_weights) = true;
+  AMPFUSE_OPTION(bool, master_remainders) = false;
   // Storage of exp_avg / exp_avg_sq / max_exp_avg_sq: at::kFloat or at::kBFloat16.
-  TORCH_ARG(c10::ScalarType, state_dtype) = at::kFloat;
+  AMPFUSE_OPTION(c10::ScalarType, state_dtype) = at::kFloat;
 
  public:
   template <class Self, class F>
   static void fields(Self& self, F&& f) {
-    adam_fields(self, f);
+    f("lr", self.lr_);
+    f("betas", self.betas_);
+    f("eps", self.eps_);
+    f("weight_decay", self.weight_decay_);
+    f("amsgrad", self.amsgrad_);
+    f("maximize", self.maximize_);
+    f("master_weights", self.master_weights_);
+    f("master_remainders", self.master_remainders_);
+    f("state_dtype", self.state_dtype_);
   }
   void serialize(torch::serialize::InputArchive& archive) override;
   void serialize(torch::serialize::OutputArchive& archive) const override;
-  friend bool operator==(const AdamOptions& lhs, const AdamOptions& rhs);
-  double get_lr() const override;
-  void set_lr(const double lr) override;
+  double get_lr() const override { return lr_; }
+  void set_lr(const double lr) override { lr_ = lr; }
 
- private:
-  template <class Self, class F>
-  friend void adam_fields(Self& self, F&& f);
+ protected:
+  AdamOptionsBase(double lr, double weight_decay) : lr_(lr), weight_decay_(weight_decay) {}
 };
+#undef AMPFUSE_OPTION
 
-// As AdamOptions, weight_decay defaulting to 1e-2 (torch's AdamW).
-struct AdamWOptions : public torch::optim::OptimizerCloneableOptions<AdamWOptions> {
-  AdamWOptions(double lr = 1e-3);  // NOLINT
-  using betas_t = std::tuple<double, double>;
-  TORCH_ARG(double, lr) = 1e-3;
-  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
-  TORCH_ARG(double, eps) = 1e-8;
-  TORCH_ARG(double, weight_decay) = 1e-2;
-  TORCH_ARG(bool, amsgrad) = false;
-  TORCH_ARG(bool, maximize) = false;
-  TORCH_ARG(bool, master_weights) = true;
-  TORCH_ARG(bool, master_remainders) = false;
-  TORCH_ARG(c10::ScalarType, state_dtype) = at::kFloat;
-
- public:
-  template <class Self, class F>
-  static void fields(Self& self, F&& f) {
-    adam_fields(self, f);
-  }
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
-  friend bool operator==(const AdamWOptions& lhs, const AdamWOptions& rhs);
-  double get_lr() const override;
-  void set_lr(const double lr) override;
-
- private:
-  template <class Self, class F>
-  friend void adam_fields(Self& self, F&& f);
+struct AdamOptions : public AdamOptionsBase<AdamOptions> {
+  AdamOptions(double lr = 1e-3) : AdamOptionsBase(lr, 0.0) {}  // NOLINT: implicit, as torch's
 };
-
-template <class Self, class F>
-void adam_fields(Self& self, F&& f) {
-  f("lr", self.lr_);
-  f("betas", self.betas_);
-  f("eps", self.eps_);
-  f("weight_decay", self.weight_decay_);
-  f("amsgrad", self.amsgrad_);
-  f("maximize", self.maximize_);
-  f("master_weights", self.master_weights_);
-  f("master_remainders", self.master_remainders_);
-  f("state_dtype", self.state_dtype_);
-}
+struct AdamWOptions : public AdamOptionsBase<AdamWOptions> {
+  AdamWOptions(double lr = 1e-3) : AdamOptionsBase(lr, 1e-2) {}  // NOLINT
+};
+extern template struct AdamOptionsBase<AdamOptions>;
+extern template struct AdamOptionsBase<AdamWOptions>;
+bool operator==(const AdamOptions& lhs, const AdamOptions& rhs);
+bool operator==(const AdamWOptions& lhs, const AdamWOptions& rhs);
 
 struct SGDParamState : public torch::optim::OptimizerCloneableParamState<SGDParamState> {
   TORCH_ARG(at::Tensor, step);              // fp32 0-dim; 0 until the first step actually taken
