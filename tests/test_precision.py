@@ -67,6 +67,58 @@ def test_join_of_edited_params_is_the_param():
     assert torch.equal(m.view(torch.int32), p.float().view(torch.int32))
 
 
+def _tie_master() -> torch.Tensor:
+    g = torch.Generator().manual_seed(11)
+    master = torch.randn(4, 6, generator=g) * 3
+    bits = master.view(torch.int32)
+    bits[0] = bits[0] & ~0xFFFF | 0x8000  # exact ties
+    master[1, :3] = torch.tensor([math.inf, -0.0, math.nan])
+    return master
+
+
+def test_convert_master_moves_between_forms_without_losing_a_bit():
+    """convert_master_ (the one conversion both surfaces use): fp32 -> remainder -> fp32 returns
+    the same master bit for bit, ties included, with the param at each form's rounding; 'none'
+    drops the master; a master already of the form is returned as it is."""
+    convert = torch.ops.ampfuse.convert_master_
+    master = _tie_master()
+    p = _rne(master)
+    (rem,) = convert(p, master, None, "remainder", False)
+    assert torch.equal(join_master(p, rem).view(torch.int32), master.view(torch.int32))
+    num = ~master.isnan()
+    assert torch.equal(p[num], split_master(master)[0][num])  # ties moved away from zero
+    (back,) = convert(p, None, rem, "float", False)
+    assert torch.equal(back.view(torch.int32), master.view(torch.int32))
+    assert torch.equal(p[num], _rne(master)[num])  # ties back to round-half-even
+    assert convert(p, back, None, "float", False)[0] is back
+    assert convert(p, None, rem, "remainder", False)[0] is rem
+    assert convert(p, back, rem, "none", False) == []
+    (fresh,) = convert(p, None, None, "float", False)
+    assert torch.equal(fresh[num], p.float()[num])
+    (zero,) = convert(p, None, None, "remainder", False)
+    assert zero.dtype == torch.int16 and not zero.any()
+    # reconcile: a loaded fp32 master whose param holds the remainder form's rounding
+    p_away = split_master(master)[0]
+    convert(p_away, master, None, "float", True)
+    assert torch.equal(p_away[num], _rne(master)[num])
+    with pytest.raises(RuntimeError, match="kind must be 'none', 'float' or 'remainder', got 'fp32'"):
+        convert(p, master, None, "fp32", False)
+    with pytest.raises(RuntimeError, match="the remainder form needs a torch.bfloat16 param, got torch.float16"):
+        convert(master.half(), master, None, "remainder", False)
+
+
+@pytest.mark.parametrize("case", ["float-from-remainder", "remainder-from-float", "float-reconcile", "none"])
+def test_convert_master_opcheck(case):
+    master = _tie_master()
+    master[1, 2] = 1.0  # opcheck compares outputs without equal_nan (NaN: the test above)
+    p, rem = split_master(master)
+    args = {"float-from-remainder": (p, None, rem, "float", False),
+            "remainder-from-float": (_rne(master), master, None, "remainder", False),
+            "float-reconcile": (p, master, None, "float", True),
+            "none": (p, master, rem, "none", False)}[case]
+    torch.library.opcheck(torch.ops.ampfuse.convert_master_.default, args)
+
+
 # ---- kernels: remainder == fp32 master, bf16 state == rounded fp32 state ------------------------
 
 

@@ -99,37 +99,17 @@ MasterKind master_kind(const O& o, const at::Tensor& p) {
                                                                       : MasterKind::Float;
 }
 
-// The master in the form `kind` asks for, converted exactly from the other form if present
-// (engine/master_forms.h: no bit lost either way, exact ties included); with `reconcile` (an fp32
-// master just loaded, perhaps a remainder form's) its param is brought to round-half-even. None
-// drops the master, so that a later switch back starts from the param, not from a stale master.
+// The master in the form `kind` asks for (engine/master_forms.h: converted exactly, ties
+// included; None drops it).
 template <typename State>
 void ensure_master(State& s, const at::Tensor& p, MasterKind kind, bool reconcile) {
-  at::NoGradGuard no_grad;
-  const at::Tensor param = p.detach();
-  if (kind == MasterKind::Float) {
-    if (!s.master_param().defined()) {
-      at::Tensor master = at::empty_like(p, p.options().dtype(at::kFloat), at::MemoryFormat::Preserve);
-      if (s.master_remainder().defined()) {
-        master.copy_(engine::join_master(param, s.master_remainder()));
-        engine::round_ties_even_(param, master);
-      } else {
-        master.copy_(param);
-      }
-      s.master_param(master);
-    } else if (reconcile) {
-      engine::round_ties_even_(param, s.master_param());
-    }
-    s.master_remainder(at::Tensor());
-    return;
-  }
-  if (kind == MasterKind::Remainder && !s.master_remainder().defined()) {
-    s.master_remainder(s.master_param().defined()
-                           ? engine::remainder_of_(param, s.master_param())
-                           : at::zeros_like(p, p.options().dtype(at::kShort), at::MemoryFormat::Preserve));
-  }
-  if (kind == MasterKind::None) s.master_remainder(at::Tensor());
-  s.master_param(at::Tensor());
+  auto given = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
+  static constexpr const char* kNames[] = {"none", "float", "remainder"};
+  const std::vector<at::Tensor> out =
+      engine::convert_master_(p.detach(), given(s.master_param()), given(s.master_remainder()),
+                              kNames[static_cast<int>(kind)], reconcile);
+  s.master_param(kind == MasterKind::Float ? out[0] : at::Tensor());
+  s.master_remainder(kind == MasterKind::Remainder ? out[0] : at::Tensor());
 }
 
 // A loaded state tensor, on the param's device in fp32 (masters and state stay fp32 whatever the

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include "ops/validation.h"
@@ -83,6 +84,62 @@ void round_ties_even_(const at::Tensor& param, const at::Tensor& master) {
   param.copy_(at::where(move, rne, param));
 }
 
+namespace {
+
+// The master-form ops through the dispatcher, so that a tensor subclass (DTensor) sees them.
+at::Tensor dispatch_join(const at::Tensor& param, const at::Tensor& remainder) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("ampfuse::join_master", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return op.call(param, remainder);
+}
+
+at::Tensor dispatch_remainder_of(const at::Tensor& param, const at::Tensor& master) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("ampfuse::remainder_of_", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return op.call(param, master);
+}
+
+void dispatch_round_ties_even(const at::Tensor& param, const at::Tensor& master) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("ampfuse::round_ties_even_", "")
+                             .typed<void(const at::Tensor&, const at::Tensor&)>();
+  op.call(param, master);
+}
+
+bool present(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+}  // namespace
+
+std::vector<at::Tensor> convert_master_(const at::Tensor& param,
+                                        const std::optional<at::Tensor>& master_param,
+                                        const std::optional<at::Tensor>& master_remainder,
+                                        const std::string& kind, bool reconcile) {
+  TORCH_CHECK(kind == "none" || kind == "float" || kind == "remainder",
+              "convert_master_: kind must be 'none', 'float' or 'remainder', got '", kind, "'.");
+  TORCH_CHECK(kind != "remainder" || param.scalar_type() == at::kBFloat16,
+              "convert_master_: the remainder form needs a torch.bfloat16 param, got ",
+              detail::dtype_name(param.scalar_type()), ".");
+  at::NoGradGuard no_grad;
+  if (kind == "none") return {};
+  if (kind == "float") {
+    if (present(master_param)) {
+      if (reconcile) dispatch_round_ties_even(param, *master_param);
+      return {*master_param};
+    }
+    at::Tensor master =
+        at::empty_like(param, param.options().dtype(at::kFloat), at::MemoryFormat::Preserve);
+    if (!present(master_remainder)) return {master.copy_(param)};
+    master.copy_(dispatch_join(param, *master_remainder));
+    dispatch_round_ties_even(param, master);
+    return {master};
+  }
+  if (present(master_remainder)) return {*master_remainder};
+  if (present(master_param)) return {dispatch_remainder_of(param, *master_param)};
+  return {at::zeros_like(param, param.options().dtype(at::kShort), at::MemoryFormat::Preserve)};
+}
+
 }  // namespace ampfuse::engine
 
 // One kernel for every device (the functions above are torch ops), Meta included.
@@ -91,4 +148,9 @@ TORCH_LIBRARY_IMPL(ampfuse, CompositeExplicitAutograd, m) {
   m.impl("split_master", &ampfuse::engine::split_master);
   m.impl("remainder_of_", &ampfuse::engine::remainder_of_);
   m.impl("round_ties_even_", &ampfuse::engine::round_ties_even_);
+}
+
+// Decomposed for every device and tensor subclass into the torch ops and master-form ops it calls.
+TORCH_LIBRARY_IMPL(ampfuse, CompositeImplicitAutograd, m) {
+  m.impl("convert_master_", &ampfuse::engine::convert_master_);
 }

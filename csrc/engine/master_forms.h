@@ -6,12 +6,15 @@
 // A master value that is an exact tie between two bf16 values has a param one bf16 ulp apart in
 // the two forms, so a switch of form moves such params to the new form's rounding: no master bit
 // is lost either way. Registered as ops (join_master, split_master, remainder_of_,
-// round_ties_even_; registration.cpp), so Python and DTensor reach the same code.
+// round_ties_even_, convert_master_; registration.cpp), so Python and DTensor reach the same code.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+#include <string>
 #include <tuple>
+#include <vector>
 
 namespace ampfuse::engine {
 
@@ -35,5 +38,17 @@ at::Tensor remainder_of_(const at::Tensor& param, const at::Tensor& master);
 // round-half-even value, which the fp32-master step expects of an unedited param. No-op for
 // other param dtypes.
 void round_ties_even_(const at::Tensor& param, const at::Tensor& master);
+
+// `param`'s master in the form `kind` ("none", "float": an fp32 master, "remainder": an int16
+// remainder, bf16 params only) from the master it has now (`master_param` and/or
+// `master_remainder`, or neither: the master is the param), converted exactly with the moves
+// above; with `reconcile` (an fp32 master just loaded, perhaps a remainder form's) the param is
+// brought to round-half-even. Returns [] for "none" (the master is dropped: a later switch back
+// starts from the param, not from a stale master), else [the master tensor] (the one given when
+// it already is of the form). A composite of torch ops and the ops above (DTensor sees those).
+std::vector<at::Tensor> convert_master_(const at::Tensor& param,
+                                        const std::optional<at::Tensor>& master_param,
+                                        const std::optional<at::Tensor>& master_remainder,
+                                        const std::string& kind, bool reconcile);
 
 }  // namespace ampfuse::engine

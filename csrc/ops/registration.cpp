@@ -77,6 +77,11 @@ TORCH_LIBRARY(ampfuse, m) {
   m.def("split_master(Tensor master) -> (Tensor, Tensor)");
   m.def("remainder_of_(Tensor(a!) param, Tensor master) -> Tensor");
   m.def("round_ties_even_(Tensor(a!) param, Tensor master) -> ()");
+  // A param's master brought to a form ('none', 'float', 'remainder') from the master it has now:
+  // [] or [the master tensor]; a composite of the four above (csrc/engine/master_forms.h).
+  m.def(
+      "convert_master_(Tensor(a!) param, Tensor? master_param, Tensor? master_remainder, str kind, "
+      "bool reconcile) -> Tensor[]");
   // The optimizers' checks of a step's gradients (csrc/engine/step_checks.h), over every group
   // before any steps: params[k] has gradient grads[k] and is named by `naming` with {g}/{i}
   // replaced by groups[k]/indices[k]; state[j] is a state tensor of params[state_owner[j]]

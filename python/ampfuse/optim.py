@@ -608,36 +608,21 @@ class _FusedOptimizer(torch.optim.Optimizer):
         return state
 
     def _convert_master(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
-        """Brings ``p``'s master to the group's ``master_weights``: the fp32 master and the
-        (param, remainder) pair stand for the same master bit for bit in both directions, ties
-        included (the param is moved to the form's rounding of it: round-half-even for fp32
-        masters, ties away from zero for remainders). ``False`` drops the master, so that a later
-        switch back starts from the param instead of a stale master."""
+        """Brings ``p``'s master to the group's ``master_weights`` (the native ``convert_master_``:
+        exact both ways, ties included; ``False`` drops the master)."""
         kind = self._master_kind(p, group)
         reconcile = id(p) in self._reconcile
         self._reconcile.discard(id(p))
+        ops._dtensor_support()
         with torch.no_grad():
-            if kind is None:
-                for key in ("master_param", "master_remainder"):
-                    if key in state:
-                        del state[key]
-            elif kind == "float" and state.get("master_param") is None:
-                rem = state.pop("master_remainder", None)
-                master = torch.empty_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-                if rem is None:
-                    state["master_param"] = master.copy_(p.detach())
-                else:
-                    state["master_param"] = master.copy_(join_master(p.detach(), rem))
-                    _round_param_half_even(p, master)
-                if "master_remainder" in state:
-                    del state["master_remainder"]
-            elif kind == "float" and reconcile:
-                _round_param_half_even(p, state["master_param"])
-            elif kind == "remainder" and state.get("master_remainder") is None:
-                master = state.pop("master_param", None)
-                state["master_remainder"] = _remainder_for(p, master)
-            if kind == "remainder" and "master_param" in state:
-                del state["master_param"]
+            out = torch.ops.ampfuse.convert_master_(p.detach(), state.get("master_param"), state.get("master_remainder"),
+                                                    kind or "none", reconcile)
+        keep = {"float": "master_param", "remainder": "master_remainder"}.get(kind)  # type: ignore[arg-type]
+        for key in ("master_param", "master_remainder"):
+            if key != keep and key in state:
+                del state[key]
+        if keep is not None and state.get(keep) is not out[0]:
+            state[keep] = out[0]
 
     def _convert_existing(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         """The state ``p`` already has, brought to the group's precision options (nothing created)."""
@@ -1046,23 +1031,6 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _adopt_foreign_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
         """Hook for optimizer-specific fix-ups of a loaded (possibly torch) state."""
-
-
-def _remainder_for(p: torch.Tensor, master: torch.Tensor | None) -> torch.Tensor:
-    """The int16 remainder that with bf16 param ``p`` stands for fp32 ``master`` (zeros without a
-    master); an exact tie's param is moved to the split's rounding (``remainder_of_``)."""
-    if master is None:
-        return torch.zeros_like(p, dtype=torch.int16, memory_format=torch.preserve_format)
-    ops._dtensor_support()
-    return torch.ops.ampfuse.remainder_of_(p.detach(), master.detach())
-
-
-def _round_param_half_even(p: torch.Tensor, master: torch.Tensor) -> None:
-    """A remainder form's tie params moved to round-half-even, as the fp32-master step expects of
-    an unedited param (``round_ties_even_``; nothing for other than bf16 params)."""
-    if p.dtype == torch.bfloat16:
-        ops._dtensor_support()
-        torch.ops.ampfuse.round_ties_even_(p.detach(), master.detach())
 
 
 def _is_real(value: Any) -> bool:
