@@ -263,8 +263,25 @@ def _accumulator_load_checks_the_scaler_first(d: dict) -> dict:
     return res
 
 
+def _idle_param_state_follows_options(d: dict) -> dict:
+    a = d["in/idle/a"].clone().requires_grad_(True)
+    b = d["in/idle/b"].clone().requires_grad_(True)
+    opt = ampfuse.optim.AdamW([a, b], lr=1e-2)
+    for k in range(3):
+        a.grad = d[f"in/idle/grad_a/{k}"].clone()
+        if k < 2:
+            b.grad = d[f"in/idle/grad_b/{k}"].clone()
+        else:
+            b.grad = None
+            opt.param_groups[0].update(state_dtype=torch.bfloat16, master_weights="remainder")
+        opt.step()
+    st = opt.state[b]
+    return {"idle/b_exp_avg": st["exp_avg"].clone(), "idle/b_remainder_form": "master_remainder" in st,
+            "idle/b_master": _master(opt, b)}
+
+
 _CASES = [_ties, _master_weights_off_and_on, _load_keeps_own_options, _grad_checks_across_groups,
-          _bad_scaler_entries, _accumulator_load_checks_the_scaler_first]
+          _bad_scaler_entries, _accumulator_load_checks_the_scaler_first, _idle_param_state_follows_options]
 
 
 def _as_python_names(message: str) -> str:

@@ -18,6 +18,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch import nn
 
 import ampfuse
@@ -433,46 +434,49 @@ def test_no_full_size_temporaries_during_step():
     assert allocated < 4096, allocated  # torch's foreach AdamW allocates ~ the size of the params here
 
 
+class _CreationLog(TorchDispatchMode):
+    """The tensors created under it, in order: (what, the shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = {torch.ops.aten.zeros.default: "step", torch.ops.aten.empty_like.default: "master",
+                torch.ops.aten.zeros_like.default: "state"}.get(func)
+        if name is not None:
+            self.created.append((name, tuple(out.shape)))
+        return out
+
+
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 def test_fresh_state_is_created_one_kind_at_a_time(kind):
-    # The state of params stepped for the first time is created kind by kind (every master, then
-    # each state key over all params), so that each kind lies in one run of memory in the step's
-    # order; the params without a gradient get none, and the values are those of a param-by-param
-    # creation.
+    # The state of params stepped for the first time is created kind by kind (every step counter,
+    # then every master, then each state key over all params), so that each kind lies in one run
+    # of memory in the step's order; a param without a gradient gets none until it has one, and
+    # the state created is the torch optimizer's zero state with the param as master.
     shapes = [(3, 5), (7,), (2, 2, 2), (4,)]
-    make = ampfuse.optim.AdamW if kind == "adamw" else (lambda ps: ampfuse.optim.SGD(ps, lr=0.1, momentum=0.9))
-    runs = {}
-    for way in ("kind by kind", "param by param"):
-        torch.manual_seed(0)
-        params = [torch.randn(s, dtype=torch.bfloat16, requires_grad=True) for s in shapes]
-        opt = make(params)
-        calls = []
-        new_state = opt._new_state
-
-        def record(p, group, key, new_state=new_state, calls=calls, params=params):
-            calls.append((key, next(i for i, q in enumerate(params) if q is p)))
-            return new_state(p, group, key)
-
-        opt._new_state = record
-        if way == "param by param":
-            opt._create_fresh_state = lambda params, group: None
-        for step in range(3):
-            for i, p in enumerate(params):
-                p.grad = None if i == 2 and step == 0 else torch.full_like(p, 0.25 * (i + step + 1))
-            opt.step()
-        runs[way] = (params, opt, calls)
-    params, opt, calls = runs["kind by kind"]
+    params = [torch.randn(s, dtype=torch.bfloat16, requires_grad=True) for s in shapes]
+    opt = ampfuse.optim.AdamW(params) if kind == "adamw" else ampfuse.optim.SGD(params, lr=0.1, momentum=0.9)
+    group = opt.param_groups[0]
     keys = ["exp_avg", "exp_avg_sq"] if kind == "adamw" else ["momentum_buffer"]
-    # first step: params 0, 1, 3, key by key; second step: param 2 (its first gradient)
-    assert calls == [(k, i) for k in keys for i in (0, 1, 3)] + [(k, 2) for k in keys]
-    assert runs["param by param"][2] == [(k, i) for i in (0, 1, 3) for k in keys] + [(k, 2) for k in keys]
-    ref_params, ref_opt, _ = runs["param by param"]
-    for p, q in zip(params, ref_params):
-        assert torch.equal(p, q)
-        st, ref = opt.state[p], ref_opt.state[q]
-        assert st.keys() == ref.keys()
-        for key in st:
-            assert torch.equal(st[key], ref[key]), key
+    for stepped in ([0, 1, 3], [2]):
+        with _CreationLog() as log:
+            opt._bring_state(group, params, [i in stepped for i in range(len(params))])
+        assert log.created == ([("step", ())] * len(stepped) + [("master", shapes[i]) for i in stepped]
+                               + [("state", shapes[i]) for _ in keys for i in stepped])
+        assert params[2] not in opt.state or 2 in stepped
+    for p in params:
+        st = opt.state[p]
+        assert sorted(st) == sorted(["step", "master_param", *keys])
+        assert st["step"].dtype == torch.float32 and st["step"].shape == () and st["step"].item() == 0
+        assert torch.equal(st["master_param"], p.detach().float())
+        for key in keys:
+            assert st[key].dtype == torch.float32 and not st[key].any()
+    before = {id(t) for p in params for t in opt.state[p].values()}
+    opt._bring_state(group, params, [True] * len(params))  # nothing missing: nothing created or replaced
+    assert {id(t) for p in params for t in opt.state[p].values()} == before
 
 
 # ----------------------------------------------------------------------------------------------

@@ -283,7 +283,7 @@ def test_switching_options_converts_state():
     masters = [opt.state[p]["master_param"].clone() for p in params]
     opt.param_groups[0]["master_weights"] = "remainder"
     opt.param_groups[0]["state_dtype"] = torch.bfloat16
-    opt._ensure_state(params[0], opt.param_groups[0])  # what the next step does for each param
+    opt._bring_state(opt.param_groups[0], params[:1], [True])  # what the next step does for each param
     st = opt.state[params[0]]
     assert "master_param" not in st and torch.equal(join_master(params[0].detach(), st["master_remainder"]), masters[0])
     assert st["exp_avg"].dtype == torch.bfloat16

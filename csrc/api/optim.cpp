@@ -21,6 +21,7 @@
 #include "api/accumulate_plan.h"
 #include "api/internals.h"
 #include "engine/master_forms.h"
+#include "engine/optimizer_state.h"
 #include "engine/step_checks.h"
 #include "ops/step_plan.h"
 #include "ops/validation.h"
@@ -72,44 +73,17 @@ at::Tensor read_step(InputArchive& archive) {
   return v.toTensor();
 }
 
-// Lazily created state: a 0-dim fp32 step counter on the param's device.
-void ensure_step(at::Tensor& step, const at::Tensor& p) {
-  if (!step.defined()) {
-    step = at::zeros({}, p.options().dtype(at::kFloat));
-  } else if (step.scalar_type() != at::kFloat || step.device() != p.device() || step.dim() != 0) {
-    step = step.to(p.device(), at::kFloat).reshape({}).clone();
-  }
-}
-
-// A state tensor of `dtype` (created zero, or converted: rounded to nearest even for bf16).
-void ensure_state_tensor(at::Tensor& t, const at::Tensor& p, c10::ScalarType dtype) {
-  if (!t.defined()) {
-    t = at::zeros_like(p, p.options().dtype(dtype), at::MemoryFormat::Preserve);
-  } else if (t.scalar_type() != dtype) {
-    t = t.to(dtype);
-  }
-}
-
 enum class MasterKind { None, Float, Remainder };
 
 template <typename O>
-MasterKind master_kind(const O& o, const at::Tensor& p) {
-  if (!o.master_weights() || !is_low(p.scalar_type())) return MasterKind::None;
-  return o.master_remainders() && p.scalar_type() == at::kBFloat16 ? MasterKind::Remainder
-                                                                      : MasterKind::Float;
+std::string master_weights_of(const O& o) {
+  return !o.master_weights() ? "false" : (o.master_remainders() ? "remainder" : "true");
 }
 
-// The master in the form `kind` asks for (engine/master_forms.h: converted exactly, ties
-// included; None drops it).
 template <typename State>
-void ensure_master(State& s, const at::Tensor& p, MasterKind kind, bool reconcile) {
-  auto given = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
-  static constexpr const char* kNames[] = {"none", "float", "remainder"};
-  const std::vector<at::Tensor> out =
-      engine::convert_master_(p.detach(), given(s.master_param()), given(s.master_remainder()),
-                              kNames[static_cast<int>(kind)], reconcile);
-  s.master_param(kind == MasterKind::Float ? out[0] : at::Tensor());
-  s.master_remainder(kind == MasterKind::Remainder ? out[0] : at::Tensor());
+MasterKind master_kind_of(const State& s) {
+  return s.master_param().defined() ? MasterKind::Float
+                                    : (s.master_remainder().defined() ? MasterKind::Remainder : MasterKind::None);
 }
 
 // A loaded state tensor, on the param's device in fp32 (masters and state stay fp32 whatever the
@@ -176,52 +150,46 @@ StepScaling scaling_on(const std::optional<StepScaling>& scaling, const c10::Dev
 }
 
 // ---- generic step over a policy ----------------------------------------------------------------
+// The state of the params of a group brought to its options by the engine (optimizer_state_):
+// created where create[i] (a param that steps now), else only what it has converted.
 template <typename P>
-typename P::State& ensure_state(torch::optim::Optimizer& opt, const at::Tensor& p,
-                                const typename P::Options& o, std::unordered_set<const c10::TensorImpl*>& reconcile) {
+void bring_state(torch::optim::Optimizer& opt, const std::vector<at::Tensor>& params,
+                 const std::vector<bool>& create, const typename P::Options& o,
+                 std::unordered_set<const c10::TensorImpl*>& reconcile) {
+  using State = typename P::State;
   auto& states = opt.state();
-  auto it = states.find(p.unsafeGetTensorImpl());
-  if (it == states.end()) {
-    it = states.emplace(p.unsafeGetTensorImpl(), std::make_unique<typename P::State>()).first;
-  }
-  auto& s = static_cast<typename P::State&>(*it->second);
-  ensure_step(s.step(), p);
-  for (int k = 0; k < P::num_states(o); ++k) {
-    at::Tensor& t = P::state(s, k);
-    if (!t.defined()) {
-      ensure_state_tensor(t, p, o.state_dtype());
-      P::state_created(s);
-    } else {
-      ensure_state_tensor(t, p, o.state_dtype());
+  auto given = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
+  const int num = P::num_states(o);
+  std::vector<at::Tensor> ps;
+  std::vector<State*> owners;
+  c10::List<bool> creates, reconciles;
+  c10::List<std::optional<at::Tensor>> slots;
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto it = states.find(params[i].unsafeGetTensorImpl());
+    if (it == states.end()) {
+      if (!create[i]) continue;
+      it = states.emplace(params[i].unsafeGetTensorImpl(), std::make_unique<State>()).first;
     }
+    auto& s = static_cast<State&>(*it->second);
+    ps.push_back(params[i].detach());
+    owners.push_back(&s);
+    creates.push_back(create[i]);
+    reconciles.push_back(reconcile.erase(params[i].unsafeGetTensorImpl()) != 0);
+    slots.push_back(given(s.step()));
+    slots.push_back(given(s.master_param()));
+    slots.push_back(given(s.master_remainder()));
+    for (int k = 0; k < num; ++k) slots.push_back(given(P::state(s, k)));
   }
-  ensure_master(s, p, master_kind(o, p), reconcile.erase(p.unsafeGetTensorImpl()) != 0);
-  return s;
-}
-
-// Creates the state of the params in `params` that have none, one kind of tensor at a time: every
-// step counter, then every master, then each state in turn. The step reads each kind as one
-// stream over the params in order; created this way the allocator lays each kind out in that
-// order, one run of memory, so the CPU kernels' streams run on across tensor ends (created param
-// by param, a param's master and states lie interleaved and every stream jumps at every tensor
-// end). What is created is what ensure_state would create.
-template <typename P>
-void create_fresh_state(torch::optim::Optimizer& opt, const std::vector<at::Tensor>& params,
-                        const typename P::Options& o) {
-  auto& states = opt.state();
-  std::vector<std::pair<const at::Tensor*, typename P::State*>> fresh;
-  for (const auto& p : params) {
-    if (states.find(p.unsafeGetTensorImpl()) != states.end()) continue;
-    auto it = states.emplace(p.unsafeGetTensorImpl(), std::make_unique<typename P::State>()).first;
-    fresh.emplace_back(&p, static_cast<typename P::State*>(it->second.get()));
-  }
-  for (auto& [p, s] : fresh) ensure_step(s->step(), *p);
-  for (auto& [p, s] : fresh) ensure_master(*s, *p, master_kind(o, *p), false);
-  for (int k = 0; k < P::num_states(o); ++k) {
-    for (auto& [p, s] : fresh) {
-      ensure_state_tensor(P::state(*s, k), *p, o.state_dtype());
-      P::state_created(*s);
-    }
+  if (ps.empty()) return;
+  const auto out = engine::optimizer_state_(ps, slots, num, o.state_dtype(), master_weights_of(o), creates,
+                                            reconciles, P::kRestartOnCreate);
+  const size_t width = engine::kStateSlotsBeforeStates + num;
+  auto at = [&](size_t i, size_t k) { return out.get(i * width + k).value_or(at::Tensor()); };
+  for (size_t i = 0; i < owners.size(); ++i) {
+    owners[i]->step(at(i, 0));
+    owners[i]->master_param(at(i, 1));
+    owners[i]->master_remainder(at(i, 2));
+    for (int k = 0; k < num; ++k) P::state(*owners[i], k) = at(i, engine::kStateSlotsBeforeStates + k);
   }
 }
 
@@ -234,12 +202,13 @@ void fused_step(FusedOptimizer& opt, std::vector<detail::StepPlanBucket>& ran,
   size_t gi = 0;
   for (auto& group : opt.param_groups()) {
     const auto& o = static_cast<const typename P::Options&>(group.options());
-    std::vector<at::Tensor> grads, stepped;
+    std::vector<at::Tensor> grads;
+    std::vector<bool> stepped;
     for (const auto& p : group.params()) {
       grads.push_back(opt.grad_of(p));
-      if (grads.back().defined()) stepped.push_back(p);
+      stepped.push_back(grads.back().defined());
     }
-    create_fresh_state<P>(opt, stepped, o);
+    bring_state<P>(opt, group.params(), stepped, o, reconcile);
     std::vector<Bucket> buckets;
     for (size_t i = 0; i < group.params().size(); ++i) {
       const at::Tensor& p = group.params()[i];
@@ -248,8 +217,8 @@ void fused_step(FusedOptimizer& opt, std::vector<detail::StepPlanBucket>& ran,
         idle.push_back(p);
         continue;
       }
-      auto& s = ensure_state<P>(opt, p, o, reconcile);
-      const MasterKind kind = master_kind(o, p);
+      auto& s = static_cast<typename P::State&>(*opt.state().at(p.unsafeGetTensorImpl()));
+      const MasterKind kind = master_kind_of(s);
       Bucket& b = bucket_for(buckets, p, g, kind);
       b.params.push_back(p);
       b.grads.push_back(g);
@@ -409,7 +378,7 @@ void fused_load(torch::optim::Optimizer& opt, InputArchive& archive,
       P::adopt_foreign(s, p);
       if (s.step().defined()) s.step(s.step().to(p.device(), at::kFloat).reshape({}));
       // fp32 on the param's device; the next step converts state and masters to the group's
-      // precision options (ensure_state).
+      // precision options (bring_state).
       for (size_t k = 0; k < P::kStateNames.size(); ++k) move_loaded(P::state(s, static_cast<int>(k)), p);
       move_loaded(s.master_param(), p);
       // A loaded fp32 master may be a remainder form's (its param rounded ties away from zero).
@@ -791,7 +760,7 @@ struct SgdPolicy {
   static at::Tensor& state(State& s, int) { return s.momentum_buffer(); }
   // Momentum switched on mid-run (torch: the buffer is None): the next step taken starts it from
   // the gradient, which the kernel does when the step counter is 0.
-  static void state_created(State& s) { s.step().zero_(); }
+  static constexpr bool kRestartOnCreate = true;
   static void check(const Options& o) {
     check_common(kName, o);
     TORCH_CHECK(o.momentum() >= 0.0, "SGD: momentum must be >= 0, got ", o.momentum(), ".");
@@ -831,7 +800,7 @@ struct AdamPolicyT {
   static at::Tensor& state(State& s, int k) {
     return k == 0 ? s.exp_avg() : (k == 1 ? s.exp_avg_sq() : s.max_exp_avg_sq());
   }
-  static void state_created(State&) {}
+  static constexpr bool kRestartOnCreate = false;
   static void check(const Options& o) {
     check_common(kName, o);
     TORCH_CHECK(o.eps() >= 0.0, kName, ": eps must be >= 0, got ", o.eps(), ".");

@@ -4,6 +4,7 @@
 
 #include "ampfuse/ops.h"
 #include "ampfuse/scale_stat.h"
+#include "engine/optimizer_state.h"
 #include "engine/scaler_rules.h"
 #include "ops/step_plan.h"
 
@@ -82,6 +83,12 @@ TORCH_LIBRARY(ampfuse, m) {
   m.def(
       "convert_master_(Tensor(a!) param, Tensor? master_param, Tensor? master_remainder, str kind, "
       "bool reconcile) -> Tensor[]");
+  // A group's per-param state brought to its options (csrc/engine/optimizer_state.h): slots per
+  // param [step, master_param, master_remainder, state...], created where create[i] (one kind at a
+  // time), converted otherwise; returns the slots. A composite of torch ops and convert_master_.
+  m.def(
+      "optimizer_state_(Tensor(a!)[] params, Tensor?[] slots, int num_states, ScalarType state_dtype, "
+      "str master_weights, bool[] create, bool[] reconcile, bool restart_on_create) -> Tensor?[]");
   // The optimizers' checks of a step's gradients (csrc/engine/step_checks.h), over every group
   // before any steps: params[k] has gradient grads[k] and is named by `naming` with {g}/{i}
   // replaced by groups[k]/indices[k]; state[j] is a state tensor of params[state_owner[j]]

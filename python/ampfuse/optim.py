@@ -469,9 +469,6 @@ class _FusedOptimizer(torch.optim.Optimizer):
             return "remainder"
         return "float"  # True, "auto"; "remainder" for fp16 params (see the module docstring)
 
-    def _wants_master(self, p: torch.Tensor, group: dict[str, Any]) -> bool:
-        return self._master_kind(p, group) is not None
-
     @staticmethod
     def _grad(p: torch.Tensor, grads: Mapping | None) -> torch.Tensor | None:
         if grads is not None and p in grads:
@@ -585,58 +582,40 @@ class _FusedOptimizer(torch.optim.Optimizer):
         _check_grads_keys(self.param_groups, grads)
 
     # ---- state -------------------------------------------------------------------------------
-    def _new_state(self, p: torch.Tensor, group: dict[str, Any], key: str) -> torch.Tensor:
-        return torch.zeros_like(p, dtype=group.get("state_dtype", torch.float32), memory_format=torch.preserve_format)
+    _restart_on_create = False  # a state tensor created for a param resets its step counter
 
-    def _ensure_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        """Creates missing state and brings existing state to the group's precision options
-        (state dtype, master kind), e.g. after they were changed or a checkpoint was loaded."""
-        state = self.state[p]
-        if "step" not in state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        elif not (isinstance(state["step"], torch.Tensor) and state["step"].device == p.device
-                  and state["step"].dtype == torch.float32 and state["step"].dim() == 0):
-            state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(p.device).reshape(()).clone()
-        state_dtype = group.get("state_dtype", torch.float32)
-        for key in self._state_keys_for(group):
-            if state.get(key) is None:
-                state[key] = self._new_state(p, group, key)
-                self._state_created(p, state, key)
-            elif state[key].dtype != state_dtype:
-                state[key] = state[key].to(state_dtype)  # rounded to nearest even
-        self._convert_master(p, group, state)
-        return state
-
-    def _convert_master(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
-        """Brings ``p``'s master to the group's ``master_weights`` (the native ``convert_master_``:
-        exact both ways, ties included; ``False`` drops the master)."""
-        kind = self._master_kind(p, group)
-        reconcile = id(p) in self._reconcile
-        self._reconcile.discard(id(p))
+    def _bring_state(self, group: dict[str, Any], params: list[torch.Tensor], create: list[bool]) -> None:
+        """The state of ``params`` brought to the group's precision options by the native
+        ``optimizer_state_`` (the state model both surfaces use): created where ``create`` (one
+        kind of tensor at a time over the params, so each kind lies in one run of memory in the
+        step's order), else only the tensors a param has converted; masters converted exactly
+        (ties included), ``master_weights=False`` drops them."""
+        todo = [(p, c) for p, c in zip(params, create) if c or (isinstance(self.state.get(p), Mapping) and self.state[p])]
+        if not todo:
+            return
+        names = ("step", "master_param", "master_remainder", *self._state_keys_for(group))
+        slots: list[torch.Tensor | None] = []
+        for p, _ in todo:
+            st = self.state[p]
+            step = st.get("step")
+            slots.append(step if step is None or isinstance(step, torch.Tensor) else torch.as_tensor(step, dtype=torch.float32))
+            slots += [st.get(key) for key in names[1:]]
+        reconcile = [id(p) in self._reconcile for p, _ in todo]
+        self._reconcile.difference_update(id(p) for p, _ in todo)
+        mw = group["master_weights"]
         ops._dtensor_support()
-        with torch.no_grad():
-            out = torch.ops.ampfuse.convert_master_(p.detach(), state.get("master_param"), state.get("master_remainder"),
-                                                    kind or "none", reconcile)
-        keep = {"float": "master_param", "remainder": "master_remainder"}.get(kind)  # type: ignore[arg-type]
-        for key in ("master_param", "master_remainder"):
-            if key != keep and key in state:
-                del state[key]
-        if keep is not None and state.get(keep) is not out[0]:
-            state[keep] = out[0]
-
-    def _convert_existing(self, p: torch.Tensor, group: dict[str, Any]) -> None:
-        """The state ``p`` already has, brought to the group's precision options (nothing created)."""
-        state = self.state[p]
-        state_dtype = group.get("state_dtype", torch.float32)
-        for key in self._state_keys_for(group):
-            v = state.get(key)
-            if isinstance(v, torch.Tensor) and v.dtype != state_dtype:
-                state[key] = v.to(state_dtype)
-        if any(k in state for k in ("master_param", "master_remainder")):
-            self._convert_master(p, group, state)
-
-    def _state_created(self, p: torch.Tensor, state: dict[str, Any], key: str) -> None:
-        """Hook: a state tensor was created for a param that may already have stepped."""
+        out = torch.ops.ampfuse.optimizer_state_(
+            [p.detach() for p, _ in todo], slots, len(names) - 3, group.get("state_dtype", torch.float32),
+            "true" if mw is True else "false" if mw is False else mw, [c for _, c in todo], reconcile,
+            self._restart_on_create)
+        for j, (p, _) in enumerate(todo):
+            st = self.state[p]
+            for name, v in zip(names, out[j * len(names):(j + 1) * len(names)]):
+                if v is None:
+                    if name in ("master_param", "master_remainder"):
+                        st.pop(name, None)
+                elif st.get(name) is not v:
+                    st[name] = v
 
     def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         return self._state_keys
@@ -666,40 +645,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _signature(self, group: dict[str, Any]) -> tuple:
         return (self._state_keys_for(group), group["master_weights"], group.get("state_dtype", torch.float32))
 
-    def _create_fresh_state(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
-        """Creates the state of the params that have none, one kind of tensor at a time: every
-        step counter, then every master, then each state key in turn.
-
-        The step reads each kind as one stream over the params in order. Created this way, the
-        allocator lays each kind out in that order, one run of memory, and the CPU kernels'
-        streams run on across tensor ends. Created param by param, each param's master and
-        states lie interleaved, and every stream jumps at every tensor end (measured with
-        ``make bench``'s small-model case; see CHANGELOG). What is created is what
-        :meth:`_ensure_state` would create."""
-        fresh = [p for p in params if not self.state.get(p)]
-        if not fresh:
-            return
-        states = [self.state[p] for p in fresh]
-        for p, state in zip(fresh, states):
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        for p, state in zip(fresh, states):
-            self._convert_master(p, group, state)  # creates the master the group asks for
-        for key in self._state_keys_for(group):
-            for p, state in zip(fresh, states):
-                state[key] = self._new_state(p, group, key)
-                self._state_created(p, state, key)
-
     def _build_plan(self, group: dict[str, Any], ids: tuple, grad_dtypes: tuple) -> _Plan:
         buckets: dict[tuple, tuple[list[int], dict[str, list]]] = {}
         keys = self._state_keys_for(group)
-        self._create_fresh_state([p for p, g in zip(group["params"], grad_dtypes) if g is not None], group)
+        self._bring_state(group, group["params"], [g is not None for g in grad_dtypes])
         for i, p in enumerate(group["params"]):
             if grad_dtypes[i] is None:
-                if p in self.state and isinstance(self.state[p], Mapping):  # options apply to all state
-                    self._convert_existing(p, group)
                 continue
-            state = self._ensure_state(p, group)
-            kind = self._master_kind(p, group)
+            state = self.state[p]
+            kind = "float" if "master_param" in state else "remainder" if "master_remainder" in state else None
             idx, lists = buckets.setdefault((p.device, p.dtype, grad_dtypes[i], kind), ([], collections.defaultdict(list)))
             idx.append(i)
             lists["params"].append(p)
@@ -1163,6 +1117,10 @@ class SGD(_FusedOptimizer):
                         fused=fused, master_weights=master_weights, state_dtype=state_dtype)
         super().__init__(params, defaults)
 
+    # momentum switched on mid-run (torch: the buffer is None): the next step taken starts it from
+    # the gradient, which the kernel does when the step counter is 0
+    _restart_on_create = True
+
     def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
@@ -1176,12 +1134,6 @@ class SGD(_FusedOptimizer):
             raise ValueError(f"param_groups[{gi}]['{key}'] must be >= 0, got {group[key]!r}.")
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError(f"param_groups[{gi}]: nesterov momentum requires a momentum > 0 and zero dampening.")
-
-    def _state_created(self, p: torch.Tensor, state: dict[str, Any], key: str) -> None:
-        # momentum switched on mid-run (torch: the buffer is None): the next step taken starts it
-        # from the gradient, which the kernel does when the step counter is 0.
-        if key == "momentum_buffer":
-            state["step"].zero_()
 
     def _run(self, group, lists, grads, s) -> None:
         ops.sgd_step_(

@@ -248,6 +248,35 @@ void accumulator_load_checks_the_scaler_first() {
   }
 }
 
+// A param that does not step while the options change still has its state converted to them.
+void idle_param_state_follows_options() {
+  at::manual_seed(3);
+  at::Tensor a = (at::randn({16}) * 0.5).to(at::kBFloat16).set_requires_grad(true);
+  at::Tensor b = (at::randn({16}) * 0.5).to(at::kBFloat16).set_requires_grad(true);
+  put("in/idle/a", a.detach().clone());
+  put("in/idle/b", b.detach().clone());
+  AdamW opt(std::vector<at::Tensor>{a, b}, AdamWOptions(1e-2));
+  for (int k = 0; k < 3; ++k) {
+    const at::Tensor ga = at::randn({16}).to(at::kBFloat16);
+    put("in/idle/grad_a/" + std::to_string(k), ga);
+    a.mutable_grad() = ga.clone();
+    if (k < 2) {
+      const at::Tensor gb = at::randn({16}).to(at::kBFloat16);
+      put("in/idle/grad_b/" + std::to_string(k), gb);
+      b.mutable_grad() = gb.clone();
+    } else {
+      b.mutable_grad() = at::Tensor();
+      options_of<AdamWOptions>(opt, 0).state_dtype(at::kBFloat16).master_remainders(true);
+    }
+    opt.step();
+  }
+  auto& s = state_of(opt, b);
+  put("idle/b_exp_avg", s.exp_avg().clone());
+  put("idle/b_remainder_form", s.master_remainder().defined());
+  put("idle/b_master", s.master_remainder().defined() ? ampfuse::optim::join_master(b.detach(), s.master_remainder())
+                                                      : s.master_param().clone());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -263,6 +292,7 @@ int main(int argc, char** argv) {
       {"grad_checks_across_groups", grad_checks_across_groups},
       {"bad_scaler_entries", bad_scaler_entries},
       {"accumulator_load_checks_the_scaler_first", accumulator_load_checks_the_scaler_first},
+      {"idle_param_state_follows_options", idle_param_state_follows_options},
   };
   for (const auto& [name, run] : cases) put(std::string("error/") + name, message_of(run));
   const std::vector<char> bytes = torch::pickle_save(c10::IValue(out));
