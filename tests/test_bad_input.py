@@ -445,7 +445,7 @@ _accumulator_case("loss-not-tensor", TypeError, "loss must be a tensor, got floa
 _accumulator_case("sparse-grad", RuntimeError, "GradAccumulator does not support sparse gradients", _sparse_in_window)
 _accumulator_case("load-steps", ValueError, "state_dict was saved with steps=5, this accumulator has steps=3",
                   lambda m, a: a.load_state_dict(dict(a.state_dict(), steps=5)))
-_accumulator_case("load-buffer", ValueError, r"buffers\['cpu'\] must be a float32 tensor of shape \(10,\)",
+_accumulator_case("load-buffer", ValueError, r"buffers\['cpu'\] entry must be a float32 tensor of shape \[10\]",
                   lambda m, a: a.load_state_dict(dict(a.state_dict(), buffers={"cpu": torch.zeros(3)})))
 _accumulator_case("load-micro_step", ValueError, r"micro_step must be an integer in \[0, 3\), got 7",
                   lambda m, a: a.load_state_dict(dict(a.state_dict(), micro_step=7)))

@@ -6,7 +6,8 @@ A fixed sequence of mixed-precision steps (``tests/cpp/crosslang_sequence.cpp``,
 ``ampfuse_crosslang`` by ``make build``), and cases of the engine's rules
 (``tests/cpp/crosslang_cases.cpp``, ``ampfuse_crosslang_cases``): exact-tie masters through form
 switches and checkpoints of the other form, master_weights off and on again, a checkpoint loaded
-into other precision options, the gradient checks across groups, bad scaler checkpoint entries.
+into other precision options, the gradient checks across groups, bad scaler checkpoint entries,
+bad partial-sum entries of a mid-window accumulator checkpoint.
 
 The sequence (CPU): bf16 params, ``AdamW`` with fp32 masters, a ``GradScaler`` with hysteresis and
 a short growth interval, an inf and a NaN injected, ``unscale_and_clip_`` on some iterations; then
@@ -280,13 +281,45 @@ def _idle_param_state_follows_options(d: dict) -> dict:
             "idle/b_master": _master(opt, b)}
 
 
+def _accumulator_checkpoint_entries(d: dict) -> dict:
+    res = {}
+    for k in range(7):
+        a = torch.ones(4).to(torch.bfloat16).requires_grad_(True)
+        b = torch.ones(3).requires_grad_(True)
+        source = ampfuse.optim.AdamW([a, b], lr=0.05)
+        sd = {"steps": 2, "micro_step": 1, "windows": 0, "optimizer": copy.deepcopy(source.state_dict()),
+              "buffers": {"cpu": torch.zeros(3) if k == 2 else torch.full((4,), 0.5)},
+              "found_inf": {"cpu": torch.zeros(2) if k == 3 else torch.zeros(())},
+              "has_grad": [True, False] if k == 4 else [True],
+              "grads": {1: torch.zeros(2) if k == 5 else torch.full((3,), 0.25)}}
+        if k != 0:
+            sd["buffered"] = [1 if k == 1 else 0]
+        c = torch.ones(4).to(torch.bfloat16).requires_grad_(True)
+        dd = torch.ones(3).requires_grad_(True)
+        target = ampfuse.optim.AdamW([c, dd], lr=0.01)
+        acc = ampfuse.GradAccumulator(torch.nn.Module(), target, None, steps=2)
+        key = f"acc_checkpoint/{k}"
+        message = _message(lambda: acc.load_state_dict(sd))
+        if k == 6:
+            res[f"{key}/loaded"] = acc.micro_step == 1 and target.param_groups[0]["lr"] == 0.05
+            res[f"{key}/grad"] = dd.grad.clone()
+            assert message == "", message
+        else:
+            res[f"{key}/message"] = message
+            res[f"{key}/unchanged"] = acc.micro_step == 0 and target.param_groups[0]["lr"] == 0.01 and dd.grad is None
+    return res
+
+
 _CASES = [_ties, _master_weights_off_and_on, _load_keeps_own_options, _grad_checks_across_groups,
-          _bad_scaler_entries, _accumulator_load_checks_the_scaler_first, _idle_param_state_follows_options]
+          _bad_scaler_entries, _accumulator_load_checks_the_scaler_first, _idle_param_state_follows_options,
+          _accumulator_checkpoint_entries]
 
 
 def _as_python_names(message: str) -> str:
     """A C++ message in the Python surface's names (params, checkpoints)."""
     message = re.sub(r"param_groups\(\)\[(\d+)\]\.params\(\)\[(\d+)\]", r"param_groups[\1]['params'][\2]", message)
+    message = re.sub(r"\b(buffers|found_inf)/0\b", r"\1['cpu']", message)  # the cases run on the CPU
+    message = re.sub(r"\bgrads/(\d+)", r"grads[\1]", message)
     return message.replace("the checkpoint's", "the state dict's")
 
 

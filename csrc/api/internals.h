@@ -1,7 +1,7 @@
 // What the library's own objects hand each other about an ampfuse optimizer: its internals,
 // which FusedOptimizer::internals() gives as an opaque handle (this header is not installed).
-// GradScaler runs its gradient pass through the optimizer's step plan; GradAccumulator sets the
-// fp32 sums a window step reads.
+// GradScaler runs its gradient pass through the optimizer's step plan; GradAccumulator hands over
+// its window, whose fp32 sums a window step reads.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -14,10 +14,10 @@
 #include <vector>
 
 #include "ampfuse/optim.h"
+#include "engine/accumulator_window.h"
 
 namespace ampfuse::detail {
 
-class MicroBatchPlan;
 struct OptimizerPlan;  // the persistent step plan and what it was built for (api/optim.cpp)
 
 // One bucket of a validated step, as the step plan takes it (group index, params, masters, state
@@ -39,9 +39,9 @@ struct OptimizerInternals {
   // Each param's dtype when it joined (a model converted since is named).
   std::unordered_map<const c10::TensorImpl*, c10::ScalarType> param_dtypes;
   std::shared_ptr<OptimizerPlan> plan;
-  // GradAccumulator's window step: the window's sums come from its native plan (the step plan
-  // binds it as its gradients' source), set around the step.
-  std::shared_ptr<const MicroBatchPlan> grad_source;
+  // GradAccumulator's window step: the gradients are the window's sums (the step plan binds the
+  // window's micro-batch plan as its gradients' source), set around the step.
+  c10::intrusive_ptr<engine::AccumulatorWindow> grad_source;
 };
 
 // GradScaler's pass over the gradients the next step of `opt` reads, through its current step

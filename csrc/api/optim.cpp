@@ -18,7 +18,6 @@
 #include <unordered_set>
 #include <utility>
 
-#include "api/accumulate_plan.h"
 #include "api/internals.h"
 #include "engine/master_forms.h"
 #include "engine/optimizer_state.h"
@@ -646,7 +645,7 @@ at::Tensor FusedOptimizer::grad_of(const at::Tensor& param) const {
   const auto& in = *internals_;
   auto it = in.grad_buffers.find(param.unsafeGetTensorImpl());
   if (it != in.grad_buffers.end()) return it->second;
-  if (in.grad_source != nullptr) {
+  if (in.grad_source.defined()) {
     if (const at::Tensor* sum = in.grad_source->window_grad(param)) return *sum;
   }
   return param.grad();
@@ -659,7 +658,7 @@ namespace ampfuse::detail {
 
 struct OptimizerPlan {
   c10::intrusive_ptr<ops::StepPlan> plan;
-  std::shared_ptr<const MicroBatchPlan> source;  // the gradients' source it is bound to
+  c10::intrusive_ptr<ops::AccumulatePlan> source;  // the gradients' source it is bound to
   std::vector<const void*> key;
   int devices = 0;
   bool fp16_grads = false;
@@ -667,12 +666,19 @@ struct OptimizerPlan {
 
 namespace {
 
+// The micro-batch plan whose sums the next step reads (undefined: the params' .grad()).
+c10::intrusive_ptr<ops::AccumulatePlan> source_of(const OptimizerInternals& in) {
+  return in.grad_source.defined() ? in.grad_source->plan() : c10::intrusive_ptr<ops::AccumulatePlan>();
+}
+
 // After a validated step: the plan of the buckets that step ran and the params it left idle (no
 // gradient), for what the optimizer's `key` is now (none for tensor subclasses: they go through
 // the ops, which their __torch_dispatch__ routes).
 void build_plan(OptimizerInternals& in, const std::vector<StepPlanBucket>& buckets,
                 const std::vector<at::Tensor>& idle, bool adam, std::vector<const void*> key) {
   in.plan.reset();
+  // A window's sums without its micro-batch plan (several devices) have no native source.
+  if (in.grad_source.defined() && !in.grad_source->has_plan()) return;
   for (const auto& b : buckets) {
     for (const auto& p : b.params) {
       if (p.key_set().has(c10::DispatchKey::Python) || p.is_meta()) return;
@@ -689,10 +695,8 @@ void build_plan(OptimizerInternals& in, const std::vector<StepPlanBucket>& bucke
     plan->fp16_grads |= !b.fp32_grads && b.params[0].scalar_type() == at::kHalf;
   }
   if (!idle.empty()) plan->plan->add_idle(idle);
-  if (in.grad_source != nullptr) {
-    plan->plan->bind_source(in.grad_source->native());
-    plan->source = in.grad_source;
-  }
+  plan->source = source_of(in);
+  if (plan->source.defined()) plan->plan->bind_source(plan->source);
   plan->plan->finalize();
   plan->devices = static_cast<int>(devices.size());
   plan->key = std::move(key);
@@ -726,7 +730,8 @@ namespace ampfuse::optim {
 
 bool FusedOptimizer::has_step_plan() const {
   const auto& in = *internals_;
-  return in.plan != nullptr && in.grad_buffers.empty() && in.plan->source == in.grad_source &&
+  return in.plan != nullptr && in.grad_buffers.empty() && in.plan->source == detail::source_of(in) &&
+         !(in.grad_source.defined() && !in.grad_source->has_plan()) &&
          plan_key() == in.plan->key;
 }
 

@@ -4,6 +4,7 @@
 
 #include "ampfuse/ops.h"
 #include "ampfuse/scale_stat.h"
+#include "engine/accumulator_window.h"
 #include "engine/optimizer_state.h"
 #include "engine/scaler_rules.h"
 #include "ops/step_plan.h"
@@ -112,22 +113,43 @@ TORCH_LIBRARY(ampfuse, m) {
   m.def("scale_stat_names() -> str[]", []() {
     return std::vector<std::string>(std::begin(ampfuse::kScaleStatNames), std::end(ampfuse::kScaleStatNames));
   });
+  using ampfuse::engine::AccumulatorWindow;
   using ampfuse::ops::AccumulatePlan;
   using ampfuse::ops::StepPlan;
-  // GradAccumulator's plan (ops/step_plan.h): a micro-batch's fp32 accumulation in one native
-  // call, and the window's flags a StepPlan reads its sums by. Eager only, as StepPlan.
-  m.class_<AccumulatePlan>("AccumulatePlan")
-      .def(torch::init<>())
-      .def("add", &AccumulatePlan::add)
-      .def("add_watched", &AccumulatePlan::add_watched)
-      .def("add_free", &AccumulatePlan::add_free)
-      .def("finalize", &AccumulatePlan::finalize)
-      .def("collect", &AccumulatePlan::collect)
-      .def("has_grad", &AccumulatePlan::has_grad)
-      .def("set_has_grad", &AccumulatePlan::set_has_grad)
-      .def("end_window", &AccumulatePlan::end_window)
-      .def("no_grads", &AccumulatePlan::no_grads)
-      .def("same_layout", &AccumulatePlan::same_layout);
+  // GradAccumulator's micro-batch plan (ops/step_plan.h): a micro-batch's fp32 accumulation in
+  // one native call, and the window's flags a StepPlan reads its sums by. Held by an
+  // AccumulatorWindow; eager only, as StepPlan.
+  m.class_<AccumulatePlan>("AccumulatePlan");
+  // GradAccumulator's window (engine/accumulator_window.h): layout, collect, the window's end and
+  // the partial sums of a mid-window checkpoint.
+  using Tensors = std::vector<at::Tensor>;
+  m.class_<AccumulatorWindow>("AccumulatorWindow")
+      .def(torch::init<bool, bool>())
+      .def("start", &AccumulatorWindow::start)
+      .def("plan_says_same_layout", &AccumulatorWindow::plan_says_same_layout)
+      .def("collect", &AccumulatorWindow::collect)
+      .def("collect_planned", &AccumulatorWindow::collect_planned)
+      .def("drop_plan", &AccumulatorWindow::drop_plan)
+      .def("has_plan", &AccumulatorWindow::has_plan)
+      .def("plan_id", &AccumulatorWindow::plan_id)
+      .def("plan_says_no_grads", &AccumulatorWindow::plan_says_no_grads)
+      .def("plan", [](const c10::intrusive_ptr<AccumulatorWindow>& self) { return self->plan(); })
+      .def("scale", &AccumulatorWindow::scale)
+      .def("end", &AccumulatorWindow::end)
+      .def("params", [](const c10::intrusive_ptr<AccumulatorWindow>& self) { return Tensors(self->params()); })
+      .def("buffers", [](const c10::intrusive_ptr<AccumulatorWindow>& self) { return Tensors(self->buffers()); })
+      .def("flats", [](const c10::intrusive_ptr<AccumulatorWindow>& self) {
+        Tensors out;
+        for (const auto& f : self->flats()) if (f.defined()) out.push_back(f);
+        return out;
+      })
+      .def("device_names", &AccumulatorWindow::device_names)
+      .def("found_infs", &AccumulatorWindow::found_infs)
+      .def("flags", &AccumulatorWindow::flags_list)
+      .def("set_flags", &AccumulatorWindow::set_flags_list)
+      .def("indices_of_buffered", &AccumulatorWindow::indices_of_buffered)
+      .def("check_checkpoint", &AccumulatorWindow::check_checkpoint)
+      .def("load", &AccumulatorWindow::load);
   // The persistent step plan of an optimizer (ops/step_plan.h): its tensors validated once, a
   // step (or the scaler's check) one native call whatever the number of params. Eager only:
   // compiled and traced steps go through the ops above. (Registered after AccumulatePlan, which

@@ -840,26 +840,14 @@ bool AccumulatePlan::collect() {
   return true;
 }
 
-c10::List<bool> AccumulatePlan::has_grad() const {
-  c10::List<bool> out;
-  out.reserve(has_grad_.size());
-  for (uint8_t h : has_grad_) out.push_back(h != 0);
-  return out;
-}
-
-void AccumulatePlan::set_has_grad(const c10::List<bool>& flags) {
-  set_window_flags(std::vector<bool>(flags.begin(), flags.end()));
-}
-
 void AccumulatePlan::set_window_flags(const std::vector<bool>& flags) {
-  TORCH_CHECK(flags.size() == has_grad_.size(), "AccumulatePlan.set_has_grad: expected ",
+  TORCH_CHECK(flags.size() == has_grad_.size(), "AccumulatePlan.set_window_flags: expected ",
               has_grad_.size(), " flags (one per buffered param), got ", flags.size(), ".");
   for (size_t k = 0; k < has_grad_.size(); ++k) has_grad_[k] = flags[k] ? 1 : 0;
 }
 
-void AccumulatePlan::end_window() {
-  std::fill(has_grad_.begin(), has_grad_.end(), 0);
-  for (auto* list : {&params_, &watched_}) {
+void AccumulatePlan::clear_grads() {
+  for (auto* list : {&params_, &watched_, &free_}) {
     for (auto& p : *list) {
       if (p.grad().defined()) p.mutable_grad() = at::Tensor();
     }
@@ -867,7 +855,7 @@ void AccumulatePlan::end_window() {
 }
 
 bool AccumulatePlan::no_grads() const {
-  for (const auto* list : {&params_, &watched_}) {
+  for (const auto* list : {&params_, &watched_, &free_}) {
     for (const auto& p : *list) {
       if (p.grad().defined()) return false;
     }

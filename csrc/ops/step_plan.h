@@ -194,14 +194,11 @@ class AccumulatePlan : public torch::CustomClassHolder {
   bool collect();
 
   // The window: per buffered param (in the order added) whether its buffer holds a gradient.
-  c10::List<bool> has_grad() const;
-  void set_has_grad(const c10::List<bool>& flags);
-  // The same flags for a C++ owner (ampfuse::GradAccumulator), without a list per call.
   const std::vector<uint8_t>& window_flags() const { return has_grad_; }
   void set_window_flags(const std::vector<bool>& flags);
-  // The window ended: no buffer holds a gradient, and no buffered or watched param has a `.grad`.
-  void end_window();
-  // Whether no buffered or watched param has a `.grad`.
+  // No param of the owner's (buffered, watched, free) has a `.grad`.
+  void clear_grads();
+  // Whether none of the owner's params (buffered, watched, free) has a `.grad`.
   bool no_grads() const;
   // Whether the owner would buffer the same params now: every buffered param still requires
   // grad, every watched one does not, and each param kept its dtype.

@@ -74,7 +74,7 @@ from typing import Any
 import torch
 
 from ampfuse import ops
-from ampfuse.grad_scaler import GradScaler as _AmpfuseScaler, _fresh_optimizer_state
+from ampfuse.grad_scaler import GradScaler as _AmpfuseScaler, _engine_value, _fresh_optimizer_state
 from ampfuse.optim import StepScaling, _FusedOptimizer, _SourcedGrads
 
 __all__ = ["GradAccumulator"]
@@ -135,6 +135,16 @@ def _refuse_raw_framework_optimizer(model: torch.nn.Module, optimizer: torch.opt
                 "LightningOptimizer) instead of self.optimizers().optimizer, or Lightning never sees a step "
                 "(global_step stays 0 and max_steps never ends the run)."
             )
+
+
+def _engine_list(v: Any) -> Any:
+    """A checkpoint's list of indices or flags as the engine's checks take it (a 1-d tensor: an
+    empty list has no type to pass as); anything else as _engine_value gives it."""
+    if isinstance(v, (list, tuple)) and all(type(x) is int for x in v):
+        return torch.tensor(v, dtype=torch.long)
+    if isinstance(v, (list, tuple)) and all(type(x) is bool for x in v):
+        return torch.tensor(v, dtype=torch.bool)
+    return _engine_value(v)
 
 
 class GradAccumulator:
@@ -214,51 +224,60 @@ class GradAccumulator:
         self._backward_called = False
 
         params = self._all_params()
-        self._fp32_accumulation = fp32_accumulation
-        self._low: list[torch.Tensor] = []
-        self._flat: dict[torch.device, torch.Tensor] = {}
-        self._buffers: list[torch.Tensor] = []
-        self._found_inf: dict[torch.device, torch.Tensor] = {}
-        # Per buffered param, whether its buffer holds a gradient this window (while a native
-        # plan runs the micro-batches it holds them: see the _has_grad property).
-        self._flags: list[bool] = []
-        # The native plan of the micro-batch pass (torch.classes.ampfuse.AccumulatePlan), the
-        # param groups it was built for (each list and a copy of its entries), and the params it
-        # does not buffer or watch (not fp16/bf16: their .grad sums itself).
-        self._plan: Any = None
+        # The buffers, flags and micro-batch plan (engine/accumulator_window.h); the param groups
+        # its plan was built for (each list and a copy of its entries).
+        self._window = torch.classes.ampfuse.AccumulatorWindow(bool(fp32_accumulation), self._fsdp)
+        self._window.start(params)
         self._acc_plan_groups: list[tuple[list, list]] = []
-        self._acc_free: list[torch.Tensor] = []
+        self._plan_ref: tuple[int, Any] = (0, None)  # the plan's id and its Python object
         self._unit_scale: dict[torch.device, torch.Tensor] = {}  # the clip pass's scale (no scaler)
-        self._layout(self._wanted_low())
         if self._ddp and len({p.device for p in params}) > 1:
             raise ValueError("GradAccumulator under DDP supports one device per process (as DDP recommends).")
         # The gradients handed to the fused step (one dict, updated every window).
         self._step_grads: Mapping[torch.Tensor, torch.Tensor | None] = {}
 
+    # What the window holds, as Python values.
     @property
-    def _acc_plan(self) -> Any:
-        return self._plan
+    def _low(self) -> list[torch.Tensor]:
+        """The params summed in fp32 buffers."""
+        return self._window.params()
 
-    @_acc_plan.setter
-    def _acc_plan(self, plan: Any) -> None:
-        """A plan keeps the window's flags while it runs: they move into it and back out."""
-        if self._plan is not None:
-            self._flags = list(self._plan.has_grad())
-        if plan is not None:
-            plan.set_has_grad(self._flags)
-        self._plan = plan
+    @property
+    def _buffers(self) -> list[torch.Tensor]:
+        return self._window.buffers()
+
+    @property
+    def _flat(self) -> dict[torch.device, torch.Tensor]:
+        """One flat fp32 buffer per device (none under FSDP2: a buffer per param)."""
+        return {torch.device(d): f for d, f in zip(self._window.device_names(), self._window.flats())}
+
+    @property
+    def _found_inf(self) -> dict[torch.device, torch.Tensor]:
+        return {torch.device(d): f for d, f in zip(self._window.device_names(), self._window.found_infs())}
 
     @property
     def _has_grad(self) -> list[bool]:
-        """Per buffered param, whether its buffer holds a gradient this window (a copy while a
-        plan holds them)."""
-        return list(self._plan.has_grad()) if self._plan is not None else self._flags
+        """Per buffered param, whether its buffer holds a gradient this window."""
+        return list(self._window.flags())
 
     @_has_grad.setter
     def _has_grad(self, flags: list[bool]) -> None:
-        self._flags = list(flags)
-        if self._plan is not None:
-            self._plan.set_has_grad(self._flags)
+        self._window.set_flags([bool(f) for f in flags])
+
+    @property
+    def _acc_plan(self) -> Any:
+        """The window's micro-batch plan (a StepPlan binds it as its gradients' source), or None:
+        one Python object per plan, so that the optimizer's step plan knows it by identity."""
+        plan_id = self._window.plan_id()
+        if plan_id != self._plan_ref[0]:
+            self._plan_ref = (plan_id, self._window.plan() if plan_id else None)
+        return self._plan_ref[1]
+
+    @_acc_plan.setter
+    def _acc_plan(self, plan: None) -> None:
+        if plan is not None:
+            raise ValueError("GradAccumulator._acc_plan can only be dropped (set to None).")
+        self._window.drop_plan()
 
     # ---- the loop ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -269,8 +288,8 @@ class GradAccumulator:
         if self._in_context:
             raise RuntimeError("GradAccumulator.accumulate() contexts cannot be nested.")
         self.window_ended = False
-        if self.micro_step == 0 and not self._same_layout():
-            self._layout(self._wanted_low())  # a window starts: buffer the params that require grad now
+        if self.micro_step == 0 and not (self._check_plan() and self._window.plan_says_same_layout()):
+            self._window.start(self._all_params())  # a window starts: buffer what requires grad now
         last = self.micro_step == self.steps - 1
         sync = last and not self._low
         ctx = self.model.no_sync() if (self._ddp and not sync) else contextlib.nullcontext()
@@ -328,142 +347,48 @@ class GradAccumulator:
         ``zero_grad()`` clears it)."""
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def _wanted_low(self) -> list[torch.Tensor]:
-        """The params summed in fp32 buffers: the fp16/bf16 ones that require grad now."""
-        if not self._fp32_accumulation:
-            return []
-        return [p for p in self._all_params() if p.dtype in _LOW and p.requires_grad]
-
-    def _layout(self, low: list[torch.Tensor]) -> None:
-        """(Re)builds the fp32 buffers for ``low``, keeping the partial sums and has-gradient flags
-        of the params it keeps. Which params are buffered is decided again at every window start
-        (a layer unfrozen later is summed in fp32 too; a frozen one gives its buffer back) and
-        widened inside a window when a param without a buffer gets a gradient."""
-        if [id(p) for p in low] == [id(p) for p in self._low]:
-            return
-        self._acc_plan = None  # its flags come back into self._has_grad
-        old = {id(p): (b, h) for p, b, h in zip(self._low, self._buffers, self._has_grad)}
-        flat_by_device: dict[torch.device, torch.Tensor] = {}
-        with torch.no_grad():
-            if self._fsdp:
-                # one fp32 buffer per parameter, sharded like it (a DTensor over the local shard)
-                buffers = [old[id(p)][0] if id(p) in old else torch.zeros_like(p, dtype=torch.float32) for p in low]
-            else:
-                by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-                for p in low:
-                    by_device[p.device].append(p)
-                views: dict[int, torch.Tensor] = {}
-                for device, ps in by_device.items():
-                    flat = torch.zeros(sum(p.numel() for p in ps), dtype=torch.float32, device=device)
-                    flat_by_device[device] = flat
-                    offset = 0
-                    for p in ps:
-                        views[id(p)] = v = flat[offset : offset + p.numel()].view(p.shape)
-                        if id(p) in old:
-                            v.copy_(old[id(p)][0])
-                        offset += p.numel()
-                buffers = [views[id(p)] for p in low]
-        for p in low:
-            if p.device not in self._found_inf:
-                self._found_inf[p.device] = torch.zeros((), dtype=torch.float32, device=p.device)
-        self._has_grad = [old[id(p)][1] if id(p) in old else False for p in low]
-        self._low, self._buffers, self._flat = list(low), buffers, flat_by_device
-
     def _collect(self) -> None:
         """After a micro-batch's backward: fp16/bf16 grads into the fp32 buffers (one fused pass
-        per device, checking the sums for inf/NaN on the way), then ``.grad = None``.
-
-        In the steady state this is one native call (the accumulator's plan, built by the first
-        pass that went the validated way): it checks every gradient itself, and anything it was
-        not built for (a gradient on a param it does not buffer, an odd layout, a sparse
-        gradient) sends the pass the validated way below, which names the problem or rebuilds
-        the plan."""
-        plan = self._acc_plan
-        if plan is not None and self._acc_plan_live() and plan.collect():
+        per device, checking the sums for inf/NaN on the way), then ``.grad = None``. In the
+        steady state one native call (the window's plan, built by the first pass that went the
+        validated way: anything it was not built for sends the pass that way again)."""
+        if self._check_plan() and self._window.collect_planned():
             return
-        self._acc_plan = None
-        self._collect_validated()
-        self._acc_plan = self._build_acc_plan()
+        ops._dtensor_support()  # the validated pass reaches the ops with DTensors under FSDP2
+        had = self._window.has_plan()
+        allow = not (os.environ.get("AMPFUSE_STEP_PLAN", "1") == "0" or torch.compiler.is_compiling()
+                     or torch._C._len_torch_dispatch_stack())
+        self._window.collect(self._all_params(), allow)
+        if not had and self._window.has_plan():
+            self._acc_plan_groups = [(g["params"], list(g["params"])) for g in self.optimizer.param_groups]
 
-    def _same_layout(self) -> bool:
-        """Whether the params buffered now are those :meth:`_wanted_low` would choose, told by
-        the live plan (no Python per param); False without one."""
-        plan = self._acc_plan
-        return plan is not None and self._acc_plan_live() and plan.same_layout()
+    def _check_plan(self) -> bool:
+        """Whether the window's plan still serves the optimizer's params (same lists, same
+        entries) and this is an eager run; drops it otherwise."""
+        if not self._window.has_plan():
+            return False
+        groups = self.optimizer.param_groups
+        live = not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()) and len(groups) == len(self._acc_plan_groups)
+        for (params, snapshot), group in zip(self._acc_plan_groups, groups) if live else ():
+            p = group["params"]
+            if p is not params or len(p) != len(snapshot) or not all(map(operator.is_, p, snapshot)):
+                live = False
+                break
+        if not live:
+            self._window.drop_plan()
+        return live
 
     def _no_grads(self) -> bool:
         """Whether no param of the optimizer has a ``.grad``."""
-        plan = self._acc_plan
-        if plan is not None and self._acc_plan_live():
-            return plan.no_grads() and all(p.grad is None for p in self._acc_free)
+        if self._check_plan():
+            return self._window.plan_says_no_grads()
         return not any(p.grad is not None for p in self._all_params())
 
     def _window_grads(self) -> dict[torch.Tensor, torch.Tensor | None]:
         """The gradients the window's fused step reads: each buffered param's fp32 sum (None: it
         had no gradient this window, and is not stepped)."""
-        return {p: (b if h else None) for p, b, h in zip(self._low, self._buffers, self._has_grad)}
-
-    def _acc_plan_live(self) -> bool:
-        if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-            return False
-        groups = self.optimizer.param_groups
-        if len(groups) != len(self._acc_plan_groups):
-            return False
-        for (params, snapshot), group in zip(self._acc_plan_groups, groups):
-            p = group["params"]
-            if p is not params or len(p) != len(snapshot) or not all(map(operator.is_, p, snapshot)):
-                return False
-        return True
-
-    def _build_acc_plan(self) -> Any:
-        """The native plan of the micro-batch pass, for plain tensors on one device."""
-        if (not self._low or self._fsdp or os.environ.get("AMPFUSE_STEP_PLAN", "1") == "0"
-                or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()):
-            return None
-        device = self._low[0].device
-        python_key = torch._C.DispatchKey.Python
-        for p in self._low:
-            if p.device != device or torch._C._dispatch_keys(p).has(python_key):
-                return None
-        buffered = {id(p) for p in self._low}
-        plan = torch.classes.ampfuse.AccumulatePlan()
-        plan.add(self._low, self._buffers, self._found_inf[device])
-        watched = [p for p in self._all_params() if p.dtype in _LOW and id(p) not in buffered]
-        if watched:
-            plan.add_watched(watched)
-        self._acc_free = [p for p in self._all_params() if p.dtype not in _LOW]
-        if self._acc_free:
-            plan.add_free(self._acc_free)
-        plan.finalize()
-        self._acc_plan_groups = [(g["params"], list(g["params"])) for g in self.optimizer.param_groups]
-        return plan
-
-    def _collect_validated(self) -> None:
-        if self._fp32_accumulation:
-            buffered = {id(p) for p in self._low}
-            extra = [p for p in self._all_params() if p.dtype in _LOW and p.grad is not None and id(p) not in buffered]
-            if extra:  # unfrozen inside the window: summed in fp32 from this micro-batch on
-                self._layout(self._low + extra)
-        if not self._low:
-            return
-        per_device: dict[torch.device, tuple[list, list]] = {}
-        taken = []
-        for k, (p, b) in enumerate(zip(self._low, self._buffers)):
-            g = p.grad
-            if g is None:
-                continue
-            if g.is_sparse:
-                raise RuntimeError("GradAccumulator does not support sparse gradients.")
-            taken.append(k)
-            accs, grads = per_device.setdefault(p.device, ([], []))
-            accs.append(b)
-            grads.append(g)
-        with torch.no_grad():
-            for device, (accs, grads) in per_device.items():
-                ops.accumulate_grads_(accs, grads, self._found_inf[device], zero_grads=False)
-        for k in taken:
-            self._has_grad[k] = True
-            self._low[k].grad = None
+        w = self._window
+        return {p: (b if h else None) for p, b, h in zip(w.params(), w.buffers(), w.flags())}
 
     def _sync_ddp(self, flush: bool = False) -> None:
         """The window's gradient exchange under DDP (every micro-batch ran under no_sync): the same
@@ -481,18 +406,19 @@ class GradAccumulator:
         if device is None:
             return
         fi = self._found_inf.get(device, torch.zeros((), dtype=torch.float32, device=device))
+        low = self._low
         mask = torch.tensor([float(h) for h in self._has_grad] + [float(p.grad is not None) for p in others],
                             dtype=torch.float32).to(device, non_blocking=True)
         meta = torch.cat([fi.reshape(1), mask])
         dist.all_reduce(meta, op=dist.ReduceOp.MAX, group=group)
         fi.copy_(meta[0])
         agreed = meta[1:].tolist()  # the one host read of the window: which parameters are stepped
-        self._has_grad = [bool(v) for v in agreed[: len(self._low)]]
-        for flat in self._flat.values():
+        self._has_grad = [bool(v) for v in agreed[: len(low)]]
+        for flat in self._window.flats():
             dist.all_reduce(flat, group=group)
             flat.div_(world)
         buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-        for p, has in zip(others, agreed[len(self._low):]):
+        for p, has in zip(others, agreed[len(low):]):
             if has:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -512,31 +438,28 @@ class GradAccumulator:
         if not self._framework_checked:
             _refuse_raw_framework_optimizer(self.model, self.optimizer)
             self._framework_checked = True
-        plan = self._acc_plan
-        planned = plan is not None and self._acc_plan_live()
+        planned = self._check_plan()
         try:
-            if (planned and self._step_reads_buffers and not self._ddp and micro_batches == self.steps):
-                # The steady state: the step plan reads the sums from the accumulator's plan (the
+            if planned and self._step_reads_buffers and not self._ddp and micro_batches == self.steps:
+                # The steady state: the step plan reads the sums from the window's plan (the
                 # mapping is built only if something goes the validated way).
-                self._step_grads = _SourcedGrads(plan, self._window_grads)
+                self._step_grads = _SourcedGrads(self._acc_plan, self._window_grads)
             else:
-                buffered = {id(p) for p in self._low}
-                others = [p for p in self._all_params() if id(p) not in buffered and p.grad is not None]
+                low = self._low
+                buffered = {id(p) for p in low}
                 with torch.no_grad():
-                    if self._ddp and self._low:
+                    if self._ddp and low:
                         # Every micro-batch ran under no_sync: one exchange, the same on every rank.
                         self._sync_ddp()
-                        others = [p for p in self._all_params() if id(p) not in buffered and p.grad is not None]
                     if micro_batches != self.steps:  # incomplete window: the sums hold sum / steps
-                        tensors = list(self._flat.values()) + [p.grad for p in others]
-                        if self._fsdp:
-                            tensors += [b for b, h in zip(self._buffers, self._has_grad) if h]
-                        for t in tensors:
-                            t.mul_(self.steps / micro_batches)
-                    if self._low and not self._step_reads_buffers:
+                        self._window.scale(self.steps / micro_batches)
+                        for p in self._all_params():
+                            if id(p) not in buffered and p.grad is not None:
+                                p.grad.mul_(self.steps / micro_batches)
+                    if low and not self._step_reads_buffers:
                         # The optimizer (or torch's scaler) reads .grad: hand it the sums, rounded once.
-                        for k, (p, b) in enumerate(zip(self._low, self._buffers)):
-                            p.grad = b.to(p.dtype) if self._has_grad[k] else None
+                        for p, g in self._window_grads().items():
+                            p.grad = g.to(p.dtype) if g is not None else None
                 self._step_grads = self._window_grads() if self._step_reads_buffers else {}
             self.last_window_skipped = self._step()
         except BaseException:
@@ -544,23 +467,8 @@ class GradAccumulator:
                 self.scaler._per_optimizer_states = defaultdict(_fresh_optimizer_state)
             raise
         finally:
-            with torch.no_grad():
-                for flat in self._flat.values():
-                    flat.zero_()
-                if self._fsdp:
-                    for b in self._buffers:
-                        b.zero_()
-                for fi in self._found_inf.values():
-                    fi.zero_()
-            plan = self._acc_plan
-            if plan is not None and self._acc_plan_live():
-                plan.end_window()  # no flags, no .grad on the params it buffers or watches
-                for p in self._acc_free:
-                    p.grad = None
-            else:
-                for p in self._all_params():
-                    p.grad = None
-                self._has_grad = [False] * len(self._low)
+            # zero sums and flags, no .grad anywhere
+            self._window.end(None if self._check_plan() else self._all_params())
             self._step_grads = {}
             self.micro_step = 0
             self.windows += 1
@@ -660,13 +568,13 @@ class GradAccumulator:
                 "window boundary (acc.micro_step == 0)."
             )
         if self.micro_step != 0:
-            sd["buffers"] = {str(d): f.clone() for d, f in self._flat.items()}
-            sd["found_inf"] = {str(d): f.clone() for d, f in self._found_inf.items()}
-            sd["has_grad"] = list(self._has_grad)
-            index = {id(p): i for i, p in enumerate(self._all_params())}
-            sd["buffered"] = [index[id(p)] for p in self._low]  # which params the buffers hold
-            buffered = {id(p) for p in self._low}
-            sd["grads"] = {i: p.grad.detach().clone() for i, p in enumerate(self._all_params())
+            w, params = self._window, self._all_params()
+            sd["buffers"] = {d: f.clone() for d, f in zip(w.device_names(), w.flats())}
+            sd["found_inf"] = {d: f.clone() for d, f in zip(w.device_names(), w.found_infs())}
+            sd["has_grad"] = list(w.flags())
+            sd["buffered"] = w.indices_of_buffered(params)  # which params the buffers hold
+            buffered = {id(p) for p in w.params()}
+            sd["grads"] = {i: p.grad.detach().clone() for i, p in enumerate(params)
                            if id(p) not in buffered and p.grad is not None}
         return sd
 
@@ -689,44 +597,25 @@ class GradAccumulator:
         if self.lr_scheduler is not None and sched is not None and not isinstance(sched, Mapping):
             raise ValueError(f"the state dict's lr_scheduler must be a scheduler's state dict (a dict) or None, got {type(sched).__name__}.")
         params = self._all_params()
-        buffers, found_infs, grads = {}, {}, {}
-        low = self._wanted_low() if micro == 0 else self._low
-        if micro != 0 and self._fsdp:
-            raise ValueError("a mid-window GradAccumulator state cannot be loaded under FSDP2; load one saved at a window boundary.")
-        if micro != 0 and "buffered" not in state_dict:
-            raise ValueError("the state dict's buffered entry is missing: a mid-window state dict lists the params its "
-                             "buffers hold (the indices of their parameters).")
-        if micro != 0:  # the params the saved buffers hold, in order
-            idx = state_dict["buffered"]
-            if not (isinstance(idx, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in idx)
-                    and len(set(idx)) == len(idx) and all(0 <= i < len(params) and params[i].dtype in _LOW for i in idx)):
-                raise ValueError(f"the state dict's buffered must list distinct indices of fp16/bf16 parameters of this accumulator's optimizer, got {idx!r}.")
-            low = [params[i] for i in idx]
-        has_grad = [False] * len(low)
         if micro != 0:
-            sizes: dict[torch.device, int] = defaultdict(int)
-            for p in low:
-                sizes[p.device] += p.numel()
-            for d, n in sizes.items():
-                b = state_dict.get("buffers", {}).get(str(d))
-                if not (isinstance(b, torch.Tensor) and tuple(b.shape) == (n,) and b.dtype == torch.float32):
-                    raise ValueError(f"the state dict's buffers['{d}'] must be a float32 tensor of shape {(n,)}, got {b!r}.")
-                fi = state_dict.get("found_inf", {}).get(str(d))
-                if not (isinstance(fi, torch.Tensor) and fi.numel() == 1):
-                    raise ValueError(f"the state dict's found_inf['{d}'] must be a 1-element tensor, got {fi!r}.")
-                buffers[d], found_infs[d] = b, fi
-            has_grad = list(state_dict.get("has_grad", has_grad))
-            if len(has_grad) != len(low):
-                raise ValueError(f"the state dict's has_grad has {len(has_grad)} entries; this accumulator buffers {len(low)} parameters.")
-            for i, g in dict(state_dict.get("grads", {})).items():
-                if not (isinstance(i, int) and 0 <= i < len(params) and isinstance(g, torch.Tensor)
-                        and g.shape == params[i].shape):
-                    raise ValueError(f"the state dict's grads[{i!r}] does not match a parameter of this accumulator's optimizer.")
-                grads[id(params[i])] = g
+            if self._fsdp:
+                raise ValueError("a mid-window GradAccumulator state cannot be loaded under FSDP2; load one saved at a window boundary.")
+            grads = state_dict.get("grads") or {}
+            bad = [k for k in (grads if isinstance(grads, Mapping) else [repr(grads)]) if not isinstance(k, int) or isinstance(k, bool)]
+            if bad:
+                raise ValueError(f"the state dict's grads entry must map parameter indices to tensors, got the key {bad[0]!r}.")
+
+            def entries(key: str) -> dict[str, Any]:
+                d = state_dict.get(key)
+                return {k: _engine_value(v) for k, v in d.items() if isinstance(k, str)} if isinstance(d, Mapping) else {}
+
+            self._window.check_checkpoint(
+                params, _engine_list(state_dict.get("buffered")), entries("buffers"), entries("found_inf"),
+                _engine_list(state_dict.get("has_grad")), {k: _engine_value(v) for k, v in grads.items()},
+                "the state dict's {} entry", True)
         if self._our_scaler and state_dict.get("scaler"):
             self.scaler._validate_state_dict(state_dict["scaler"])
         # apply
-        self._acc_plan = None
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.scaler is not None and state_dict.get("scaler"):
             self.scaler.load_state_dict(state_dict["scaler"])
@@ -735,19 +624,5 @@ class GradAccumulator:
         self.micro_step = micro
         self.windows = state_dict["windows"]
         self.skipped_windows_host = state_dict.get("skipped_windows_host", 0)
-        self._layout(low)
-        buffered = {id(q) for q in self._low}
-        with torch.no_grad():
-            for d, f in self._flat.items():
-                f.copy_(buffers[d]) if d in buffers else f.zero_()
-            if self._fsdp:
-                for b in self._buffers:
-                    b.zero_()
-            for d, f in self._found_inf.items():
-                f.copy_(found_infs[d].reshape(())) if d in found_infs else f.zero_()
-            for p in params:
-                if id(p) not in buffered:
-                    g = grads.get(id(p))
-                    p.grad = g.to(device=p.device, dtype=p.dtype).clone() if g is not None else None
-        self._has_grad = has_grad
+        self._window.load(params, micro != 0)
         self.window_ended = False

@@ -123,7 +123,7 @@ def _engine_value(v: Any) -> Any:
     are; anything else as its repr (refused, and named, by the check)."""
     if v is None or isinstance(v, (bool, int, float, str, torch.Tensor)):
         return v
-    if isinstance(v, (list, tuple)) and all(type(x) is int for x in v):
+    if isinstance(v, (list, tuple)) and (all(type(x) is int for x in v) or all(type(x) is bool for x in v)):
         return v
     return repr(v)
 

@@ -6,7 +6,8 @@
 // The cases: exact-tie fp32 masters through master-form switches and through checkpoints of the
 // other form; master_weights switched off and on again; a checkpoint loaded into an optimizer
 // with other precision options; the step's gradient checks across groups; bad scaler checkpoint
-// entries, alone and inside an accumulator checkpoint.
+// entries, alone and inside an accumulator checkpoint; bad partial-sum entries of a mid-window
+// accumulator checkpoint.
 //
 // Usage: ampfuse_crosslang_cases OUTPUT_FILE
 #include <ATen/ATen.h>
@@ -248,6 +249,44 @@ void accumulator_load_checks_the_scaler_first() {
   }
 }
 
+// A mid-window accumulator checkpoint with one bad entry: refused, naming the entry, with nothing
+// changed. Case k spoils entry k (none: the good checkpoint, which loads).
+void accumulator_checkpoint_entries() {
+  for (int k = 0; k < 7; ++k) {
+    at::Tensor a = at::ones({4}).to(at::kBFloat16).set_requires_grad(true);
+    at::Tensor b = at::ones({3}).set_requires_grad(true);
+    AdamW source(std::vector<at::Tensor>{a, b}, AdamWOptions(0.05));
+    auto buf = saved([&](OutputArchive& ar) {
+      ar.write("steps", c10::IValue(int64_t{2}));
+      ar.write("micro_step", c10::IValue(int64_t{1}));
+      ar.write("windows", c10::IValue(int64_t{0}));
+      OutputArchive opt_archive(ar.compilation_unit());
+      source.save(opt_archive);
+      ar.write("optimizer", opt_archive);
+      if (k != 0) ar.write("buffered", at::tensor(std::vector<int64_t>{k == 1 ? 1 : 0}));
+      ar.write("buffers/0", k == 2 ? at::zeros({3}) : at::full({4}, 0.5));
+      ar.write("found_inf/0", k == 3 ? at::zeros({2}) : at::zeros({}));
+      ar.write("has_grad", at::tensor(k == 4 ? std::vector<int64_t>{1, 0} : std::vector<int64_t>{1}));
+      ar.write("grads/1", k == 5 ? at::zeros({2}) : at::full({3}, 0.25));
+    });
+    at::Tensor c = at::ones({4}).to(at::kBFloat16).set_requires_grad(true);
+    at::Tensor d = at::ones({3}).set_requires_grad(true);
+    AdamW target(std::vector<at::Tensor>{c, d}, AdamWOptions(0.01));
+    ampfuse::GradAccumulator acc(target, nullptr, ampfuse::GradAccumulatorOptions(2));
+    InputArchive in;
+    in.load_from(buf);
+    const std::string key = "acc_checkpoint/" + std::to_string(k);
+    put(key + "/message", message_of([&] { acc.load(in); }));
+    if (k == 6) {
+      put(key + "/loaded", acc.micro_step() == 1 && options_of<AdamWOptions>(target, 0).lr() == 0.05);
+      put(key + "/grad", d.grad().clone());
+    } else {
+      put(key + "/unchanged", acc.micro_step() == 0 && options_of<AdamWOptions>(target, 0).lr() == 0.01 &&
+                                  !d.grad().defined());
+    }
+  }
+}
+
 // A param that does not step while the options change still has its state converted to them.
 void idle_param_state_follows_options() {
   at::manual_seed(3);
@@ -293,6 +332,7 @@ int main(int argc, char** argv) {
       {"bad_scaler_entries", bad_scaler_entries},
       {"accumulator_load_checks_the_scaler_first", accumulator_load_checks_the_scaler_first},
       {"idle_param_state_follows_options", idle_param_state_follows_options},
+      {"accumulator_checkpoint_entries", accumulator_checkpoint_entries},
   };
   for (const auto& [name, run] : cases) put(std::string("error/") + name, message_of(run));
   const std::vector<char> bytes = torch::pickle_save(c10::IValue(out));

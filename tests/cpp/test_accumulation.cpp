@@ -647,7 +647,7 @@ TEST(GradAccumulator, MidWindowCheckpointWithoutTheBufferedParamsIsRefused) {
   }
   torch::serialize::InputArchive in;
   in.load_from(buf);
-  EXPECT_TRUE(throws_with([&] { acc.load(in); }, "buffered in the checkpoint is missing"));
+  EXPECT_TRUE(throws_with([&] { acc.load(in); }, "the checkpoint's buffered entry is missing"));
   EXPECT_EQ(acc.micro_step(), 0);
   EXPECT_FALSE(g.grad().defined());
 }

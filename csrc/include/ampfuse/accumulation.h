@@ -104,12 +104,7 @@ class GradAccumulator {
 
  private:
   std::vector<at::Tensor> all_params() const;
-  std::vector<at::Tensor> wanted_low() const;
-  void layout(const std::vector<at::Tensor>& low);
   void collect();
-  void collect_validated();
-  void build_plan();
-  std::vector<const void*> plan_key() const;
   void end_window(int64_t micro_batches);
   std::optional<at::Tensor> step_window();
   void clip_unscaled();
@@ -119,19 +114,15 @@ class GradAccumulator {
   GradAccumulatorOptions options_;
   torch::optim::LRScheduler* lr_scheduler_ = nullptr;
   bool fused_;
-  // fp16/bf16 params with fp32 buffers (views into one flat buffer per device).
-  std::vector<at::Tensor> low_;
-  std::vector<at::Tensor> buffers_;
-  std::vector<bool> has_grad_;
-  std::vector<std::pair<c10::Device, at::Tensor>> flat_;       // per device
-  std::vector<std::pair<c10::Device, at::Tensor>> found_inf_;  // per device, fp32 0-dim
   int64_t micro_step_ = 0;
   int64_t windows_ = 0;
   int64_t skipped_windows_host_ = 0;
   bool window_ended_ = false;
   std::optional<at::Tensor> last_window_skipped_;
-  struct Plan;  // csrc/api/accumulation.cpp
-  std::shared_ptr<Plan> plan_;
+  // The buffers, flags and micro-batch plan (the engine's AccumulatorWindow) and the optimizer's
+  // params its plan was built for (csrc/api/accumulation.cpp).
+  struct Window;
+  std::unique_ptr<Window> window_;
 };
 
 }  // namespace ampfuse
