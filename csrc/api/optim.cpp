@@ -183,12 +183,12 @@ void bring_state(torch::optim::Optimizer& opt, const std::vector<at::Tensor>& pa
   const auto out = engine::optimizer_state_(ps, slots, num, o.state_dtype(), master_weights_of(o), creates,
                                             reconciles, P::kRestartOnCreate);
   const size_t width = engine::kStateSlotsBeforeStates + num;
-  auto at = [&](size_t i, size_t k) { return out.get(i * width + k).value_or(at::Tensor()); };
+  auto slot_at = [&](size_t i, size_t k) { return out.get(i * width + k).value_or(at::Tensor()); };
   for (size_t i = 0; i < owners.size(); ++i) {
-    owners[i]->step(at(i, 0));
-    owners[i]->master_param(at(i, 1));
-    owners[i]->master_remainder(at(i, 2));
-    for (int k = 0; k < num; ++k) P::state(*owners[i], k) = at(i, engine::kStateSlotsBeforeStates + k);
+    owners[i]->step(slot_at(i, 0));
+    owners[i]->master_param(slot_at(i, 1));
+    owners[i]->master_remainder(slot_at(i, 2));
+    for (int k = 0; k < num; ++k) P::state(*owners[i], k) = slot_at(i, engine::kStateSlotsBeforeStates + k);
   }
 }
 

@@ -39,12 +39,11 @@ std::vector<std::pair<c10::Device, int64_t>> sizes_per_device(const std::vector<
 }
 
 std::string named(const std::string& naming, const std::string& entry) {
-  const auto at = naming.find("{}");
-  TORCH_CHECK(at != std::string::npos, "naming must hold '{}', got '", naming, "'.");
-  return naming.substr(0, at) + entry + naming.substr(at + 2);
+  const auto pos = naming.find("{}");
+  TORCH_CHECK(pos != std::string::npos, "naming must hold '{}', got '", naming, "'.");
+  return naming.substr(0, pos) + entry + naming.substr(pos + 2);
 }
 
-bool is_index(const c10::IValue& v) { return v.isInt(); }
 
 // A list of integers (or bools) from a list or a 1-d integer/bool tensor; nullopt otherwise.
 std::optional<std::vector<int64_t>> integers(const c10::IValue& v) {
@@ -323,13 +322,13 @@ std::vector<at::Tensor> AccumulatorWindow::found_infs() const {
 }
 
 std::vector<int64_t> AccumulatorWindow::indices_of_buffered(const std::vector<at::Tensor>& params) const {
-  std::vector<int64_t> at_(low_.size(), -1);
+  std::vector<int64_t> place(low_.size(), -1);
   for (size_t i = 0; i < params.size(); ++i) {
     const auto it = index_.find(params[i].unsafeGetTensorImpl());
-    if (it != index_.end()) at_[it->second] = static_cast<int64_t>(i);
+    if (it != index_.end()) place[it->second] = static_cast<int64_t>(i);
   }
-  for (int64_t i : at_) TORCH_CHECK(i >= 0, "AccumulatorWindow: a buffered param left the optimizer.");
-  return at_;
+  for (int64_t i : place) TORCH_CHECK(i >= 0, "AccumulatorWindow: a buffered param left the optimizer.");
+  return place;
 }
 
 // ---- checkpoints --------------------------------------------------------------------------------
