@@ -367,13 +367,13 @@ _opt_case("dtype-changed", RuntimeError, r"has dtype torch.float32 but was torch
           lambda ps, o: o.step(), _changed_dtype)
 _opt_case("group-lr-negative", ValueError, r"param_groups\[0\]\['lr'\] must be >= 0, got -1",
           lambda ps, o: o.step(), lambda ps, o: o.param_groups[0].__setitem__("lr", -1.0))
-_opt_case("load-state-shape", ValueError, r"state 'exp_avg' of parameter 0 has shape \(3, 3\) but the parameter has shape \(5,\)",
+_opt_case("load-state-shape", ValueError, r"state 'exp_avg' of param_groups\[0\]\['params'\]\[0\] has shape \(3, 3\) but the parameter has shape \(5,\)",
           lambda ps, o: o.load_state_dict((lambda sd: (sd["state"][0].__setitem__("exp_avg", torch.zeros(3, 3)), sd)[1])(copy.deepcopy(o.state_dict()))))
 _opt_case("load-groups", ValueError, "loaded state dict has a different number of parameter groups",
           lambda ps, o: o.load_state_dict(dict(o.state_dict(), param_groups=[])))
-_opt_case("load-step-abc", ValueError, "state 'step' of parameter 1 must be a number or a 1-element tensor, got 'abc'",
+_opt_case("load-step-abc", ValueError, r"state 'step' of param_groups\[0\]\['params'\]\[1\] must be a number or a 1-element tensor, got 'abc'",
           lambda ps, o: o.load_state_dict((lambda sd: (sd["state"][1].__setitem__("step", "abc"), sd)[1])(copy.deepcopy(o.state_dict()))))
-_opt_case("load-int-state", ValueError, "state 'exp_avg_sq' of parameter 0 must be a floating-point tensor",
+_opt_case("load-int-state", ValueError, r"state 'exp_avg_sq' of param_groups\[0\]\['params'\]\[0\] must be a floating-point tensor",
           lambda ps, o: o.load_state_dict((lambda sd: (sd["state"][0].__setitem__("exp_avg_sq", torch.zeros(5, dtype=torch.int64)), sd)[1])(copy.deepcopy(o.state_dict()))))
 
 

@@ -7,7 +7,8 @@ A fixed sequence of mixed-precision steps (``tests/cpp/crosslang_sequence.cpp``,
 (``tests/cpp/crosslang_cases.cpp``, ``ampfuse_crosslang_cases``): exact-tie masters through form
 switches and checkpoints of the other form, master_weights off and on again, a checkpoint loaded
 into other precision options, the gradient checks across groups, bad scaler checkpoint entries,
-bad partial-sum entries of a mid-window accumulator checkpoint.
+bad partial-sum entries of a mid-window accumulator checkpoint, bad state entries of an optimizer
+checkpoint.
 
 The sequence (CPU): bf16 params, ``AdamW`` with fp32 masters, a ``GradScaler`` with hysteresis and
 a short growth interval, an inf and a NaN injected, ``unscale_and_clip_`` on some iterations; then
@@ -310,9 +311,49 @@ def _accumulator_checkpoint_entries(d: dict) -> dict:
     return res
 
 
+def _optimizer_checkpoint_entries(d: dict) -> dict:
+    res = {}
+    for k in range(7):
+        def bad(which, good, spoiled):
+            return spoiled if k == which else good
+        a_state = {"step": bad(3, torch.full((), 3.0), torch.zeros(2)),
+                   "exp_avg": bad(1, torch.full((4,), 0.5), torch.zeros(3, 3)),
+                   "exp_avg_sq": torch.full((4,), 0.25),
+                   "master_param": bad(5, torch.full((4,), 1.5), torch.zeros(2))}
+        if k == 4:
+            a_state["master_remainder"] = torch.zeros(4, dtype=torch.int16)
+        b_state = {"step": bad(6, torch.full((), 3.0), 2.0), "exp_avg": torch.full((3,), 0.5),
+                   "exp_avg_sq": bad(2, torch.full((3,), 0.25), torch.zeros(3, dtype=torch.int64))}
+        sd = {"state": {0: a_state, 1: b_state}, "param_groups": [{"params": [0, 1], "lr": 0.05}]}
+        a = torch.ones(4).to(torch.bfloat16).requires_grad_(True)
+        b = torch.ones(3).requires_grad_(True)
+        target = ampfuse.optim.AdamW([a, b], lr=0.01)
+        a.grad, b.grad = torch.zeros_like(a), torch.zeros_like(b)
+        target.step()
+        key = f"opt_checkpoint/{k}"
+        res[f"{key}/message"] = _message(lambda: target.load_state_dict(sd))
+        sa, sb = target.state[a], target.state[b]
+        if k in (0, 6):
+            assert res[f"{key}/message"] == "", res[f"{key}/message"]
+            del res[f"{key}/message"]
+            res[f"{key}/loaded"] = target.param_groups[0]["lr"] == 0.05
+            res[f"{key}/a_exp_avg"] = sa["exp_avg"].clone()
+            res[f"{key}/a_master"] = sa["master_param"].clone()
+            res[f"{key}/b_step"] = sb["step"].clone()
+        else:
+            res[f"{key}/unchanged"] = (target.param_groups[0]["lr"] == 0.01 and float(sa["step"]) == 1.0
+                                       and sb["exp_avg_sq"].dtype == torch.float32)
+    a = torch.ones(4).requires_grad_(True)
+    sgd = ampfuse.optim.SGD([a], lr=0.01, momentum=0.9)
+    sgd.load_state_dict({"state": {0: {"momentum_buffer": torch.full((4,), 0.5)}},
+                         "param_groups": [{"params": [0], "lr": 0.05}]})
+    res["opt_checkpoint/sgd_step"] = sgd.state[a]["step"].clone()
+    return res
+
+
 _CASES = [_ties, _master_weights_off_and_on, _load_keeps_own_options, _grad_checks_across_groups,
           _bad_scaler_entries, _accumulator_load_checks_the_scaler_first, _idle_param_state_follows_options,
-          _accumulator_checkpoint_entries]
+          _accumulator_checkpoint_entries, _optimizer_checkpoint_entries]
 
 
 def _as_python_names(message: str) -> str:

@@ -587,7 +587,7 @@ def test_failed_loads_change_nothing():
     bad = copy.deepcopy(sd)
     bad["state"][0]["step"] = "abc"
     bad["param_groups"][0]["lr"] = 123.0
-    with pytest.raises(ValueError, match="state 'step' of parameter 0 must be a number"):
+    with pytest.raises(ValueError, match=r"state 'step' of param_groups\[0\]\['params'\]\[0\] must be a number"):
         opt.load_state_dict(bad)
     assert opt.param_groups[0]["lr"] == 0.1 and opt.state[p[0]]["step"].item() == 1
     opt.step()

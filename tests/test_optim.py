@@ -541,7 +541,7 @@ def test_load_state_dict_with_wrong_shapes_changes_nothing():
     sd = _roundtrip(opt.state_dict())
     before = _state_snapshot(opt, params)
     sd["state"][0]["exp_avg"] = torch.zeros(3, 3)
-    with pytest.raises(ValueError, match=r"state 'exp_avg' of parameter 0 has shape \(3, 3\) but the parameter has shape \(37, 13\)"):
+    with pytest.raises(ValueError, match=r"state 'exp_avg' of param_groups\[0\]\['params'\]\[0\] has shape \(3, 3\) but the parameter has shape \(37, 13\)"):
         opt.load_state_dict(sd)
     _assert_unchanged(opt, params, before)
     sd = _roundtrip(opt.state_dict())

@@ -85,28 +85,6 @@ MasterKind master_kind_of(const State& s) {
                                     : (s.master_remainder().defined() ? MasterKind::Remainder : MasterKind::None);
 }
 
-// A loaded state tensor, on the param's device in fp32 (masters and state stay fp32 whatever the
-// param's dtype).
-void adopt_loaded(at::Tensor& t, const at::Tensor& p, const char* key, size_t group, size_t index) {
-  if (!t.defined()) return;
-  TORCH_CHECK(t.sizes() == p.sizes(), "state '", key, "' of ", where(group, index),
-              " in the checkpoint has shape ", t.sizes(), " but the parameter has shape ",
-              p.sizes(), ".");
-  TORCH_CHECK(t.is_floating_point(), "state '", key, "' of ", where(group, index),
-              " in the checkpoint must be a floating-point tensor, got ",
-              detail::dtype_name(t.scalar_type()), ".");
-}
-
-void adopt_loaded_step(const at::Tensor& t, size_t group, size_t index) {
-  if (!t.defined()) return;
-  TORCH_CHECK(t.numel() == 1, "state 'step' of ", where(group, index),
-              " in the checkpoint must have one element, got shape ", t.sizes(), ".");
-}
-
-void move_loaded(at::Tensor& t, const at::Tensor& p) {
-  if (t.defined()) t = t.to(p.device(), at::kFloat);
-}
-
 // ---- buckets ------------------------------------------------------------------------------------
 struct Bucket {
   c10::Device device;
@@ -148,6 +126,27 @@ StepScaling scaling_on(const std::optional<StepScaling>& scaling, const c10::Dev
   return out;
 }
 
+// ---- a param's state as the engine's slots (engine/optimizer_state.h) ----------------------------
+template <typename P>
+void push_slots(c10::List<std::optional<at::Tensor>>& slots, typename P::State& s, int num) {
+  auto given = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
+  slots.push_back(given(s.step()));
+  slots.push_back(given(s.master_param()));
+  slots.push_back(given(s.master_remainder()));
+  for (int k = 0; k < num; ++k) slots.push_back(given(P::state(s, k)));
+}
+
+// The slots of the i-th param of `out` (each param num states wide) written into s.
+template <typename P>
+void take_slots(typename P::State& s, const c10::List<std::optional<at::Tensor>>& out, size_t i, int num) {
+  const size_t width = engine::kStateSlotsBeforeStates + num;
+  auto slot_at = [&](size_t k) { return out.get(i * width + k).value_or(at::Tensor()); };
+  s.step(slot_at(0));
+  s.master_param(slot_at(1));
+  s.master_remainder(slot_at(2));
+  for (int k = 0; k < num; ++k) P::state(s, k) = slot_at(engine::kStateSlotsBeforeStates + k);
+}
+
 // ---- generic step over a policy ----------------------------------------------------------------
 // The state of the params of a group brought to its options by the engine (optimizer_state_):
 // created where create[i] (a param that steps now), else only what it has converted.
@@ -157,7 +156,6 @@ void bring_state(torch::optim::Optimizer& opt, const std::vector<at::Tensor>& pa
                  std::unordered_set<const c10::TensorImpl*>& reconcile) {
   using State = typename P::State;
   auto& states = opt.state();
-  auto given = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
   const int num = P::num_states(o);
   std::vector<at::Tensor> ps;
   std::vector<State*> owners;
@@ -174,22 +172,12 @@ void bring_state(torch::optim::Optimizer& opt, const std::vector<at::Tensor>& pa
     owners.push_back(&s);
     creates.push_back(create[i]);
     reconciles.push_back(reconcile.erase(params[i].unsafeGetTensorImpl()) != 0);
-    slots.push_back(given(s.step()));
-    slots.push_back(given(s.master_param()));
-    slots.push_back(given(s.master_remainder()));
-    for (int k = 0; k < num; ++k) slots.push_back(given(P::state(s, k)));
+    push_slots<P>(slots, s, num);
   }
   if (ps.empty()) return;
   const auto out = engine::optimizer_state_(ps, slots, num, o.state_dtype(), master_weights_of(o), creates,
                                             reconciles, P::kRestartOnCreate);
-  const size_t width = engine::kStateSlotsBeforeStates + num;
-  auto slot_at = [&](size_t i, size_t k) { return out.get(i * width + k).value_or(at::Tensor()); };
-  for (size_t i = 0; i < owners.size(); ++i) {
-    owners[i]->step(slot_at(i, 0));
-    owners[i]->master_param(slot_at(i, 1));
-    owners[i]->master_remainder(slot_at(i, 2));
-    for (int k = 0; k < num; ++k) P::state(*owners[i], k) = slot_at(i, engine::kStateSlotsBeforeStates + k);
-  }
+  for (size_t i = 0; i < owners.size(); ++i) take_slots<P>(*owners[i], out, i, num);
 }
 
 // The validated step: every check, state created, one op call per bucket. Reports the buckets
@@ -272,24 +260,27 @@ std::vector<const void*> plan_key_of(const torch::optim::Optimizer& opt) {
 template <typename P>
 void fused_save(const torch::optim::Optimizer& opt, OutputArchive& archive) {
   using State = typename P::State;
+  constexpr int kNum = static_cast<int>(P::kStateNames.size());
   auto& live = const_cast<torch::optim::Optimizer&>(opt).state();
-  std::remove_reference_t<decltype(live)> saved;
+  std::vector<at::Tensor> ps;
+  std::vector<void*> keys;
+  std::vector<std::unique_ptr<State>> copies;
+  c10::List<std::optional<at::Tensor>> slots;
   for (const auto& group : opt.param_groups()) {
     for (const auto& p : group.params()) {
       auto it = live.find(p.unsafeGetTensorImpl());
       if (it == live.end()) continue;
-      const auto& s = static_cast<const State&>(*it->second);
-      auto copy = std::make_unique<State>(s);
-      for (size_t k = 0; k < P::kStateNames.size(); ++k) {
-        at::Tensor& t = P::state(*copy, static_cast<int>(k));
-        if (t.defined() && t.scalar_type() != at::kFloat) t = t.to(at::kFloat);
-      }
-      if (copy->master_remainder().defined()) {
-        copy->master_param(engine::join_master(p.detach(), copy->master_remainder()));
-        copy->master_remainder(at::Tensor());
-      }
-      saved.emplace(p.unsafeGetTensorImpl(), std::move(copy));
+      ps.push_back(p.detach());
+      keys.push_back(p.unsafeGetTensorImpl());
+      copies.push_back(std::make_unique<State>(static_cast<const State&>(*it->second)));
+      push_slots<P>(slots, *copies.back(), kNum);
     }
+  }
+  const auto out = engine::optimizer_state_saved(ps, slots, kNum);
+  std::remove_reference_t<decltype(live)> saved;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    take_slots<P>(*copies[i], out, i, kNum);
+    saved.emplace(keys[i], std::move(copies[i]));
   }
   std::swap(live, saved);
   try {
@@ -348,43 +339,37 @@ void fused_load(torch::optim::Optimizer& opt, InputArchive& archive,
     o.master_weights(own.master_weights()).master_remainders(own.master_remainders()).state_dtype(own.state_dtype());
     options.push_back(std::move(o));
   }
-  // Check every state tensor against its parameter.
+  // Check every state tensor against its parameter and convert it (the engine), then commit.
+  constexpr int kNum = static_cast<int>(P::kStateNames.size());
+  std::vector<at::Tensor> ps;
+  std::vector<int64_t> group_of, index_of;
+  std::vector<std::unique_ptr<torch::optim::OptimizerParamState>*> found;
+  c10::List<std::optional<at::Tensor>> slots;
   for (size_t g = 0; g < num_groups; ++g) {
     for (size_t i = 0; i < keys[g].size(); ++i) {
       auto it = saved_state.find(reinterpret_cast<void*>(std::stoull(keys[g][i])));
       if (it == saved_state.end()) continue;
-      auto& s = static_cast<State&>(*it->second);
-      const auto& p = groups[g].params()[i];
-      adopt_loaded_step(s.step(), g, i);
-      for (size_t k = 0; k < P::kStateNames.size(); ++k) {
-        adopt_loaded(P::state(s, static_cast<int>(k)), p, P::kStateNames[k], g, i);
-      }
-      adopt_loaded(s.master_param(), p, "master_param", g, i);
-      TORCH_CHECK(!s.master_remainder().defined(), "state 'master_remainder' of ", where(g, i),
-                  " in the checkpoint: checkpoints hold masters as fp32 master_param.");
+      ps.push_back(groups[g].params()[i].detach());
+      group_of.push_back(static_cast<int64_t>(g));
+      index_of.push_back(static_cast<int64_t>(i));
+      found.push_back(&it->second);
+      push_slots<P>(slots, static_cast<State&>(*it->second), kNum);
     }
   }
-  // Commit.
+  const auto out = engine::optimizer_state_loaded(
+      ps, slots, std::vector<std::string>(P::kStateNames.begin(), P::kStateNames.end()), group_of, index_of,
+      "param_groups()[{g}].params()[{i}]", P::kRestartOnCreate);
   for (size_t g = 0; g < num_groups; ++g) {
-    for (size_t i = 0; i < keys[g].size(); ++i) {
-      const auto& p = groups[g].params()[i];
-      auto it = saved_state.find(reinterpret_cast<void*>(std::stoull(keys[g][i])));
-      if (it == saved_state.end()) {
-        opt.state().erase(p.unsafeGetTensorImpl());
-        continue;
-      }
-      auto& s = static_cast<State&>(*it->second);
-      P::adopt_foreign(s, p);
-      if (s.step().defined()) s.step(s.step().to(p.device(), at::kFloat).reshape({}));
-      // fp32 on the param's device; the next step converts state and masters to the group's
-      // precision options (bring_state).
-      for (size_t k = 0; k < P::kStateNames.size(); ++k) move_loaded(P::state(s, static_cast<int>(k)), p);
-      move_loaded(s.master_param(), p);
-      // A loaded fp32 master may be a remainder form's (its param rounded ties away from zero).
-      if (s.master_param().defined()) reconcile.insert(p.unsafeGetTensorImpl());
-      opt.state()[p.unsafeGetTensorImpl()] = std::move(it->second);
-    }
+    for (const auto& p : groups[g].params()) opt.state().erase(p.unsafeGetTensorImpl());
     static_cast<Options&>(groups[g].options()) = options[g];
+  }
+  for (size_t j = 0; j < ps.size(); ++j) {
+    const auto& p = groups[group_of[j]].params()[index_of[j]];
+    auto& s = static_cast<State&>(**found[j]);
+    take_slots<P>(s, out, j, kNum);
+    // A loaded fp32 master may be a remainder form's (its param rounded ties away from zero).
+    if (s.master_param().defined()) reconcile.insert(p.unsafeGetTensorImpl());
+    opt.state()[p.unsafeGetTensorImpl()] = std::move(*found[j]);
   }
 }
 
@@ -786,12 +771,6 @@ struct SgdPolicy {
     so.maximize = o.maximize();
     sgd_step_(b.params, b.grads, b.masters, b.states[0], b.steps, so, sc);
   }
-  // torch's SGD has no step counter: a present momentum buffer means momentum was initialised.
-  static void adopt_foreign(State& s, const at::Tensor& p) {
-    if (!s.step().defined()) {
-      s.step(at::full({}, s.momentum_buffer().defined() ? 1.0f : 0.0f, p.options().dtype(at::kFloat)));
-    }
-  }
 };
 
 template <typename O, bool kDecoupled>
@@ -831,9 +810,6 @@ struct AdamPolicyT {
     ao.decoupled_weight_decay = kDecoupled;
     adam_step_(b.params, b.grads, b.masters, b.states[0], b.states[1], b.states[2], b.steps, ao,
                sc);
-  }
-  static void adopt_foreign(State& s, const at::Tensor& p) {
-    if (!s.step().defined()) s.step(at::zeros({}, p.options().dtype(at::kFloat)));
   }
 };
 struct AdamPolicy : AdamPolicyT<AdamOptions, false> {};

@@ -11,13 +11,6 @@ namespace {
 
 bool is_supported(c10::ScalarType t) { return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat; }
 
-// A shape as Python prints a tuple: (2, 3), (4,), ().
-std::string shape(const at::Tensor& t) {
-  std::string out = "(";
-  for (int64_t d = 0; d < t.dim(); ++d) out += (d ? ", " : "") + std::to_string(t.size(d));
-  return out + (t.dim() == 1 ? ",)" : ")");
-}
-
 std::pair<intptr_t, intptr_t> span(const at::Tensor& t) {
   int64_t lo = 0, hi = 0;
   for (int64_t d = 0; d < t.dim(); ++d) {
@@ -30,6 +23,12 @@ std::pair<intptr_t, intptr_t> span(const at::Tensor& t) {
 }
 
 }  // namespace
+
+std::string shape_repr(const at::Tensor& t) {
+  std::string out = "(";
+  for (int64_t d = 0; d < t.dim(); ++d) out += (d ? ", " : "") + std::to_string(t.size(d));
+  return out + (t.dim() == 1 ? ",)" : ")");
+}
 
 bool overlaps(const at::Tensor& a, const at::Tensor& b) {
   if (a.numel() == 0 || b.numel() == 0 || a.device() != b.device()) return false;
@@ -76,8 +75,8 @@ void check_step_grads(const std::vector<at::Tensor>& params, const std::vector<a
     TORCH_CHECK(g.scalar_type() == p.scalar_type() || g.scalar_type() == at::kFloat, where(), " has dtype ",
                 detail::dtype_name(p.scalar_type()), " but its gradient has dtype ", detail::dtype_name(g.scalar_type()),
                 "; a gradient must have its param's dtype or be torch.float32 (e.g. an accumulator's fp32 sum).");
-    TORCH_CHECK(g.sizes() == p.sizes(), where(), " has a gradient of shape ", shape(g),
-                " but the parameter has shape ", shape(p), ".");
+    TORCH_CHECK(g.sizes() == p.sizes(), where(), " has a gradient of shape ", shape_repr(g),
+                " but the parameter has shape ", shape_repr(p), ".");
     TORCH_CHECK(g.device() == p.device(), where(), " is on ", p.device(), " but its gradient is on ", g.device(), ".");
     TORCH_CHECK(!overlaps(g, p), "the gradient of ", where(), " shares memory with the parameter; the step "
                 "writes the parameter while it reads the gradient. Pass a separate tensor (e.g. a clone).");

@@ -14,6 +14,9 @@ namespace ampfuse::engine {
 // data (meta, fake) share nothing.
 bool overlaps(const at::Tensor& a, const at::Tensor& b);
 
+// A shape as Python prints a tuple: (2, 3), (4,), ().
+std::string shape_repr(const at::Tensor& t);
+
 // `naming` has "{g}" and "{i}" where the group and the param index go.
 std::string param_name(const std::string& naming, int64_t group, int64_t index);
 

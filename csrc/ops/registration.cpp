@@ -90,6 +90,14 @@ TORCH_LIBRARY(ampfuse, m) {
   m.def(
       "optimizer_state_(Tensor(a!)[] params, Tensor?[] slots, int num_states, ScalarType state_dtype, "
       "str master_weights, bool[] create, bool[] reconcile, bool restart_on_create) -> Tensor?[]");
+  // The state's checkpoint form, both ways (csrc/engine/optimizer_state.h), same slots: saved
+  // (state as fp32, a remainder as its fp32 master_param) and loaded (checked against the params,
+  // named by `naming` with {g}/{i} replaced by groups[i]/indices[i], then fp32 copies on each
+  // param's device). Composites of torch ops and join_master.
+  m.def("optimizer_state_saved(Tensor[] params, Tensor?[] slots, int num_states) -> Tensor?[]");
+  m.def(
+      "optimizer_state_loaded(Tensor[] params, Tensor?[] slots, str[] state_names, int[] groups, int[] indices, "
+      "str naming, bool restart_on_create) -> Tensor?[]");
   // The optimizers' checks of a step's gradients (csrc/engine/step_checks.h), over every group
   // before any steps: params[k] has gradient grads[k] and is named by `naming` with {g}/{i}
   // replaced by groups[k]/indices[k]; state[j] is a state tensor of params[state_owner[j]]

@@ -66,9 +66,8 @@ import numbers
 import operator
 import os
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from copy import deepcopy
-from itertools import chain
 from typing import Any, Callable, Literal, NamedTuple, Union
 
 import torch
@@ -83,7 +82,6 @@ __all__ = ["SGD", "Adam", "AdamW", "StepScaling", "join_master", "split_master"]
 MasterWeights = Union[bool, Literal["auto", "remainder"]]
 _MASTER_WEIGHTS = (True, False, "auto", "remainder")
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
-_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
 _PRECISION_OPTIONS = ("master_weights", "state_dtype")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
@@ -609,13 +607,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             "true" if mw is True else "false" if mw is False else mw, [c for _, c in todo], reconcile,
             self._restart_on_create)
         for j, (p, _) in enumerate(todo):
-            st = self.state[p]
-            for name, v in zip(names, out[j * len(names):(j + 1) * len(names)]):
-                if v is None:
-                    if name in ("master_param", "master_remainder"):
-                        st.pop(name, None)
-                elif st.get(name) is not v:
-                    st[name] = v
+            _put_slots(self.state[p], names, out[j * len(names):(j + 1) * len(names)])
 
     def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         return self._state_keys
@@ -890,19 +882,16 @@ class _FusedOptimizer(torch.optim.Optimizer):
         stands for, so the checkpoint does not depend on the precision options."""
         sd = super().state_dict()
         params = [p for g in self.param_groups for p in g["params"]]
-        out = {}
-        for k, v in sd["state"].items():
-            if not isinstance(v, Mapping):  # torch allows other values under non-param keys
-                out[k] = v
-                continue
-            st = dict(v)
-            rem = st.pop("master_remainder", None)
-            if rem is not None and isinstance(k, int) and k < len(params):
-                st["master_param"] = join_master(params[k].detach(), rem)
-            for key in _MOMENT_KEYS:
-                if isinstance(st.get(key), torch.Tensor) and st[key].dtype == torch.bfloat16:
-                    st[key] = st[key].float()
-            out[k] = st
+        names = ("step", "master_param", "master_remainder", *self._native_state_keys)
+        keys = [k for k, v in sd["state"].items()  # torch allows other values under non-param keys
+                if isinstance(v, Mapping) and isinstance(k, int) and 0 <= k < len(params)]
+        out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in sd["state"].items()}
+        if keys:
+            slots = [v if isinstance(v := out[k].get(name), torch.Tensor) else None for k in keys for name in names]
+            ops._dtensor_support()
+            saved = torch.ops.ampfuse.optimizer_state_saved([params[k].detach() for k in keys], slots, len(names) - 3)
+            for j, k in enumerate(keys):
+                _put_slots(out[k], names, saved[j * len(names):(j + 1) * len(names)])
         sd["state"] = out
         return sd
 
@@ -930,36 +919,41 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"loaded state dict contains a parameter group that doesn't match the size of optimizer's group (group {k})"
                 )
-        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups), chain.from_iterable(g["params"] for g in groups)))
+        where = {pid: (gi, i, p) for gi, (g, sg) in enumerate(zip(groups, saved_groups))
+                 for i, (pid, p) in enumerate(zip(sg["params"], g["params"]))}
+        names = ("step", "master_param", "master_remainder", *self._native_state_keys)
         new_state: dict[Any, dict[str, Any]] = {}
+        loaded = []  # (pid, gi, i, p): the states the engine checks and converts
         for pid, st in state_dict["state"].items():
-            p = id_map.get(pid)
-            if p is None:
+            if pid not in where:
                 new_state[pid] = deepcopy(st)
                 continue
             if not isinstance(st, Mapping):
-                raise ValueError(f"the state of parameter {pid} must be a dict, got {type(st).__name__}.")
-            converted: dict[str, Any] = {}
-            for key, v in st.items():
-                if key == "step":
-                    try:
-                        step = torch.as_tensor(v, dtype=torch.float32)
-                    except (TypeError, ValueError, RuntimeError) as e:
-                        raise ValueError(f"state 'step' of parameter {pid} must be a number or a 1-element tensor, got {v!r}.") from e
-                    if step.numel() != 1:
-                        raise ValueError(f"state 'step' of parameter {pid} must have one element, got shape {tuple(step.shape)}.")
-                    converted[key] = step.to(p.device).reshape(()).clone()
-                elif isinstance(v, torch.Tensor):
-                    if v.shape != p.shape:
-                        raise ValueError(
-                            f"state '{key}' of parameter {pid} has shape {tuple(v.shape)} but the parameter has shape {tuple(p.shape)}."
-                        )
-                    if not v.is_floating_point():
-                        raise ValueError(f"state '{key}' of parameter {pid} must be a floating-point tensor, got {v.dtype}.")
-                    converted[key] = v.detach().to(device=p.device, dtype=torch.float32, copy=True)
-                else:
-                    converted[key] = deepcopy(v)
-            self._adopt_foreign_state(p, converted)
+                gi, i, _ = where[pid]
+                raise ValueError(f"the state of param_groups[{gi}]['params'][{i}] must be a dict, got {type(st).__name__}.")
+            loaded.append((pid, *where[pid]))
+        slots: list[torch.Tensor | None] = []
+        for pid, gi, i, p in loaded:
+            st = state_dict["state"][pid]
+            step = st.get("step")
+            if step is not None and not isinstance(step, torch.Tensor):
+                try:
+                    step = torch.as_tensor(step, dtype=torch.float32)
+                except (TypeError, ValueError, RuntimeError) as e:
+                    raise ValueError(f"state 'step' of param_groups[{gi}]['params'][{i}] must be a number or a "
+                                     f"1-element tensor, got {step!r}.") from e
+            for name in names[1:]:
+                if not isinstance(st.get(name), (torch.Tensor, type(None))):
+                    raise ValueError(f"state '{name}' of param_groups[{gi}]['params'][{i}] must be a tensor, "
+                                     f"got {type(st[name]).__name__}.")
+            slots += [step, *(st.get(name) for name in names[1:])]
+        ops._dtensor_support()
+        out = torch.ops.ampfuse.optimizer_state_loaded(
+            [p.detach() for *_, p in loaded], slots, list(names[3:]), [gi for _, gi, _, _ in loaded],
+            [i for *_, i, _ in loaded], "param_groups[{g}]['params'][{i}]", self._restart_on_create) if loaded else []
+        for j, (pid, _, _, p) in enumerate(loaded):
+            converted = {key: deepcopy(v) for key, v in state_dict["state"][pid].items() if key not in names}
+            _put_slots(converted, names, out[j * len(names):(j + 1) * len(names)])
             new_state[p] = converted
         # apply
         new_groups = []
@@ -983,8 +977,16 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _adopt_foreign_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
-        """Hook for optimizer-specific fix-ups of a loaded (possibly torch) state."""
+
+
+def _put_slots(state: dict[str, Any], names: Sequence[str], values: Sequence[torch.Tensor | None]) -> None:
+    """The engine's slots of a param's state (``names``; None: no tensor) written into its dict."""
+    for name, v in zip(names, values):
+        if v is None:
+            if isinstance(state.get(name), torch.Tensor):
+                del state[name]
+        elif state.get(name) is not v:
+            state[name] = v
 
 
 def _is_real(value: Any) -> bool:
@@ -1150,12 +1152,6 @@ class SGD(_FusedOptimizer):
             if isinstance(st, Mapping) and "momentum_buffer" in st and "step" in st and float(st["step"]) == 0.0:
                 sd["state"][k] = dict(st, momentum_buffer=None)  # a copy: the live state stays
         return sd
-
-    def _adopt_foreign_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
-        # torch's SGD has no step counter: a present buffer means momentum was initialised.
-        if "step" not in state:
-            initialised = state.get("momentum_buffer") is not None
-            state["step"] = torch.full((), 1.0 if initialised else 0.0, dtype=torch.float32, device=p.device)
 
 
 class Adam(_FusedOptimizer):

@@ -7,7 +7,7 @@
 // other form; master_weights switched off and on again; a checkpoint loaded into an optimizer
 // with other precision options; the step's gradient checks across groups; bad scaler checkpoint
 // entries, alone and inside an accumulator checkpoint; bad partial-sum entries of a mid-window
-// accumulator checkpoint.
+// accumulator checkpoint; bad state entries of an optimizer checkpoint.
 //
 // Usage: ampfuse_crosslang_cases OUTPUT_FILE
 #include <ATen/ATen.h>
@@ -287,6 +287,83 @@ void accumulator_checkpoint_entries() {
   }
 }
 
+// An optimizer checkpoint written entry by entry in torch's layout: one group (lr 0.05) whose
+// params are keyed "1", "2", ... with states[i] the entries of param i.
+using StateEntries = std::vector<std::pair<std::string, c10::IValue>>;
+std::stringstream optimizer_checkpoint(const std::vector<StateEntries>& states) {
+  return saved([&](OutputArchive& ar) {
+    ar.write("pytorch_version", c10::IValue("1.5.0"));
+    OutputArchive state(ar.compilation_unit());
+    for (size_t i = 0; i < states.size(); ++i) {
+      OutputArchive entries(ar.compilation_unit());
+      for (const auto& [key, v] : states[i]) entries.write(key, v);
+      state.write(std::to_string(i + 1), entries);
+    }
+    ar.write("state", state);
+    OutputArchive group(ar.compilation_unit());
+    group.write("params/size", at::tensor(static_cast<int64_t>(states.size())));
+    for (size_t i = 0; i < states.size(); ++i) group.write("params/" + std::to_string(i), c10::IValue(std::to_string(i + 1)));
+    OutputArchive options(ar.compilation_unit());
+    options.write("lr", c10::IValue(0.05));
+    group.write("options", options);
+    OutputArchive groups(ar.compilation_unit());
+    groups.write("param_groups/size", at::tensor(int64_t{1}));
+    groups.write("param_groups/0", group);
+    ar.write("param_groups", groups);
+  });
+}
+
+// An optimizer checkpoint with one bad state entry: refused, naming the param and the entry,
+// with nothing changed. Case k spoils entry k (none: the good checkpoint; 6: a step saved as a
+// number, which loads). A torch SGD checkpoint has no step: a momentum buffer counts one.
+void optimizer_checkpoint_entries() {
+  for (int k = 0; k < 7; ++k) {
+    const auto bad = [&](int which, c10::IValue good, c10::IValue spoiled) { return k == which ? spoiled : good; };
+    const StateEntries a_state = {
+        {"step", bad(3, at::full({}, 3.0), at::zeros({2}))},
+        {"exp_avg", bad(1, at::full({4}, 0.5), at::zeros({3, 3}))},
+        {"exp_avg_sq", at::full({4}, 0.25)},
+        {"master_param", bad(5, at::full({4}, 1.5), at::zeros({2}))},
+    };
+    StateEntries b_state = {
+        {"step", bad(6, at::full({}, 3.0), c10::IValue(2.0))},
+        {"exp_avg", at::full({3}, 0.5)},
+        {"exp_avg_sq", bad(2, at::full({3}, 0.25), at::zeros({3}, at::kLong))},
+    };
+    StateEntries a_entries = a_state;
+    if (k == 4) a_entries.emplace_back("master_remainder", at::zeros({4}, at::kShort));
+    auto buf = optimizer_checkpoint({a_entries, b_state});
+    at::Tensor a = at::ones({4}).to(at::kBFloat16).set_requires_grad(true);
+    at::Tensor b = at::ones({3}).set_requires_grad(true);
+    AdamW target(std::vector<at::Tensor>{a, b}, AdamWOptions(0.01));
+    a.mutable_grad() = at::zeros_like(a);
+    b.mutable_grad() = at::zeros_like(b);
+    target.step();
+    InputArchive in;
+    in.load_from(buf);
+    const std::string key = "opt_checkpoint/" + std::to_string(k);
+    put(key + "/message", message_of([&] { target.load(in); }));
+    auto& sa = state_of(target, a);
+    auto& sb = state_of(target, b);
+    if (k == 0 || k == 6) {
+      put(key + "/loaded", options_of<AdamWOptions>(target, 0).lr() == 0.05);
+      put(key + "/a_exp_avg", sa.exp_avg().clone());
+      put(key + "/a_master", sa.master_param().clone());
+      put(key + "/b_step", sb.step().clone());
+    } else {
+      put(key + "/unchanged", options_of<AdamWOptions>(target, 0).lr() == 0.01 && sa.step().item<float>() == 1.0f &&
+                                  sb.exp_avg_sq().scalar_type() == at::kFloat);
+    }
+  }
+  auto buf = optimizer_checkpoint({{{"momentum_buffer", at::full({4}, 0.5)}}});
+  at::Tensor a = at::ones({4}).set_requires_grad(true);
+  SGD sgd(std::vector<at::Tensor>{a}, SGDOptions(0.01).momentum(0.9));
+  InputArchive in;
+  in.load_from(buf);
+  sgd.load(in);
+  put("opt_checkpoint/sgd_step", state_of(sgd, a).step().clone());
+}
+
 // A param that does not step while the options change still has its state converted to them.
 void idle_param_state_follows_options() {
   at::manual_seed(3);
@@ -333,6 +410,7 @@ int main(int argc, char** argv) {
       {"accumulator_load_checks_the_scaler_first", accumulator_load_checks_the_scaler_first},
       {"idle_param_state_follows_options", idle_param_state_follows_options},
       {"accumulator_checkpoint_entries", accumulator_checkpoint_entries},
+      {"optimizer_checkpoint_entries", optimizer_checkpoint_entries},
   };
   for (const auto& [name, run] : cases) put(std::string("error/") + name, message_of(run));
   const std::vector<char> bytes = torch::pickle_save(c10::IValue(out));

@@ -567,8 +567,8 @@ TEST(Optim, LoadChecksBeforeChangingAnything) {
   std::stringstream before;
   torch::save(ob, before);
   EXPECT_TRUE(throws_with([&] { torch::load(ob, stream); },
-                          "state 'exp_avg' of param_groups()[0].params()[1] in the checkpoint has "
-                          "shape [5, 7] but the parameter has shape [7, 5]."));
+                          "state 'exp_avg' of param_groups()[0].params()[1] has shape (5, 7) but the "
+                          "parameter has shape (7, 5)."));
   EXPECT_EQ(ob.param_groups()[0].options().get_lr(), 0.5);
   std::stringstream after;
   torch::save(ob, after);
