@@ -7,6 +7,7 @@
 #   make bench   - CPU benchmarks against torch, and the host cost of the CUDA dispatch path with
 #                  the launches stubbed (results under benchmarks/results/)
 #   make build   - configure + build the native library, install it into python/ampfuse
+#   make docs    - the manual (docs/, Sphinx + MyST) into build/docs/html, warnings as errors
 #   make wheel   - dist/: an sdist and a binary wheel built from it (tools/build_wheel.py)
 #   make test-torch-matrix - CPU-only build + the Python suites against every supported torch
 #
@@ -36,7 +37,7 @@ export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := 1
 
 .PHONY: all venv sysdeps build test test-cpp test-py test-emulated test-sanitize $(SANITIZED_LIB) demo bench clean \
-  cuda-coverage cuda-mutants wheel test-torch-matrix test-oldest-torch
+  cuda-coverage cuda-mutants wheel test-torch-matrix test-oldest-torch docs typecheck
 
 all: build
 
@@ -176,7 +177,18 @@ test-sanitize: $(SANITIZED_LIB)
 	@echo "== emulated CUDA kernels with ASan + UBSan, random schedule: CUEMU_SEED=$(CUEMU_SEED)"
 	$(SANITIZE) $(EMULATED) $(RANDOM) $(PYTEST) $(XDIST_TESTS) $(RANDOM_SANITIZE_SELECT) tests/test_cuda_kernels.py
 
-test: test-cpp test-py test-emulated test-sanitize test-oldest-torch
+test: test-cpp test-py test-emulated test-sanitize test-oldest-torch docs typecheck
+
+# --- the manual and the type check -------------------------------------------------------------------
+# The Performance page's figures are generated from the newest benchmarks/results/*.json first.
+DOCS_OUT := $(BUILD_DIR)/docs
+docs: build
+	PYTHONPATH=python $(PY) benchmarks/report.py --docs docs/_generated/results.md
+	PYTHONPATH=python $(PY) -m sphinx -W --keep-going -q -b html -d $(DOCS_OUT)/doctrees docs $(DOCS_OUT)/html
+	@echo "the manual: $(DOCS_OUT)/html/index.html"
+
+typecheck: build
+	$(PY) -m mypy --config-file pyproject.toml
 
 # --- demo and benchmarks -----------------------------------------------------------------------------
 demo: build

@@ -1,7 +1,11 @@
 """Tables, targets and plots from benchmark results (benchmarks/results/*.json).
 
     python benchmarks/report.py                     # the tables of the newest results
-    python benchmarks/report.py --readme README.md  # rewrite the README's results block from them
+    python benchmarks/report.py --readme README.md  # rewrite the README's headline block from them
+    python benchmarks/report.py --docs OUT.md       # the manual's results section (make docs)
+
+"Newest" is by the date in the file name (``cpu-2026-12-02.json``), so a clean clone, whose files
+all have one mtime, picks the same results as the machine that wrote them.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import glob
 import json
 import operator
 import os
+import re
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -237,25 +242,60 @@ def plot(result: dict, out_dir: str, prefix: str = "") -> list[str]:
 # ---- README -----------------------------------------------------------------------------------
 
 
-def latest(device: str | None = None) -> str | None:
-    files = [f for f in glob.glob(os.path.join(HERE, "results", "*.json"))
-             if not os.path.basename(f).startswith(("quick-", "plan-"))]
-    if device:
-        files = [f for f in files if os.path.basename(f).startswith(device)]
-    return max(files, key=os.path.getmtime) if files else None
+def latest(prefix: str) -> str | None:
+    """The newest ``results/<prefix>-<date>.json`` (by the date in its name)."""
+    files = [f for f in glob.glob(os.path.join(HERE, "results", f"{prefix}-*.json"))
+             if re.fullmatch(rf"{re.escape(prefix)}-\d{{4}}-\d{{2}}-\d{{2}}\.json", os.path.basename(f))]
+    return max(files, key=os.path.basename) if files else None
 
 
-def update_readme(readme: str, results: list[str]) -> None:
-    blocks = []
+def _load(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+# The README's headline: one row per claim, the speedup over the best torch recipe of the same run.
+HEADLINE = [
+    ("step_adamw_master", 100_000_000, "bfloat16", 148, "AdamW step, bf16 params + fp32 masters"),
+    ("step_adamw_precision", 100_000_000, "bfloat16", 148, "AdamW step, bf16 params + remainders + bf16 moments"),
+    ("step_adamw_fp32", 100_000_000, "float32", 148, "AdamW step, fp32 params"),
+    ("step_adamw_master", 10_000_000, "bfloat16", 10000, "AdamW step, fp32 masters, 10,000 tensors"),
+    ("skip_adamw_master", 10_000_000, "bfloat16", 148, "skipped step (overflow)"),
+    ("unscale_check_norm", 10_000_000, "float32", 148, "unscale + inf check + norm + clip"),
+    ("accumulate", 10_000_000, "bfloat16", 148, "fp32 gradient accumulation"),
+]
+
+
+def _near(n: int, target: int) -> bool:
+    return abs(n - target) <= 0.01 * target
+
+
+def headline_table(result: dict) -> str:
+    m = result["machine"]
+    where = m.get("gpu") or f"{m.get('cpu', 'CPU')}, {m.get('threads')} threads"
+    lines = ["| what | params | bytes moved per param | speedup vs the best torch recipe |", "|---|---|---|---|"]
+    for case, params, dtype, tensors, name in HEADLINE:
+        for r in result["rows"]:
+            if r["case"] == case and r["dtype"] == dtype and r["tensors"] == tensors and _near(r["params"], params):
+                lines.append(f"| {name} | {_fmt_n(r['params'])} | {r['bytes_per_param']:g} | "
+                             f"{_x(r['speedup_vs_best_torch'])} ({r['best_torch']}) |")
+    lines += ["", f"Median [min–max] of per-round ratios; {where}, torch {m['torch']}, {m['date']} "
+              "(`make bench`; every case and the method: the manual's Performance page)."]
+    return "\n".join(lines)
+
+
+def readme_block(readme: str) -> str:
+    """The README's results block, between the markers, for the newest CPU (and GPU) results."""
     base = os.path.dirname(os.path.abspath(readme))
-    for path in results:
-        with open(path, encoding="utf-8") as f:
-            res = json.load(f)
-        rel = os.path.relpath(path, base)
-        blocks.append(f"From `{rel}`:\n\n{markdown_table(res)}\n\nTargets (`benchmarks/targets.json`) in this run:\n\n{targets_table(res)}")
-        png = path[: -len(".json")] + "-adamw.png"
-        if os.path.exists(png):
-            blocks.append(f"![AdamW step]({os.path.relpath(png, base)})")
+    blocks = []
+    for prefix in ("cpu", "cuda"):
+        path = latest(prefix)
+        if path:
+            blocks.append(f"From `{os.path.relpath(path, base)}`:\n\n{headline_table(_load(path))}")
+    return BEGIN + "\n" + "\n\n".join(blocks) + "\n" + END
+
+
+def update_readme(readme: str) -> None:
     with open(readme, encoding="utf-8") as f:
         text = f.read()
     if BEGIN not in text or END not in text:
@@ -263,27 +303,101 @@ def update_readme(readme: str, results: list[str]) -> None:
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     with open(readme, "w", encoding="utf-8") as f:
-        f.write(head + BEGIN + "\n" + "\n\n".join(blocks) + "\n" + END + tail)
+        f.write(head + readme_block(readme) + tail)
+
+
+def host_overhead_table(result: dict) -> str:
+    m = result["machine"]
+    rows = sorted(result["rows"], key=lambda r: r["tensors"])
+    names = list(rows[0]["candidates"])
+    lines = [
+        f"Measured with {m.get('cpu_threads')} CPU threads (torch {m.get('torch')}, {m.get('date')}): CPU tensors through the CUDA "
+        "kernels' host code under the emulator with every launch stubbed, so only what the host does up to the "
+        "launches is timed. µs per step, median [min–max].",
+        "",
+        "| tensors | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for r in rows:
+        c = r["candidates"]
+        lines.append(f"| {r['tensors']:,} | " + " | ".join(
+            f"{c[n]['us']:.0f} [{c[n]['min_us']:.0f}–{c[n]['max_us']:.0f}]" for n in names) + " |")
+    per = result.get("per_extra_tensor_us") or {}
+    if per:
+        lines += ["", "Per extra tensor (medians, between the two largest counts): "
+                  + ", ".join(f"{k} {v['us']:.2f} µs" for k, v in per.items()) + "."]
+    return "\n".join(lines)
+
+
+def precision_quality_text(result: dict, date: str) -> str:
+    c, v = result["config"], result["final_val_loss"]
+    ref, var = result["reference"], result["variant"]
+    lines = [
+        f"The demo's small model (d-model {c['d_model']}, {c['layers']} layers, context {c['context']}), "
+        f"{c['steps']} steps on the {c['device']}, ampfuse twice from the same weights and batches ({date}): "
+        f"final validation loss {ref} {v[ref]:.4f}, {var} {v[var]:.4f} (relative difference "
+        f"{100 * result['final_rel_diff']:+.2f}%); largest relative difference over the "
+        f"{len(result['rel_diff_per_eval'])} evaluations {100 * result['max_abs_rel_diff']:.2f}%.",
+    ]
+    sb = result.get("state_bytes") or {}
+    if sb:
+        lines += ["", "Params + optimizer state: " + ", ".join(f"{k} {val / 2**20:.2f} MiB" for k, val in sb.items()) + "."]
+    return "\n".join(lines)
+
+
+def docs_page(out: str) -> None:
+    """The manual's generated results: the newest CPU/GPU benchmark tables with their targets and
+    plot, the host cost of the CUDA dispatch path, the precision-quality comparison."""
+    base = os.path.dirname(os.path.abspath(out))
+    parts = []
+    for prefix, title in (("cpu", "CPU"), ("cuda", "GPU")):
+        path = latest(prefix)
+        if not path:
+            continue
+        res = _load(path)
+        parts.append(f"## {title}: every case\n\nFrom `benchmarks/results/{os.path.basename(path)}`.\n\n"
+                     f"{markdown_table(res)}\n\n### Targets in this run\n\n{targets_table(res)}")
+        png = path[: -len(".json")] + "-adamw.png"
+        if os.path.exists(png):
+            parts.append(f"![AdamW step]({os.path.relpath(png, base)})")
+    path = latest("host-overhead")
+    if path:
+        parts.append(f"## Host cost of the CUDA dispatch path\n\nFrom `benchmarks/results/{os.path.basename(path)}`.\n\n"
+                     + host_overhead_table(_load(path)))
+    path = latest("precision-quality")
+    if path:
+        parts.append(f"## Training quality of the precision options\n\nFrom `benchmarks/results/{os.path.basename(path)}`.\n\n"
+                     + precision_quality_text(_load(path), os.path.basename(path)[len("precision-quality-"):-len(".json")]))
+        png = path[: -len(".json")] + ".png"
+        if os.path.exists(png):
+            parts.append(f"![validation loss]({os.path.relpath(png, base)})")
+    os.makedirs(base, exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        f.write("\n\n".join(parts) + "\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--readme", help="README to update between the bench markers")
-    ap.add_argument("results", nargs="*", help="result JSON files (default: newest CPU and CUDA)")
+    ap.add_argument("--docs", help="write the manual's generated results section to this file")
+    ap.add_argument("results", nargs="*", help="result JSON files to print (default: newest CPU and CUDA)")
     a = ap.parse_args()
+    if a.readme:
+        update_readme(a.readme)
+        print(f"updated {a.readme}")
+    if a.docs:
+        docs_page(a.docs)
+        print(f"wrote {a.docs}")
+    if a.readme or a.docs:
+        return
     files = a.results or [f for f in (latest("cpu"), latest("cuda")) if f]
     if not files:
         raise SystemExit("no results under benchmarks/results/; run `make bench` first")
-    if a.readme:
-        update_readme(a.readme, files)
-        print(f"updated {a.readme} from {', '.join(files)}")
-    else:
-        for f in files:
-            with open(f, encoding="utf-8") as fh:
-                res = json.load(fh)
-            print(markdown_table(res))
-            print()
-            print(targets_table(res))
+    for f in files:
+        res = _load(f)
+        print(markdown_table(res))
+        print()
+        print(targets_table(res))
 
 
 if __name__ == "__main__":

@@ -135,7 +135,11 @@ def _check_bounds(min_scale: Any, max_scale: Any) -> None:
 class GradScaler(torch.amp.GradScaler):
     """Dynamic loss scaling, sync-free, as a drop-in for :class:`torch.amp.GradScaler`.
 
-    Args (torch's, same defaults and validation):
+    The positional arguments are torch's, with the same defaults and validation; the keyword-only
+    extensions' defaults reproduce torch exactly. The manual's GradScaler page has the whole
+    contract.
+
+    Args:
         device: device type of the scaled losses, ``"cuda"`` (default) or ``"cpu"``. Without CUDA,
             ``"cuda"`` warns and disables the scaler, as torch's does. (The deprecated
             ``torch.cuda.amp.GradScaler(init_scale, ...)`` signature: ``ampfuse.cuda.amp.GradScaler``.)
@@ -145,7 +149,7 @@ class GradScaler(torch.amp.GradScaler):
         growth_interval: clean steps before growing (2000).
         enabled: ``False`` makes every method a pass-through.
 
-    Keyword-only extensions (defaults reproduce torch exactly):
+    Keyword Args:
         hysteresis: back off only on the ``hysteresis``-th overflow since the budget was refilled
             (1 = every overflow). The budget refills when the scale grows, or after every clean
             step with ``consecutive_hysteresis=True``.

@@ -50,7 +50,7 @@ ScaleStat = enum.IntEnum("ScaleStat", [(n, i) for i, n in enumerate(torch.ops.am
 ScaleStat.__module__ = __name__
 ScaleStat.__doc__ = """Indices into the ``stats`` tensor written by :func:`update_scale_` (the native library's list).
 
-    ``UPDATES``: update_scale_ calls; ``OVERFLOWS``: calls that saw found_inf != 0 (skipped steps);
+    ``UPDATES``: ``update_scale_`` calls; ``OVERFLOWS``: calls that saw found_inf != 0 (skipped steps);
     ``BACKOFFS``: overflows that reduced the scale; ``FLOOR_HITS``: backoffs clamped at the floor
     (min_scale or the smallest normal fp32).
     """
