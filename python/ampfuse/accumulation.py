@@ -69,7 +69,8 @@ import os
 import sys
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from typing import Any
+from types import FrameType
+from typing import Any, cast
 
 import torch
 
@@ -117,7 +118,7 @@ def _running_lightning_modules() -> Iterator[Any]:
     if not modules:
         return
     kinds = tuple(m.LightningModule for m in modules)
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         obj = frame.f_locals.get("self")
         if isinstance(obj, kinds):
@@ -292,9 +293,10 @@ class GradAccumulator:
             self._window.start(self._all_params())  # a window starts: buffer what requires grad now
         last = self.micro_step == self.steps - 1
         sync = last and not self._low
-        ctx = self.model.no_sync() if (self._ddp and not sync) else contextlib.nullcontext()
+        model: Any = self.model  # DDP's no_sync, FSDP2's set_requires_gradient_sync
+        ctx = model.no_sync() if (self._ddp and not sync) else contextlib.nullcontext()
         if self._fsdp:
-            self.model.set_requires_gradient_sync(last or not self._fsdp_sync_window)
+            model.set_requires_gradient_sync(last or not self._fsdp_sync_window)
         self._in_context = True
         self._backward_called = False
         try:
@@ -426,7 +428,7 @@ class GradAccumulator:
             else:
                 p.grad = None
         for ps in buckets.values():
-            grads = [p.grad for p in ps]
+            grads = [g for p in ps if (g := p.grad) is not None]  # every param of a bucket has one
             flat = _flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=group)
             flat.div_(world)
@@ -476,7 +478,9 @@ class GradAccumulator:
 
     def _step(self) -> torch.Tensor | None:
         """unscale (+ clip), step, update; returns the device skip flag (None without a scaler)."""
-        opt, scaler = self.optimizer, self.scaler
+        # torch's or ampfuse's: the calls only ampfuse's objects take are behind _fused_opt / _our_scaler
+        opt: Any = self.optimizer
+        scaler: Any = self.scaler
         grads = self._step_grads if self._step_reads_buffers else None
         if scaler is None:
             if self.max_grad_norm is None:
@@ -520,7 +524,9 @@ class GradAccumulator:
 
     def _clip_coef(self, grads: Mapping | None) -> torch.Tensor | None:
         """The clip coefficient of the gradients the fused step reads (no scaler: unscaled)."""
-        native = self.optimizer._live_native(grads.source) if isinstance(grads, _SourcedGrads) else None
+        opt: Any = self.optimizer  # an ampfuse optimizer: only the fused step asks for a coefficient
+        native = opt._live_native(grads.source) if isinstance(grads, _SourcedGrads) else None
+        assert self.max_grad_norm is not None
         if native is not None and native.devices <= 1:
             device = self._low[0].device
             one = self._unit_scale.get(device)
@@ -614,7 +620,7 @@ class GradAccumulator:
                 _engine_list(state_dict.get("has_grad")), {k: _engine_value(v) for k, v in grads.items()},
                 "the state dict's {} entry", True)
         if self._our_scaler and state_dict.get("scaler"):
-            self.scaler._validate_state_dict(state_dict["scaler"])
+            cast(_AmpfuseScaler, self.scaler)._validate_state_dict(state_dict["scaler"])
         # apply
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.scaler is not None and state_dict.get("scaler"):

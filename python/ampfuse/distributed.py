@@ -57,7 +57,8 @@ def install() -> None:
     from torch.distributed.tensor import DTensor
 
     ops = torch.ops.ampfuse
-    DTensor._op_dispatcher._custom_op_handlers.update({
+    handlers: dict[Any, Any] = DTensor._op_dispatcher._custom_op_handlers
+    handlers.update({
         ops.unscale_check_.default: _check_handler,
         ops.unscale_check_norm_.default: _check_handler,
         ops.check_norm_.default: _check_handler,
@@ -112,7 +113,7 @@ def _local_list(xs: Sequence[torch.Tensor], name: str, want_dtensor: bool | None
     is_dt = bool(kinds) and kinds.pop()
     if want_dtensor is not None and xs and is_dt != want_dtensor:
         raise RuntimeError(f"ampfuse: {name} must be {'DTensors' if want_dtensor else 'plain tensors'} like the params of the call.")
-    return ([x._local_tensor for x in xs] if is_dt else list(xs)), is_dt
+    return ([x._local_tensor for x in xs] if is_dt else list(xs)), is_dt  # type: ignore[attr-defined]
 
 
 @functools.cache
@@ -264,7 +265,7 @@ def _check_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         else:
             op(ts, f, inv_scale, **kw)
         founds.append(f.reshape(1))
-        if flags is not None:
+        if flags is not None and part_flags is not None:
             flags.index_copy_(0, torch.tensor(idx, device=device), part_flags)
     # one all-reduce over the whole mesh: SUM with a 2-norm (0/1 flags summed, then > 0), else MAX
     summed = with_norm and not inf

@@ -25,7 +25,7 @@ import math
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
@@ -297,8 +297,8 @@ class GradScaler(torch.amp.GradScaler):
                         # As torch: check the coalesced values of fp16 sparse grads (coalescing
                         # sums duplicates, which may overflow).
                         if grad.dtype is torch.float16:
-                            param.grad = grad.coalesce()
-                        grad = param.grad._values()
+                            param.grad = grad = grad.coalesce()
+                        grad = grad._values()
                     per_device[grad.device].append(grad)
         return per_device
 
@@ -401,12 +401,14 @@ class GradScaler(torch.amp.GradScaler):
         fused = isinstance(optimizer, _FusedOptimizer)
         if grads is not None and not fused:
             raise ValueError("grads= can only be given for an ampfuse optimizer (whose step reads them).")
+        # torch's clip_grad_norm_ takes a tensor max_norm too (its hint says float)
+        torch_max_norm = cast(float, max_norm)
         if not self._enabled:
-            return torch.nn.utils.clip_grad_norm_(_all_params(optimizer), max_norm, norm_type)
+            return torch.nn.utils.clip_grad_norm_(_all_params(optimizer), torch_max_norm, norm_type)
         norm_type = float(norm_type)
         if not (norm_type == 2.0 or norm_type == math.inf):
             self.unscale_(optimizer, grads=grads)
-            return torch.nn.utils.clip_grad_norm_(_all_params(optimizer), max_norm, norm_type)
+            return torch.nn.utils.clip_grad_norm_(_all_params(optimizer), torch_max_norm, norm_type)
 
         optimizer_state = self._check_unscale_stage(optimizer, "unscale_and_clip_")
         assert self._scale is not None
@@ -416,13 +418,11 @@ class GradScaler(torch.amp.GradScaler):
             single = native.devices <= 1
             out = native.plan.check(self._scale, False, True, norm_type, float_max if single else None)
             if out:
-                found_infs = {f.device: f for f in out[0::3]}
                 total_norm = out[1] if single else torch.linalg.vector_norm(
                     torch.stack([n.to(self._scale.device) for n in out[1::3]]), norm_type)
-                coef = out[2] if single and float_max is not None else ops.clip_coef(total_norm, max_norm)
-                optimizer_state["clip_coef"] = coef
+                optimizer_state["clip_coef"] = out[2] if single and float_max is not None else ops.clip_coef(total_norm, max_norm)
                 optimizer_state["grads_still_scaled"] = True
-                optimizer_state["found_inf_per_device"] = found_infs
+                optimizer_state["found_inf_per_device"] = {f.device: f for f in out[0::3]}
                 optimizer_state["stage"] = OptState.UNSCALED
                 return total_norm
         per_device = self._grads_per_device(optimizer, allow_fp16=fused, grads=grads)
@@ -793,7 +793,7 @@ def _init_scale_first(device: str, torch_class: type, module: str) -> type:
     argument is ``init_scale``: ``ampfuse.GradScaler(device, ...)`` with that signature (and
     ``isinstance`` of the torch class)."""
 
-    class GradScaler(_AmpfuseGradScaler, torch_class):  # type: ignore[misc, valid-type]
+    class GradScaler(_AmpfuseGradScaler, torch_class):
         def __init__(
             self,
             init_scale: float = 2.0**16,

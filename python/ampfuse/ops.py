@@ -11,6 +11,7 @@ import enum
 import sys
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -46,7 +47,9 @@ __all__ = [
     "ScaleStat",
 ]
 
-ScaleStat = enum.IntEnum("ScaleStat", [(n, i) for i, n in enumerate(torch.ops.ampfuse.scale_stat_names())])
+# The members come from the native library's one list, so a type checker cannot know them.
+_make_enum: Any = enum.IntEnum
+ScaleStat: Any = _make_enum("ScaleStat", [(n, i) for i, n in enumerate(torch.ops.ampfuse.scale_stat_names())])
 ScaleStat.__module__ = __name__
 ScaleStat.__doc__ = """Indices into the ``stats`` tensor written by :func:`update_scale_` (the native library's list).
 

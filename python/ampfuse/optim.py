@@ -351,6 +351,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True
     _state_keys: tuple[str, ...] = ()
+    state: _State  # torch's per-param state, with its change counter
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
         mw = defaults.get("master_weights")
@@ -477,7 +478,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         """Every check of a step, before anything (state creation included) is modified: what
         the kernels would refuse is refused here, for every group, before the first one steps
         (the gradients' rules: ``step_grads_check``, the engine's)."""
-        params, gs, groups, indices = [], [], [], []
+        params: list[torch.Tensor] = []
+        gs: list[torch.Tensor | None] = []
+        groups: list[int] = []
+        indices: list[int] = []
         state, owner, keys = [], [], []
         for gi, group in enumerate(self.param_groups):
             self._check_group_options(gi, group)
@@ -704,7 +708,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             self._native = None
         if source is not None:
             self._check_grads_arg(grads)
-        work = []
+        work: list[Any] = []  # (gi, group, grads, grad dtypes, ids, plan); every plan built before use
         stale = False
         strided = torch.strided
         for gi, group in enumerate(self.param_groups):
@@ -745,7 +749,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             self._restart_replaced_masters(group, plan)
         for gi, group, grad_list, _, _, plan in work:
             for device, idx, lists in plan.buckets:
-                s = {
+                s: dict[str, torch.Tensor | float | None] = {
                     "grad_scale": _scalar_on(scaling.grad_scale, device),
                     "found_inf": _scalar_on(scaling.found_inf, device),
                     "clip_coef": _scalar_on(scaling.clip_coef, device),

@@ -35,6 +35,11 @@ def params_with_grad(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
+def grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The gradients of the optimizer's params that have one, in param order."""
+    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
 def scaler_enabled(scaler: Any) -> bool:
     return scaler is not None and scaler.is_enabled()
 
@@ -50,7 +55,7 @@ def unscale_stage_open(scaler: torch.amp.GradScaler, optimizer: torch.optim.Opti
 def norm_and_coef(optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Norm and clip coefficient of the optimizer's (unscaled) gradients, read once in fp32 by the
     fused check op; nothing is written. For steps that run without a loss scaler (bf16)."""
-    grads = [p.grad for p in params_with_grad(optimizer)]
+    grads = grads_of(optimizer)
     devices = {g.device for g in grads}
     if len(devices) != 1:
         raise RuntimeError("fused clipping without a loss scaler needs the gradients on one device.")
@@ -64,7 +69,7 @@ def norm_and_coef(optimizer: torch.optim.Optimizer, max_norm: float, norm_type: 
     return norm, coef
 
 
-def scaled_clip_norm_(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, max_norm: float,
+def scaled_clip_norm_(scaler: ampfuse.GradScaler, optimizer: torch.optim.Optimizer, max_norm: float,
                       norm_type: float) -> torch.Tensor:
     """``scaler.unscale_and_clip_`` for any ``max_norm`` (``inf`` only measures the norm)."""
     mn: float | torch.Tensor = max_norm
@@ -73,13 +78,13 @@ def scaled_clip_norm_(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optim
     return scaler.unscale_and_clip_(optimizer, mn, norm_type)
 
 
-def scaled_clip_value_(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, clip_value: float) -> None:
+def scaled_clip_value_(scaler: ampfuse.GradScaler, optimizer: torch.optim.Optimizer, clip_value: float) -> None:
     """Clip-by-value for an ampfuse optimizer whose gradients are still scaled by ``scaler``:
     inf/NaN is checked first (read-only, recorded with ``scaler.record_inf_check``), then each
     gradient is clamped in place to ``±clip_value * scale``, which after the step's division by
     the scale is ``±clip_value`` exactly when the scale is a power of two (as with the default
     growth and backoff factors). fp16 gradients included; no unscaled copy is written."""
-    grads = [p.grad for p in params_with_grad(optimizer)]
+    grads = grads_of(optimizer)
     per_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
         per_device[g.device].append(g)
@@ -89,21 +94,23 @@ def scaled_clip_value_(scaler: torch.amp.GradScaler, optimizer: torch.optim.Opti
             found[device] = f = torch.zeros((), dtype=torch.float32, device=device)
             ampfuse.ops.check_norm_(gs, f, torch.ones((), device=device), norm_type=math.inf)
         scaler.record_inf_check(optimizer, found)
-        bound = scaler._get_scale_async() * float(clip_value)
+        scale = scaler._get_scale_async()
+        assert scale is not None  # the scaler is enabled: scale() made it
+        bound = scale * float(clip_value)
         for device, gs in per_device.items():
             b = bound.to(device, non_blocking=True)
             for g in gs:
                 torch.clamp_(g, min=-b, max=b)
 
 
-def unscale_into_fp32_copies_(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch.Tensor]:
+def unscale_into_fp32_copies_(scaler: ampfuse.GradScaler, optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch.Tensor]:
     """``scaler.unscale_(optimizer)`` that also handles fp16 gradients, which cannot be unscaled in
     place without losing range (torch's ``unscale_`` refuses them): each is copied to fp32 and
     the copy is unscaled instead (a transient 4 bytes per fp16 parameter). fp32/bf16 gradients are
     unscaled in place. Returns the copies (empty without fp16 gradients); pass them to
     ``scaler.step(optimizer, grads=...)`` so that the fused step reads them instead of ``.grad``
     and does not divide by the scale again."""
-    fp32 = {p: p.grad.float() for p in params_with_grad(optimizer) if p.grad.dtype == torch.float16}
+    fp32 = {p: g.float() for p in params_with_grad(optimizer) if (g := p.grad) is not None and g.dtype == torch.float16}
     scaler.unscale_(optimizer, grads=fp32 or None)
     return fp32
 

@@ -75,10 +75,11 @@ class MixedPrecision(_FabricMixedPrecision):
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale before clipping; fp16 gradients of an ampfuse optimizer into fp32 copies."""
-        if not is_fused(optimizer) or not scaler_enabled(self.scaler):
-            return super().unscale_gradients(optimizer) if not is_fused(optimizer) else None
-        if not unscale_stage_open(self.scaler, optimizer):
-            return None  # already unscaled in this iteration
+        if not is_fused(optimizer):
+            super().unscale_gradients(optimizer)
+            return
+        if not scaler_enabled(self.scaler) or not unscale_stage_open(self.scaler, optimizer):
+            return  # nothing to unscale, or already unscaled in this iteration
         fp32 = unscale_into_fp32_copies_(self.scaler, optimizer)
         if fp32:
             self._fp32_grads[id(optimizer)] = fp32

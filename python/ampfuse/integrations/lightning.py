@@ -111,7 +111,7 @@ class MixedPrecision(_LightningMixedPrecision):
         # per optimizer: the unscaled fp32 copies of its fp16 gradients, for this step
         self._fp32_grads: dict[int, dict[torch.Tensor, torch.Tensor]] = {}
 
-    def optimizer_step(  # type: ignore[override]
+    def optimizer_step(
         self,
         optimizer: Any,
         model: pl.LightningModule,
@@ -151,7 +151,7 @@ class MixedPrecision(_LightningMixedPrecision):
             optimizer.step(**kwargs)
         return closure_result
 
-    def _unscale_for_hook(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    def _unscale_for_hook(self, scaler: ampfuse.GradScaler, optimizer: torch.optim.Optimizer) -> None:
         """Unscale so that ``on_before_optimizer_step`` sees unscaled gradients (see the module
         doc): fp32/bf16 in place; fp16 into fp32 copies (what clipping and the step use), whose
         values are written back, rounded, into the fp16 ``.grad`` for the hook."""
@@ -159,7 +159,9 @@ class MixedPrecision(_LightningMixedPrecision):
         if fp32:
             with torch.no_grad():
                 for p, g in fp32.items():
-                    p.grad.copy_(g)
+                    grad = p.grad
+                    assert grad is not None  # fp32 holds params with a gradient
+                    grad.copy_(g)
             self._fp32_grads[id(optimizer)] = fp32
 
     def main_params(self, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
