@@ -1,9 +1,12 @@
 # Consumer test (run by ctest with cmake -P): install ampfuse into a staging prefix, move the
 # prefix elsewhere (the package must be relocatable), then configure, build and run examples/cpp
-# out of tree with nothing but find_package(Torch) and find_package(ampfuse).
+# out of tree with nothing but find_package(Torch) and find_package(ampfuse). Each ```cpp block of
+# the manual's pages (DOC_PAGES) is compiled in the same project as a translation unit of its own,
+# so a snippet that no longer compiles against the installed headers fails this test.
 #
 # Variables: AMPFUSE_BUILD_DIR, EXAMPLE_DIR, WORK_DIR, TORCH_PREFIX (torch.utils.cmake_prefix_path),
-# CXX_COMPILER, GENERATOR; optional CUDA_TOOLKIT_ROOT (for a CUDA build of torch), LAUNCHER.
+# CXX_COMPILER, GENERATOR; optional CUDA_TOOLKIT_ROOT (for a CUDA build of torch), LAUNCHER,
+# DOC_PAGES (a list of markdown files).
 cmake_minimum_required(VERSION 3.18)
 foreach(var AMPFUSE_BUILD_DIR EXAMPLE_DIR WORK_DIR TORCH_PREFIX CXX_COMPILER GENERATOR)
   if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
@@ -43,13 +46,46 @@ foreach(f IN LISTS package_files)
   endforeach()
 endforeach()
 
-# 2. Configure and build the example against the relocated package.
+# 2. The manual's C++ snippets, one file each, added to the example's project by a project include.
+set(snippet_sources "")
+foreach(page IN LISTS DOC_PAGES)
+  file(READ "${page}" text)
+  set(found FALSE)
+  # (string(FIND) walks the text: a list of blocks would split the code at its semicolons.)
+  while(TRUE)
+    string(FIND "${text}" "```cpp\n" start)
+    if(start EQUAL -1)
+      break()
+    endif()
+    math(EXPR start "${start} + 7")
+    string(SUBSTRING "${text}" ${start} -1 text)
+    string(FIND "${text}" "```" end)
+    string(SUBSTRING "${text}" 0 ${end} code)
+    string(SUBSTRING "${text}" ${end} -1 text)
+    list(LENGTH snippet_sources k)
+    set(src "${WORK_DIR}/snippets/snippet_${k}.cpp")
+    file(WRITE "${src}" "// from ${page}\n${code}")
+    list(APPEND snippet_sources "${src}")
+    set(found TRUE)
+  endwhile()
+  if(NOT found)
+    message(FATAL_ERROR "consumer test: ${page} has no ```cpp block to compile.")
+  endif()
+endforeach()
+set(snippet_include "${WORK_DIR}/snippets/snippets.cmake")
+file(WRITE "${snippet_include}" "")
+if(snippet_sources)
+  file(WRITE "${snippet_include}" "add_library(ampfuse_doc_snippets OBJECT ${snippet_sources})\n"
+       "target_link_libraries(ampfuse_doc_snippets PRIVATE ampfuse::ampfuse)\n")
+endif()
+
+# 3. Configure and build the example (and the snippets) against the relocated package.
 if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
   set(ENV{TORCH_CUDA_ARCH_LIST} "8.0 9.0")  # keeps torch's config from probing for a GPU
 endif()
 set(configure_args -S "${EXAMPLE_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}"
     "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" "-DCMAKE_BUILD_TYPE=Release"
-    "-DCMAKE_PREFIX_PATH=${TORCH_PREFIX}\;${WORK_DIR}/prefix")
+    "-DCMAKE_PREFIX_PATH=${TORCH_PREFIX}\;${WORK_DIR}/prefix" "-DCMAKE_PROJECT_INCLUDE=${snippet_include}")
 if(CUDA_TOOLKIT_ROOT)
   list(APPEND configure_args "-DCUDA_TOOLKIT_ROOT_DIR=${CUDA_TOOLKIT_ROOT}")
 endif()
@@ -64,7 +100,7 @@ if(NOT rc EQUAL 0)
 endif()
 run_step("building examples/cpp" "${CMAKE_COMMAND}" --build "${WORK_DIR}/build")
 
-# 3. Run it: it trains, checks its own convergence and skip count, and prints OK.
+# 4. Run it: it trains, checks its own convergence and skip count, and prints OK.
 run_step("running train_mlp" "${WORK_DIR}/build/train_mlp")
 message("${step_output}")
 if(NOT step_output MATCHES "\nOK\n?$")
