@@ -1,11 +1,18 @@
-"""The demo in a tiny configuration: it runs, writes its outputs, and both recipes agree."""
+"""The demo in tiny configurations: it runs, writes its outputs, both recipes agree, ampfuse's default
+holds params + optimizer state in two thirds of torch's, and fp16 runs skip the same steps as torch."""
 
 from __future__ import annotations
 
 import json
 import os
 
+import pytest
+import torch
+
 from ampfuse import demo
+
+TINY = ["--batch", "4", "--context", "32", "--d-model", "32", "--layers", "1", "--corpus-bytes", "200000",
+        "--eval-batches", "2", "--no-progress"]
 
 
 def test_demo_tiny(tmp_path, capsys, monkeypatch):
@@ -21,7 +28,8 @@ def test_demo_tiny(tmp_path, capsys, monkeypatch):
         saved = json.load(f)
     a, t = saved["ampfuse"], saved["torch"]
     assert len(a["train_loss"]) == len(t["train_loss"]) == 8
-    # Same initial weights and batches: bf16 weights with fp32 masters track fp32 + autocast.
+    # Same initial weights and batches: bf16 weights with remainder masters and bf16 moments
+    # (the default) track fp32 + autocast.
     assert abs(a["val_loss"] - t["val_loss"]) < 0.05 * t["val_loss"]
     assert abs(a["train_loss"][0] - t["train_loss"][0]) < 0.02 * t["train_loss"][0]
     assert a["train_loss"][-1] < a["train_loss"][0]  # it learns
@@ -83,3 +91,62 @@ def test_config_auto_picks_small_without_native_low_precision_matmul(monkeypatch
     monkeypatch.setattr(demo, "native_low_precision_matmul", lambda device, dtype: True)
     cfg, native = demo.parse_config([])
     assert native and cfg.preset == "default" and (cfg.d_model, cfg.layers, cfg.context, cfg.accum) == (128, 4, 128, 4)
+
+
+def _exact_bytes(run: dict, per_param: int) -> int:
+    """Params + optimizer state of a run: ``per_param`` bytes per element plus AdamW's 4-byte
+    step counter per tensor (TinyGPT's tensors: 2 embeddings, 12 per block, final LayerNorm 2, head 2)."""
+    return per_param * run["n_params"] + 4 * (2 + 12 * 1 + 2 + 2)
+
+
+def test_default_configuration_holds_two_thirds_of_torchs_memory_at_the_same_loss(tmp_path, capsys):
+    cfg, _ = demo.parse_config([])
+    assert (cfg.master_weights, cfg.state_dtype, cfg.masters()) == ("remainder", "bf16", "remainder")
+    summary = demo.main(["--steps", "8", "--accum", "2", *TINY, "--out", str(tmp_path / "default")])
+    a, t = summary["ampfuse"], summary["torch"]
+    mem = summary["memory_bytes"]
+    # bf16 param 2 + int16 remainder 2 + bf16 exp_avg 2 + exp_avg_sq 2, against fp32 param 4 + moments 8
+    assert a["param_bytes"] + a["state_bytes"] == mem["ampfuse"] == _exact_bytes(a, 8)
+    assert t["param_bytes"] + t["state_bytes"] == mem["torch"] == _exact_bytes(t, 12)
+    assert mem["ratio"] <= 0.8
+    assert abs(summary["val_loss_rel_diff"]) < 0.01
+    out = capsys.readouterr().out
+    assert "(0.67x torch)" in out and "16-bit master remainders, bf16 moments" in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("In short: ampfuse reached the same validation loss as torch")
+    assert "--config step-heavy" in last and 'make demo ARGS="--device cuda --steps 300 --dtype fp16 --accum 8"' in last
+
+
+def test_fp32_masters_and_fp32_moments_give_the_previous_configuration(tmp_path, capsys):
+    summary = demo.main(["--master-weights", "true", "--state-dtype", "fp32", "--steps", "4", "--accum", "2", *TINY,
+                         "--out", str(tmp_path / "fp32")])
+    assert summary["recipes"]["ampfuse"] == "ampfuse (bfloat16 weights + fp32 masters, fp32 moments)"
+    a, t = summary["ampfuse"], summary["torch"]
+    # bf16 param 2 + fp32 master 4 + fp32 moments 8: more than torch's 12
+    assert summary["memory_bytes"]["ampfuse"] == _exact_bytes(a, 14)
+    assert summary["memory_bytes"]["torch"] == _exact_bytes(t, 12)
+    assert abs(a["val_loss"] - t["val_loss"]) < 0.05 * t["val_loss"]
+
+
+@pytest.mark.parametrize("accum", [2, 1])
+def test_fp16_run_skips_and_backs_off_on_the_same_steps_as_torch(tmp_path, capsys, accum):
+    """fp16 weights on the CPU, the scale growing every 2 steps from torch's default init scale until
+    gradients overflow: ampfuse's skipped steps and backoffs are torch's, and the plot marks them."""
+    assert demo.INIT_SCALE == torch.amp.GradScaler("cpu").get_scale()  # torch's default, not chosen to overflow
+    out = str(tmp_path / "fp16")
+    summary = demo.main(["--dtype", "fp16", "--growth-interval", "2", "--steps", "12", "--accum", str(accum),
+                         *TINY, "--out", out])
+    a, t = summary["ampfuse"], summary["torch"]
+    assert summary["skipped_steps"]["ampfuse"] == summary["skipped_steps"]["torch"] != []
+    assert summary["backoff_steps"]["ampfuse"] == summary["backoff_steps"]["torch"] == summary["skipped_steps"]["torch"]
+    assert a["scale"] == t["scale"] and summary["skips_identical"]
+    # fp16 weights keep fp32 masters under the default "remainder": 2 + 4 + bf16 moments 4
+    assert summary["recipes"]["ampfuse"] == "ampfuse (float16 weights + fp32 masters, bf16 moments)"
+    assert summary["memory_bytes"]["ampfuse"] == _exact_bytes(a, 10)
+    assert summary["memory_bytes"]["ratio"] <= 0.85
+    assert os.path.getsize(os.path.join(out, "demo.png")) > 10_000
+    marks = {"skipped": summary["skipped_steps"]["torch"], "backoff": summary["backoff_steps"]["torch"]}
+    assert summary["plot_marks"] == {"ampfuse": marks, "torch": marks}
+    text = capsys.readouterr().out
+    assert "(the same steps as torch)" in text
+    assert f"skipping the same {len(summary['skipped_steps']['torch'])} fp16-overflow steps as torch" in text
