@@ -475,7 +475,7 @@ def test_precision_switches_keep_masters_bit_for_bit(ops, seed):
 def test_state_dtype_switches_round_the_moments_once(seq, seed):
     """Switching state_dtype stores the moments rounded to nearest even (fp32 -> bf16) or widened
     exactly (bf16 -> fp32), for every param with state (one without a gradient at that step too,
-    as the README says); the masters are untouched."""
+    as the manual says); the masters are untouched."""
     torch.manual_seed(seed)
     p = nn.Parameter(torch.randn(32).to(torch.bfloat16))
     q = nn.Parameter(torch.randn(16).to(torch.bfloat16))  # has state, gets no gradient later

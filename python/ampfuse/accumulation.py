@@ -1,63 +1,12 @@
 """``ampfuse.GradAccumulator``: gradient accumulation that is correct under loss scaling.
 
-Replaces the hand-written loop::
-
-    for i, (x, y) in enumerate(loader):
-        with autocast():
-            loss = loss_fn(model(x), y) / accum_steps
-        scaler.scale(loss).backward()                 # DDP all-reduces on every micro-batch
-        if (i + 1) % accum_steps == 0:
-            scaler.unscale_(optimizer)
-            clip_grad_norm_(model.parameters(), max_norm)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
-            scheduler.step()                          # advances even when the step was skipped
-    # a last incomplete window is silently dropped (or stepped with a wrong 1/accum_steps)
-
-with::
-
-    acc = ampfuse.GradAccumulator(model, optimizer, scaler, steps=accum_steps, max_grad_norm=max_norm,
-                                  lr_scheduler=scheduler)
-    for x, y in loader:
-        with acc.accumulate():
-            with autocast():
-                loss = loss_fn(model(x), y)
-            acc.backward(loss)
-    acc.flush()   # end of epoch: steps an incomplete window with the right scale
-
-What it guarantees: the loss scale is constant inside a window (``update`` only at window ends);
-an overflow in any micro-batch skips the whole window, backs the scale off once and resets the
-buffers; DDP synchronises once per window; an attached LR scheduler advances only on windows that
-stepped; fp16/bf16 gradients are summed in fp32; a parameter that got no gradient in a window is
-not stepped.
-
-FP32 accumulation: for fp16/bf16 parameters, after each micro-batch's backward one fused kernel
-(``ampfuse.ops.accumulate_grads_``) adds the gradients into fp32 buffers and checks the sums for
-inf/NaN in the same pass; ``.grad`` is then set to ``None``. With an ampfuse optimizer driven by
-``ampfuse.GradScaler`` (or no scaler) the fused step reads those buffers directly, handed to it
-explicitly for the window's step (``optimizer.step(grads=...)``); with ``torch.amp.GradScaler``
-or another optimizer, which read ``.grad``, the sums are written into ``.grad`` (rounded once)
-at the window's end. fp32 parameters accumulate in ``.grad`` as torch does.
-
-Distributed training (torch.distributed):
-
-* **DDP**: every micro-batch runs under ``no_sync``; at the window's end the ranks exchange, on
-  DDP's own process group and with the same list of collectives on every rank: one all-reduce
-  (MAX) of the found_inf flag and of which parameters got a gradient (one host read of that mask
-  per window), then one all-reduce per device of the fp32 sums and one per (device, dtype) bucket
-  of the other parameters' ``.grad`` (zeros where a rank has none). A parameter that got a
-  gradient on any rank is stepped on every rank with the averaged sum; one that got none anywhere
-  is not stepped.
-* **FSDP2** (``fully_shard``): gradients are synchronised once per window --
-  ``set_requires_gradient_sync`` is off for all but the window's last micro-batch, FSDP2
-  accumulates the unsharded gradients meanwhile (in fp32 when its ``MixedPrecisionPolicy`` has
-  ``reduce_dtype=torch.float32``, which is recommended), and its reduce-scatter of the last
-  micro-batch hands the window's sum to the fp32 buffers, which are shaped like each rank's
-  local shard (DTensors). ``fsdp_sync="micro_batch"`` instead reduce-scatters after every
-  micro-batch and sums the local shards in fp32 (more communication; allows ``flush()`` of an
-  incomplete window, which the once-per-window mode refuses: FSDP2 reduces only in a backward).
-  found_inf and the clip norm are agreed across ranks by the ops themselves (``ampfuse.distributed``).
+The loss scale is constant inside a window of ``steps`` micro-batches; an overflow in any of them
+skips the whole window, backs the scale off once and resets the buffers; fp16/bf16 gradients are
+summed in fp32 by one fused pass per micro-batch that also checks the sums for inf/NaN; DDP and
+FSDP2 synchronise once per window; an attached LR scheduler advances only on windows that
+stepped; ``flush()`` steps an incomplete window with the right scale; checkpoints resume bit for
+bit, inside a window too. The whole contract: the manual's GradAccumulator page
+(``docs/accumulator.md``).
 """
 
 from __future__ import annotations

@@ -1,38 +1,12 @@
-"""ampfuse on torch.distributed: DTensor (FSDP2, tensor parallel, HSDP, any device mesh) support for
-every op.
+"""ampfuse on torch.distributed: DTensor support (FSDP2, tensor parallelism, HSDP, any mesh) for every op.
 
-Importing this module (``import ampfuse`` does it once ``torch.distributed.tensor`` is loaded, and
-every ampfuse op wrapper makes sure of it) registers a handler per ampfuse op with DTensor's op
-dispatcher -- the mechanism torch uses for its own ``_amp_foreach_non_finite_check_and_unscale_``
-(``found_inf_reduce_handler``) -- so the ops accept DTensor arguments. The rule, for every op:
-
-* the elementwise work runs on each rank's local tensors;
-* **found_inf** (and the per-tensor flags) is agreed over the *whole mesh* of the call -- every
-  mesh dimension, sharded, replicated or partial alike -- by one small all-reduce per call (no host
-  sync; one per mesh dimension when a multi-dimensional mesh covers only part of the world). So an inf in one rank's copy of a replicated tensor (a TP bias, an HSDP replica) skips the
-  step on every rank, not only on the ranks that share a shard with it;
-* the **2-norm** adds the local sums of squares over exactly the mesh dimensions each tensor is
-  sharded on (``Shard`` and ``_StridedShard`` -- FSDP2 over tensor parallelism places params
-  ``(_StridedShard(0, sf), Shard(0))``); along a dimension a tensor is replicated on, only the rank
-  at coordinate 0 contributes, so a replicated tensor is counted once. The inf-norm is the MAX over
-  the mesh. The flags travel in the norm's all-reduce (a SUM of 0/1 flags, then ``> 0``, which is
-  their MAX), so a check with a norm is still one collective; every rank ends with the same
-  found_inf, norm and clip coefficient (from the global norm, by the fused ops' one rule,
-  :func:`ampfuse.ops.clip_coef`);
-* a **``Partial``** tensor (e.g. a sequence-parallel gradient not yet reduced) is reduced in place
-  first -- one all-reduce over its ``Partial`` dimensions, after which it is ``Replicate`` there
-  with the same logical value -- and then treated like any replicated tensor: the flag and the norm
-  are those of the reduced (true) gradient, which is what the step uses too. (The norm of a sum is
-  not a function of the partials' norms, so reducing first is the only exact choice; it is also the
-  all-reduce the step would need anyway.)
-* fused optimizer steps run on the local tensors of params, grads, masters and state (the step
-  counters and the scaler's scalars are plain tensors).
-
-Refused with a message naming the argument: a list mixing DTensors and plain tensors (a plain
-tensor carries no mesh, so whether it is the same on every rank or a per-rank value cannot be
-known; torch refuses such lists too), tensors of one call on different meshes (call the op once
-per mesh), and a placement of a kind this module does not know. Ranks whose local shards are
-empty still take part in every collective, as FSDP2 requires.
+Importing this module (``import ampfuse`` does it once ``torch.distributed.tensor`` is loaded)
+registers a handler per ampfuse op with DTensor's op dispatcher, the mechanism torch uses for its
+own unscale op. The elementwise work runs on local tensors; found_inf and the per-tensor flags are
+agreed over the whole mesh of the call, the 2-norm adds local sums of squares over exactly the
+dimensions each tensor is sharded on (a replicated tensor counts once), ``Partial`` tensors are
+reduced first, and a list mixing DTensors with plain tensors or tensors on different meshes is
+refused. The whole contract: the manual's Distributed training page (``docs/distributed.md``).
 """
 
 from __future__ import annotations

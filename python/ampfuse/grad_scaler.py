@@ -1,22 +1,11 @@
 """``ampfuse.GradScaler``: a drop-in replacement for ``torch.amp.GradScaler``.
 
-It subclasses torch's scaler, so ``isinstance`` checks, the per-optimizer state machine
-(``_per_optimizer_states`` with torch's ``OptState``), the error messages, ``state_dict`` keys and
-pickling rules are torch's. What changes:
-
-* ``unscale_`` and the inf/NaN check run the fused multi-tensor op: one pass per device over
-  every gradient, whatever their dtypes (torch launches per device *and* dtype, and its check for
-  ``_step_supports_amp_scaling`` optimizers writes every gradient back multiplied by 1.0; ours only
-  reads them).
-* ``update`` runs ``ampfuse.ops.update_scale_``, which adds (all keyword-only, off by default so
-  the defaults stay bit-identical to torch) hysteresis, ``min_scale``/``max_scale``, a floor at the
-  smallest normal float32, and device counters.
-* ``unscale_and_clip_`` does unscale + check + global norm + clip in one read of the gradients
-  (read-only for ampfuse's fused optimizers, which apply the clip coefficient in their own pass).
-* ampfuse's optimizers get an explicit hand-off, ``optimizer.step(scaling=StepScaling(...))``,
-  and run with no host sync; their ``.grad`` stays scaled after the step (call :meth:`unscale_`
-  before :meth:`step` to have unscaled gradients there, at the cost of writing them).
-* Skips are visible without a host sync: ``last_found_inf`` and ``stats()`` are device tensors.
+A subclass of torch's scaler (its constructor, per-optimizer state machine, messages,
+``state_dict`` keys and pickling rules) whose unscale and inf/NaN check are one fused pass per
+device, whose ``update`` runs on the device (with optional hysteresis, bounds and counters),
+which adds ``unscale_and_clip_`` (unscale + check + global norm + clip in one read) and which
+hands ampfuse's optimizers the scale explicitly (``step(scaling=StepScaling(...))``), so a step
+has no host sync. The whole contract: the manual's GradScaler page (``docs/grad_scaler.md``).
 """
 
 from __future__ import annotations

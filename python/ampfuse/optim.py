@@ -1,61 +1,14 @@
 """Fused optimizers with fp32 master weights: ``ampfuse.optim.SGD``, ``Adam``, ``AdamW``.
 
-They are ``torch.optim.Optimizer`` subclasses with torch's argument names and defaults, plus
-``master_weights`` and ``state_dtype``. One kernel pass per (param group, device, dtype) does the
-whole update:
-
-* reads each gradient once, still scaled if a GradScaler says so: it is divided by the scale
-  and multiplied by the clip coefficient of ``GradScaler.unscale_and_clip_`` in registers;
-* if the scaler's ``found_inf`` is set, does **nothing at all** (params, masters, optimizer state
-  and step counters bitwise unchanged; no host sync decides this, the kernel does);
-* otherwise updates the fp32 master weight and the state (fp32 math) and writes the fp16/bf16
-  param (rounded to nearest) in the same pass.
-
-A param edited between steps (an in-place clamp, ``model.load_state_dict``, a re-initialisation,
-``param.data.copy_(...)``) takes over its fp32 master at the next step: the kernel sees that the
-param no longer holds its master rounded and restarts the master from the param.
-
-Precision options (Transformer Engine's ``store_param_remainders`` and ``exp_avg_dtype`` ideas):
-
-* ``master_weights="remainder"`` (bf16 params): instead of a 4-byte fp32 master, a 2-byte int16
-  remainder -- the master's low 16 bits relative to the param, which holds its upper 16 bits
-  rounded to nearest. (param, remainder) *is* the fp32 master bit for bit, so the masters follow
-  exactly the trajectory of ``master_weights=True``. One difference: the param is the master
-  rounded with ties away from zero (an exact 16-bit split cannot round half to even: an even param
-  would need 65537 remainders), so for 1 master value in 65536 -- an exact tie -- the param is
-  one bf16 ulp from ``master.to(torch.bfloat16)``, still a nearest value. fp16 params keep fp32
-  masters under this option: fp16's 5-bit exponent cannot hold the upper half of an fp32 master,
-  so no 16-bit remainder reconstructs it. An edited param keeps its old remainder (master = param
-  + at most half a bf16 ulp) until :meth:`~_FusedOptimizer.sync_masters_from_params`.
-* ``state_dtype=torch.bfloat16``: momentum / ``exp_avg`` / ``exp_avg_sq`` stored in bf16 (rounded
-  to nearest even each step; the math stays fp32). Halves the state; see the README for its
-  measured effect on training.
-
-Memory per parameter element (bytes), beyond the param and its gradient:
-
-========================  ============  ===============  ======================  =====================
-optimizer                 fp32 params   fp16/bf16, fp32  bf16, remainder +       state kept
-                                        masters + state  bf16 state
-========================  ============  ===============  ======================  =====================
-SGD (momentum=0)          0             4                2                       master
-SGD (momentum>0)          4             8                4                       master, momentum
-Adam / AdamW              8             12               6                       master, exp_avg, exp_avg_sq
-Adam / AdamW (amsgrad)    12            16               8                       + max_exp_avg_sq
-========================  ============  ===============  ======================  =====================
-
-plus a 4-byte step counter per parameter tensor. The step allocates no other per-element memory
-(no temporaries); only O(number of tensors) metadata.
-
-The hand-off with a loss scaler is explicit: ``step(scaling=StepScaling(grad_scale, found_inf,
-clip_coef))`` (``ampfuse.GradScaler`` calls it so). For ``torch.amp.GradScaler`` they set
-``_step_supports_amp_scaling = True`` and read the ``grad_scale``/``found_inf`` attributes that
-scaler sets, so it drives them sync-free too. ``step(grads={param: tensor})`` makes the step read
-another gradient than ``param.grad`` (``GradAccumulator``'s fp32 sums; ``None``: not stepped).
-
-``state_dict()`` uses torch's per-parameter layout (``step``, ``exp_avg``, ``exp_avg_sq``,
-``max_exp_avg_sq``, ``momentum_buffer``) plus ``master_param`` (fp32; for remainders the master
-they stand for), with bf16 state saved as fp32, so checkpoints move between these and
-``torch.optim`` optimizers in both directions, whatever the precision options.
+``torch.optim.Optimizer`` subclasses with torch's argument names, defaults and numerics, plus
+``master_weights`` (fp32 masters, or for bf16 params exact int16 remainders) and ``state_dtype``
+(fp32 or bf16 state). One kernel pass per (group, device, dtype) reads each still-scaled gradient
+once, divides by the scale and applies the clip coefficient in registers, and either changes
+nothing at all (the scaler's ``found_inf`` is set: decided on the device, no host sync) or updates
+the master and the state and writes the 16-bit param. ``state_dict()`` is torch's layout plus
+``master_param``, so checkpoints move between these and ``torch.optim`` in both directions. The
+whole contract (memory per parameter, edits between steps, the step plan, checkpoints):
+the manual's Optimizers page (``docs/optimizers.md``).
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
-"""ampfuse in Hugging Face Accelerate: ``enable(accelerator)``.
+"""ampfuse in Hugging Face Accelerate: ``enable(accelerator)``, right after the ``Accelerator`` is built.
 
-Call it right after the ``Accelerator`` is built, before ``prepare``::
-
-    accelerator = Accelerator(mixed_precision="fp16", gradient_accumulation_steps=4)
-    ampfuse.integrations.accelerate.enable(accelerator)
-    model, opt, sched = accelerator.prepare(model, ampfuse.optim.AdamW(model.parameters()), sched)
-
-What changes on that accelerator (and only there; nothing is patched globally):
-
-* ``accelerator.scaler`` is an :class:`ampfuse.GradScaler` (``**grad_scaler_kwargs`` go to it;
-  without them, Accelerate's ``GradScalerKwargs`` handler's values are used). On a CPU,
-  ``mixed_precision="fp16"`` becomes real: fp16 autocast and the scaler, as Accelerate does on a GPU
-  (Accelerate alone trains fp16 on a CPU in fp32, silently).
-* Prepared optimizers report skipped steps of ampfuse optimizers: ``step_was_skipped`` and
-  ``accelerator.optimizer_step_was_skipped`` are true exactly on overflowed steps, so Accelerate's
-  scheduler wrapper (and the transformers ``Trainer``) do not advance the LR on them. Accelerate
-  decides "skipped" from whether ``optimizer.step()`` was called; an ampfuse optimizer is always
-  called and skips on the device, so the flag is read from the optimizer's own
-  ``last_step_skipped`` instead (with several prepared optimizers, each reports its own step): one
-  4-byte read, after the step was queued, and only when something asks (on CPU tensors the read
-  costs nothing).
-* ``accelerator.clip_grad_norm_(params, max_norm)`` with an ampfuse optimizer runs the fused check
-  + norm pass (:meth:`ampfuse.GradScaler.unscale_and_clip_`), fp16 params included: the gradients
-  are only read, the step applies ``1/scale`` and the clip coefficient. It returns the total norm
-  (a device tensor). Without a scaler (bf16, no mixed precision) the norm is taken by the same
-  read-only pass and the coefficient handed to the step. ``clip_grad_value_`` clamps the scaled
-  gradients to ``±clip_value * scale`` after a read-only inf check.
-
-Not supported (Accelerate's own path runs, with its own limits): DeepSpeed, Megatron-LM, XLA,
-FSDP (v1 and v2); ``clip_grad_norm_`` over parameters that are not exactly those (with
-gradients) of one prepared ampfuse optimizer; ``accelerator.unscale_gradients`` on fp16 gradients
-(it writes unscaled fp16 values, which torch refuses: use ``clip_grad_norm_``).
+On that accelerator only: the scaler becomes an :class:`ampfuse.GradScaler`, prepared ampfuse
+optimizers report their skipped steps (so the scheduler does not advance on them),
+``clip_grad_norm_`` runs the fused read-only check + norm pass (fp16 params included), and on a
+CPU ``mixed_precision="fp16"`` becomes real. DeepSpeed, Megatron-LM, XLA and FSDP are refused. The
+whole contract: the manual's Integrations page (``docs/integrations.md``).
 """
 
 from __future__ import annotations

@@ -1,32 +1,10 @@
 """ampfuse in Lightning Fabric: the precision plugin :class:`MixedPrecision`.
 
-::
-
-    from ampfuse.integrations.fabric import MixedPrecision
-    fabric = L.Fabric(accelerator="cuda", devices=1, plugins=[MixedPrecision("16-mixed", "cuda")])
-    model, optimizer = fabric.setup(model, ampfuse.optim.AdamW(model.parameters(), lr=1e-3))
-    ...
-    fabric.backward(loss)
-    fabric.clip_gradients(model, optimizer, max_norm=1.0)   # refused by Fabric's own plugin
-    optimizer.step()
-
-A subclass of ``lightning.fabric.plugins.precision.MixedPrecision`` with its constructor; the
-scaler defaults to an :class:`ampfuse.GradScaler`. Without clipping, ``optimizer.step()`` with an
-ampfuse optimizer is the fused, sync-free step (the gradients stay scaled, the step divides).
-
-``fabric.clip_gradients`` with an ampfuse optimizer: Fabric's strategy asks the plugin to unscale
-the gradients and then runs ``torch.nn.utils.clip_grad_norm_`` (or ``clip_grad_value_``) over
-the plugin's ``main_params`` -- the max norm never reaches the plugin, so the fused norm pass
-cannot be used and the gradients are unscaled once, in one fused pass, before torch clips them:
-
-* fp32 and bf16 gradients are unscaled in place (one read-write pass, as with torch's scaler);
-* fp16 gradients are not written (that would lose range; torch's ``unscale_`` refuses them):
-  they are copied to fp32 and unscaled there (a transient 4 bytes per fp16 parameter),
-  ``main_params`` hands torch those fp32 gradients to measure and clip, and the fused step reads
-  them instead of ``.grad``. The norm is thus the fp32 norm of the unscaled gradients.
-
-Skipped steps, the scaler's state in ``fabric.save``/``fabric.load`` and the optimizer's fp32
-masters behave as with torch's scaler; checkpoints resume bit for bit.
+A subclass of Fabric's ``MixedPrecision`` plugin with its constructor, whose scaler defaults to
+:class:`ampfuse.GradScaler`. Without clipping, ``optimizer.step()`` with an ampfuse optimizer is
+the fused, sync-free step; ``fabric.clip_gradients`` unscales once in one fused pass (fp16
+gradients into fp32 copies, which torch clips and the step reads), where Fabric's own plugin
+refuses. The whole contract: the manual's Integrations page (``docs/integrations.md``).
 """
 
 from __future__ import annotations

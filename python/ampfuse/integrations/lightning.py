@@ -1,46 +1,11 @@
 """ampfuse in the Lightning ``Trainer``: the precision plugin :class:`MixedPrecision`.
 
-::
-
-    from ampfuse.integrations.lightning import MixedPrecision
-    trainer = L.Trainer(plugins=[MixedPrecision("16-mixed", "cuda")], gradient_clip_val=1.0,
-                        accumulate_grad_batches=4)
-    # LightningModule.configure_optimizers returns ampfuse.optim.AdamW(self.parameters(), ...)
-
-A subclass of ``lightning.pytorch.plugins.precision.MixedPrecision`` with its constructor; the
-scaler defaults to an :class:`ampfuse.GradScaler`. With an ampfuse optimizer (any other optimizer
-takes Lightning's own path unchanged):
-
-* ``gradient_clip_val`` works (Lightning refuses clipping for optimizers that unscale in their
-  step): by norm through the fused check + norm pass (:meth:`ampfuse.GradScaler.unscale_and_clip_`:
-  the gradients are read once, in fp32, never written; the step applies ``1/scale`` and the clip
-  coefficient), by value as a clamp of the scaled gradients to ``±clip_val * scale`` after a
-  read-only inf check. fp32, bf16 and fp16 params alike (fp16: the norm of the unscaled gradients
-  is taken in fp32 and no fp16 gradient is written back). With ``"bf16-mixed"`` (no scaler) the
-  norm is taken by the same read-only pass and the coefficient handed to the step.
-* ``on_before_optimizer_step`` sees unscaled gradients, as Lightning promises, when the
-  LightningModule or a callback overrides it (when nothing overrides it the gradients stay scaled
-  and the step is the fused one; nothing below is paid). The plugin then unscales first, with
-  :meth:`ampfuse.GradScaler.unscale_` (the public hand-off: the fused step then reads unscaled
-  gradients and does not divide by the scale again), and clipping uses torch's
-  ``clip_grad_norm_``/``clip_grad_value_`` on the unscaled gradients, as Lightning's own plugin.
-  fp32 and bf16 gradients are unscaled in place: a read-write pass where the fused path only
-  reads, and clipping by norm then adds torch's read pass and read-write pass where the fused path
-  folds the coefficient into the step. fp16 gradients cannot be unscaled in place without losing range (torch
-  refuses it), so they are copied to fp32 and the copies unscaled (a transient 4 bytes per fp16
-  parameter); the unscaled values are then written back into the fp16 ``.grad``, for the hook
-  only: the hook sees ``(scaled.float() / scale).half()`` (the unscaled gradient rounded to fp16;
-  magnitudes below fp16's smallest subnormal, 6e-8, read as 0). Clipping and the fused step use
-  the fp32 copies, never the rounded fp16 values, so training is the same as without the hook.
-  Cost per optimizer step with fp16 gradients: a copy pass (read 2, write 4 bytes per element),
-  the unscale pass over the copies (read and write 4), the write-back (read 4, write 2), and the
-  step reads 4 instead of 2 bytes per gradient element.
-* Skipped steps behave as with torch's scaler (Lightning counts them as optimizer steps and steps
-  its LR schedulers; the params, masters and optimizer state are unchanged); checkpoints hold the
-  optimizer state with its fp32 masters and the scaler state, and resume bit for bit.
-
-``precision="bf16-true"`` (bf16 params, no autocast) needs no plugin: Lightning's own clipping
-works on the bf16 gradients and ``ampfuse.optim.AdamW`` keeps fp32 masters.
+A subclass of Lightning's ``MixedPrecision`` plugin with its constructor, whose scaler defaults to
+:class:`ampfuse.GradScaler`. With an ampfuse optimizer, ``gradient_clip_val`` works through the
+fused read-only check + norm pass (Lightning's own plugin refuses it), ``on_before_optimizer_step``
+sees unscaled gradients when something overrides it, and checkpoints resume bit for bit; any other
+optimizer takes Lightning's path unchanged. The whole contract and the cost of each path: the
+manual's Integrations page (``docs/integrations.md``).
 """
 
 from __future__ import annotations

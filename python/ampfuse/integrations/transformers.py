@@ -1,26 +1,9 @@
-"""ampfuse in the transformers ``Trainer``: ``enable(trainer)``.
+"""ampfuse in the transformers ``Trainer``: ``enable(trainer)``, after the Trainer is built.
 
-::
-
-    opt = ampfuse.optim.AdamW(model.parameters(), lr=1e-3)
-    trainer = Trainer(model=model, args=TrainingArguments(..., fp16=True, max_grad_norm=1.0,
-                                                          gradient_accumulation_steps=4),
-                      train_dataset=ds, optimizers=(opt, None))
-    ampfuse.integrations.transformers.enable(trainer)     # after the Trainer is built, before train()
-    trainer.train()                                       # or train(resume_from_checkpoint=...)
-
-The Trainer trains through its ``Accelerator``; ``enable`` applies
-:func:`ampfuse.integrations.accelerate.enable` to it. With ``fp16=True`` the accelerator's scaler
-becomes an :class:`ampfuse.GradScaler` (saved to and resumed from ``scaler.pt`` as usual; on a CPU
-fp16 autocast and loss scaling become real, as on a GPU), ``max_grad_norm`` clips through the
-fused check + norm pass (fp16 params with fp32 masters included; the gradients are only read), and
-``accelerator.optimizer_step_was_skipped`` is true exactly on overflowed steps, so the Trainer
-advances its LR scheduler only on steps taken. ``bf16=True`` has no scaler: clipping takes the norm
-in the same read-only pass and hands the coefficient to the step.
-
-Not supported: DeepSpeed, FSDP and SageMaker model parallelism (their own optimizer and clipping
-paths), ``optim=...`` strings that build a non-ampfuse optimizer (they train, with Accelerate's
-behaviour for them), and ``fp16_backend``/``half_precision_backend`` other than the default AMP.
+It applies :func:`ampfuse.integrations.accelerate.enable` to the Trainer's accelerator: with
+``fp16=True`` the scaler is an :class:`ampfuse.GradScaler` (saved in ``scaler.pt``),
+``max_grad_norm`` clips through the fused pass, and the LR scheduler advances only on steps taken.
+The whole contract: the manual's Integrations page (``docs/integrations.md``).
 """
 
 from __future__ import annotations
