@@ -14,10 +14,13 @@
 # stage too, so even a run killed from outside returns the logs of the stages it finished):
 #   probe      tools and versions (nvcc, compute-sanitizer, pytest-timeout), recorded
 #   build      libampfuse for sm_90 only, against the machine's torch
+#   errors     refused op calls on CPU and CUDA tensors, each in a process of its own: every one
+#              must raise (benchmarks/gpu_error_probe.py; a crash is rerun under gdb for its trace)
 #   tests      the kernel-level suite (tests/test_cuda_kernels.py) against the REAL CUDA table
 #              (AMPFUSE_KERNEL_TABLE=cuda: every case compared bitwise with the CPU kernels) and
 #              every other test with "cuda" in its name (not the cross-language, benchmark and demo
-#              tests, which need this repository's C++ test build or measure)
+#              tests, which need this repository's C++ test build or measure), one pytest per file
+#              (benchmarks/pytest_per_file.py), so a crash costs only its file
 #   fsdp2      FSDP2 + NCCL on one GPU: ampfuse's DTensor paths, sharded vs unsharded
 #   memcheck   compute-sanitizer memcheck on the fp16/bf16 + fp32-master paths, the unscale and the
 #              accumulation kernels (torch's caching allocator off: PYTORCH_NO_CUDA_MEMORY_CACHING=1)
@@ -46,8 +49,9 @@ T0=$(date +%s)
 # Stage caps (seconds). Their sum must not exceed DEADLINE_S - RESERVE_S (checked below). The build
 # gets the most: optim_kernels.cu alone, for sm_90 only, took about 90 s of one core on the
 # developers' 2-core machine (one nvcc per .cu file, so more cores do not shorten it).
-declare -A CAP=([build]=170 [tests]=90 [fsdp2]=30 [memcheck]=40 [racecheck]=25 [synccheck]=20
-                [initcheck]=25 [bench]=35)
+# (On the H200 machine the build took 61 s of 16 cores; initcheck needed more than 25 s.)
+declare -A CAP=([build]=100 [errors]=25 [tests]=90 [fsdp2]=30 [memcheck]=40 [racecheck]=25
+                [synccheck]=20 [initcheck]=40 [bench]=60)
 CAP_SUM=0
 for s in "${!CAP[@]}"; do CAP_SUM=$(( CAP_SUM + CAP[$s] )); done
 if (( CAP_SUM > DEADLINE_S - RESERVE_S )); then
@@ -100,7 +104,7 @@ trap finish EXIT
 
 # ---- probe ----------------------------------------------------------------------------------------
 note "mode: $([ $DRY = 1 ] && echo 'dry run (no GPU: pytest command lines collected, not run)' || echo 'GPU')"
-note "caps: $(for s in build tests fsdp2 memcheck racecheck synccheck initcheck bench; do printf '%s=%s ' $s ${CAP[$s]}; done)(sum ${CAP_SUM}s, deadline ${DEADLINE_S}s)"
+note "caps: $(for s in build errors tests fsdp2 memcheck racecheck synccheck initcheck bench; do printf '%s=%s ' $s ${CAP[$s]}; done)(sum ${CAP_SUM}s, deadline ${DEADLINE_S}s)"
 note "machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1 || true)"
 note "python: $($PY -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")' 2>&1)"
 note "nvcc: $(nvcc --version 2>/dev/null | tail -1 || echo 'not found')"
@@ -114,8 +118,7 @@ note "pytest-timeout: $([ ${#TIMEOUT_ARGS[@]} -gt 0 ] && echo yes || echo no)"
 
 # ---- the pytest command lines (the dry run collects exactly these) --------------------------------
 PYTEST=($PY -m pytest -q -p no:cacheprovider -rfE "${TIMEOUT_ARGS[@]}")
-TESTS=(tests -k cuda --ignore=tests/test_cpp_crosslang.py --ignore=tests/test_bench.py
-       --ignore=tests/test_demo.py --ignore=tests/integrations --junitxml="$LOGS/tests.xml")
+TEST_FILES=($(ls tests/test_*.py | grep -v -E "test_(cpp_crosslang|bench|demo)\.py$"))
 MEMCHECK=(tests/test_optim.py tests/test_ops.py tests/test_accumulation.py -x
           -k "cuda and (low_precision_params_with_masters and (adamw or sgd_nesterov) or skipped_steps_change_nothing and bfloat16 or unscale_check_matches_torch and True or accumulate_op_matches_reference)")
 # Block reductions, last-block tickets, per-tensor step counters, fresh (capture) workspace.
@@ -159,13 +162,24 @@ else
   $PY -c 'import sys; sys.path.insert(0, "python"); import ampfuse; print("build:", ampfuse.build_info())' 2>&1 | tee -a "$summary"
 fi
 
-# ---- tests ----------------------------------------------------------------------------------------
+# ---- errors ---------------------------------------------------------------------------------------
 export PYTHONPATH=python
-run_pytest tests AMPFUSE_KERNEL_TABLE=cuda -- "${TESTS[@]}"
+if [ $DRY = 1 ]; then
+  stage errors $PY benchmarks/gpu_error_probe.py --dry-run
+else
+  stage errors $PY benchmarks/gpu_error_probe.py
+fi
+note "errors: $(grep -E '^\{' "$LOGS/errors.log" | tail -1 | cut -c1-1500)"
+
+# ---- tests ----------------------------------------------------------------------------------------
+COLLECT=()
+[ $DRY = 1 ] && COLLECT=(--collect-only)
+stage tests env AMPFUSE_KERNEL_TABLE=cuda $PY benchmarks/pytest_per_file.py --jobs 4 "${TEST_FILES[@]}" -- \
+  -q -p no:cacheprovider -rfE "${TIMEOUT_ARGS[@]}" -k cuda "${COLLECT[@]}"
 if [ $DRY = 1 ]; then
   note "tests: $(grep -E 'tests? collected' "$LOGS/tests.log" | tail -1)"
 else
-  note "tests: $(grep -E '(passed|failed|error)' "$LOGS/tests.log" | tail -1)"
+  note "tests: $(grep -E '^per file:' "$LOGS/tests.log" | tail -1)"
   grep -E '^(FAILED|ERROR)' "$LOGS/tests.log" | head -20 >>"$summary"
 fi
 

@@ -22,7 +22,8 @@ import tempfile
 
 DEFAULT_DEMO_ARGS = ["--steps", "1000", "--accum", "1", "--batch", "16", "--context", "64", "--d-model", "64",
                      "--layers", "2", "--val-every", "50"]
-VARIANTS = {"fp32-state": [], "remainder+bf16-state": ["--master-weights", "remainder", "--state-dtype", "bf16"]}
+VARIANTS = {"fp32-state": ["--master-weights", "true", "--state-dtype", "fp32"],
+            "remainder+bf16-state": ["--master-weights", "remainder", "--state-dtype", "bf16"]}
 
 
 def _run(demo_args: list[str], extra: list[str], out: str) -> dict:

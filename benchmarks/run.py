@@ -551,7 +551,11 @@ def gpu_step_diagnostics(device: str) -> dict:
             c.fn()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    out["ampfuse"]["host_syncs"] = sum("synchroniz" in str(w.message).lower() for w in rec)
+    syncs = [w for w in rec if "synchroniz" in str(w.message).lower()]
+    out["ampfuse"]["host_syncs"] = len(syncs)
+    # where each was raised (the Python line that called the synchronizing op) and what torch said
+    out["ampfuse"]["host_sync_sites"] = [f"{os.path.relpath(w.filename, os.path.dirname(HERE))}:{w.lineno}: {str(w.message)[:160]}"
+                                         for w in syncs]
     try:
         c.prepare()
         torch.cuda.synchronize()

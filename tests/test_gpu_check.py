@@ -32,7 +32,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert len(files) <= 8, files  # the device tool returns at most 8 files
     assert {"summary.txt", "logs.tar.gz"} <= set(files)
     summary = (out / "summary.txt").read_text()
-    for line in ["mode: dry run", "compute-sanitizer:", "pytest-timeout: yes", "tests: rc=0", "fsdp2: rc=0",
+    for line in ["mode: dry run", "compute-sanitizer:", "pytest-timeout: yes", "errors: rc=0", '"cpu: accumulate_grads_ accumulator dtype": "raised: ',
+                 "tests: rc=0", "fsdp2: rc=0",
                  '"dry_run": true', "memcheck: rc=0", "racecheck: rc=0", "synccheck: rc=0", "initcheck: rc=0",
                  "bench: rc=0", "done"]:
         assert line in summary, summary
