@@ -109,7 +109,7 @@ test-torch-matrix: | venv sysdeps
 	set -e; for v in $(TORCH_MATRIX); do MAX_JOBS=$(MAX_JOBS) tools/test_torch.sh $$v $(XDIST) $(MATRIX_IGNORE) tests; done
 
 # --- tests -------------------------------------------------------------------------------------------
-# Passes (their times on the 2-core developers' machine are in the README, Development):
+# Passes (CONTRIBUTING.md describes each):
 #   test-cpp        ctest: the C++ API's gtests, the cross-language and consumer-package tests
 #   test-py         every Python suite on the CPU kernels but the kernel-level one (test-sanitize
 #                   runs it), pytest-xdist over both cores
@@ -122,6 +122,8 @@ test-torch-matrix: | venv sysdeps
 #                   CPU table, case by case) and the op suite through the emulated CUDA table built
 #                   with ASan + UBSan in forward order, then the kernel-level suite in the seeded
 #                   random order; any report fails
+#   test-oldest-torch  a CPU-only build against the oldest supported torch: op, optimizer, scaler suites
+#   docs            the manual, warnings as errors; typecheck: mypy over the package
 # Every suite that reaches a kernel thus runs natively and emulated, the kernel-level and op suites
 # under both schedules (with the sanitizers, which change no result, only add checks). The
 # multi-process (torch.distributed), packaging, integration, demo, benchmark and GPU-check suites
@@ -148,7 +150,7 @@ SANITIZED_LIB := $(abspath $(BUILD_DIR))/libampfuse_cuemu_sanitized.so
 # option cases: they test indexing, which the forward pass covers; block order matters for the
 # cross-block work (reductions, tickets, the step counters), which the other optimizer cases of
 # the kernel-level suite reach in this pass too (more tensors than one launch, grids smaller
-# than the chunks, skipped steps). It keeps `make test` under 20 minutes on the 2-core machine.
+# than the chunks, skipped steps). Leaving them out keeps the pass short.
 RANDOM_SANITIZE_SELECT := -k "not every_dtype_offset_and_option"
 SANITIZE := LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1 \

@@ -173,8 +173,9 @@ note "errors: $(grep -E '^\{' "$LOGS/errors.log" | tail -1 | cut -c1-1500)"
 
 # ---- tests ----------------------------------------------------------------------------------------
 COLLECT=()
-[ $DRY = 1 ] && COLLECT=(--collect-only)
-stage tests env AMPFUSE_KERNEL_TABLE=cuda $PY benchmarks/pytest_per_file.py --jobs 4 "${TEST_FILES[@]}" -- \
+PER_FILE=(--jobs 4)
+[ $DRY = 1 ] && COLLECT=(--collect-only) && PER_FILE=(--one-process)  # the same arguments, parsed once
+stage tests env AMPFUSE_KERNEL_TABLE=cuda $PY benchmarks/pytest_per_file.py "${PER_FILE[@]}" "${TEST_FILES[@]}" -- \
   -q -p no:cacheprovider -rfE "${TIMEOUT_ARGS[@]}" -k cuda "${COLLECT[@]}"
 if [ $DRY = 1 ]; then
   note "tests: $(grep -E 'tests? collected' "$LOGS/tests.log" | tail -1)"

@@ -1,7 +1,7 @@
 """Refused op calls on the GPU: each raises a RuntimeError naming the argument, and nothing crashes.
 
     python benchmarks/gpu_error_probe.py             # on the GPU machine
-    python benchmarks/gpu_error_probe.py --dry-run   # here: the CPU cases only
+    python benchmarks/gpu_error_probe.py --dry-run   # here: the CPU cases only, in this process
 
 Every case runs in a process of its own (a crash in one does not hide the others), on the CPU and
 on CUDA, so a failure on CUDA alone points at the CUDA path. A case that dies of a signal is run
@@ -54,7 +54,15 @@ def child(name: str, device: str) -> None:
     print("no error")
 
 
-def probe(name: str, device: str) -> tuple[str, str]:
+def probe(name: str, device: str, in_process: bool) -> tuple[str, str]:
+    if in_process:  # the dry run: the cases run here, one import
+        import contextlib
+        import io
+
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            child(name, device)
+        return buf.getvalue().strip().splitlines()[-1], ""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--device", device]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     out = p.stdout.strip().splitlines()
@@ -85,7 +93,7 @@ def main() -> int:
     results, ok = {}, True
     for device in devices:
         for name in CASES:
-            result, detail = probe(name, device)
+            result, detail = probe(name, device, in_process=a.dry_run)
             results[f"{device}: {name}"] = result
             ok &= result.startswith("raised")
             if detail:

@@ -2,6 +2,7 @@
 code) costs the one file it happened in and the other files still report.
 
     python benchmarks/pytest_per_file.py --jobs 4 FILE... -- PYTEST_ARGS...
+    python benchmarks/pytest_per_file.py --one-process FILE... -- PYTEST_ARGS...   # one pytest for all
 
 Each file's output is printed whole, in the order given, then one summary line: the counts summed
 over the files (``N passed, M failed, ...``; with ``--collect-only``, ``N tests collected``) and
@@ -30,13 +31,18 @@ def run(file: str, args: list[str]) -> tuple[str, int, str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=4)
+    ap.add_argument("--one-process", action="store_true",
+                    help="one pytest over every file (the GPU check's dry run: the same arguments, parsed once)")
     ap.add_argument("files", nargs="+")
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     a = ap.parse_args(argv[:split])
     pytest_args = argv[split + 1:]
-    with ThreadPoolExecutor(a.jobs) as pool:
-        results = list(pool.map(lambda f: run(f, pytest_args), a.files))
+    if a.one_process:
+        results = [run(a.files[0], [*a.files[1:], *pytest_args])]
+    else:
+        with ThreadPoolExecutor(a.jobs) as pool:
+            results = list(pool.map(lambda f: run(f, pytest_args), a.files))
     totals: dict[str, int] = {}
     collected = 0
     crashed, failed = [], []
