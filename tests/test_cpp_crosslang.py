@@ -351,14 +351,35 @@ def _optimizer_checkpoint_entries(d: dict) -> dict:
     return res
 
 
+def _group_hyper_entries(d: dict) -> dict:
+    cases = {
+        "sgd_lr": ("SGD", {}, "lr", -1.0), "sgd_momentum": ("SGD", {}, "momentum", -0.5),
+        "sgd_weight_decay": ("SGD", {}, "weight_decay", -1.0), "sgd_nesterov": ("SGD", {}, "nesterov", True),
+        "adam_beta1": ("Adam", {}, "betas", (1.0, 0.9)), "adam_beta2": ("Adam", {}, "betas", (0.9, -0.1)),
+        "adamw_eps": ("AdamW", {}, "eps", -1.0), "adamw_weight_decay": ("AdamW", {}, "weight_decay", -0.01),
+        "adamw_state_dtype": ("AdamW", {}, "state_dtype", torch.float16),
+    }
+    res = {}
+    for name, (cls, kw, key, value) in cases.items():
+        p = torch.ones(3).requires_grad_(True)
+        opt = getattr(ampfuse.optim, cls)([p], lr=0.1, **kw)  # built valid, then edited, as a user may
+        opt.param_groups[0][key] = value
+        p.grad = torch.zeros_like(p)
+        res[f"group_hyper/{name}"] = _message(opt.step)
+    return res
+
+
 _CASES = [_ties, _master_weights_off_and_on, _load_keeps_own_options, _grad_checks_across_groups,
           _bad_scaler_entries, _accumulator_load_checks_the_scaler_first, _idle_param_state_follows_options,
-          _accumulator_checkpoint_entries, _optimizer_checkpoint_entries]
+          _accumulator_checkpoint_entries, _optimizer_checkpoint_entries, _group_hyper_entries]
 
 
 def _as_python_names(message: str) -> str:
     """A C++ message in the Python surface's names (params, checkpoints)."""
     message = re.sub(r"param_groups\(\)\[(\d+)\]\.params\(\)\[(\d+)\]", r"param_groups[\1]['params'][\2]", message)
+    # a group's option (the C++ cases build one group): "AdamW: betas[0]" is param_groups[0]['betas'][0]
+    message = re.sub(r"^(?:SGD|Adam|AdamW): (?=nesterov)", "param_groups[0]: ", message)
+    message = re.sub(r"^(?:SGD|Adam|AdamW): (\w+)", r"param_groups[0]['\1']", message)
     message = re.sub(r"\b(buffers|found_inf)/0\b", r"\1['cpu']", message)  # the cases run on the CPU
     message = re.sub(r"\bgrads/(\d+)", r"grads[\1]", message)
     return message.replace("the checkpoint's", "the state dict's")

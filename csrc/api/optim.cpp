@@ -19,8 +19,10 @@
 #include <utility>
 
 #include "api/internals.h"
+#include "engine/hyper_checks.h"
 #include "engine/master_forms.h"
 #include "engine/optimizer_state.h"
+#include "engine/scaler_rules.h"
 #include "engine/step_checks.h"
 #include "ops/step_plan.h"
 #include "ops/validation.h"
@@ -373,15 +375,14 @@ void fused_load(torch::optim::Optimizer& opt, InputArchive& archive,
   }
 }
 
-// ---- hyper-parameter checks (torch's rules, full sentences) ----------------------------------
+// ---- hyper-parameter checks: the engine's (engine/hyper_checks.h), options named "AdamW: lr" ----
 template <typename O>
-void check_common(const char* name, const O& o) {
-  TORCH_CHECK(o.lr() >= 0.0, name, ": lr must be >= 0, got ", o.lr(), ".");
-  TORCH_CHECK(o.weight_decay() >= 0.0, name, ": weight_decay must be >= 0, got ",
-              o.weight_decay(), ".");
-  TORCH_CHECK(o.state_dtype() == at::kFloat || o.state_dtype() == at::kBFloat16, name,
-              ": state_dtype must be torch.float32 or torch.bfloat16, got ",
-              detail::dtype_name(o.state_dtype()), ".");
+c10::Dict<std::string, c10::IValue> common_hyper(const O& o) {
+  auto values = engine::entry_dict();
+  values.insert("lr", o.lr());
+  values.insert("weight_decay", o.weight_decay());
+  values.insert("state_dtype", detail::dtype_name(o.state_dtype()));
+  return values;
 }
 
 template <typename O>
@@ -752,10 +753,11 @@ struct SgdPolicy {
   // the gradient, which the kernel does when the step counter is 0.
   static constexpr bool kRestartOnCreate = true;
   static void check(const Options& o) {
-    check_common(kName, o);
-    TORCH_CHECK(o.momentum() >= 0.0, "SGD: momentum must be >= 0, got ", o.momentum(), ".");
-    TORCH_CHECK(!o.nesterov() || (o.momentum() > 0 && o.dampening() == 0),
-                "SGD: nesterov momentum requires a momentum > 0 and zero dampening.");
+    auto values = common_hyper(o);
+    values.insert("momentum", o.momentum());
+    values.insert("dampening", o.dampening());
+    values.insert("nesterov", o.nesterov());
+    engine::check_group_hyper(kName, values, kName, false);
   }
   static void set_hyper(ops::StepPlan& plan, int64_t group, const Options& o) {
     plan.set_sgd_hyper(group, SgdHyper{o.lr(), o.momentum(), o.dampening(), o.weight_decay(),
@@ -786,12 +788,10 @@ struct AdamPolicyT {
   }
   static constexpr bool kRestartOnCreate = false;
   static void check(const Options& o) {
-    check_common(kName, o);
-    TORCH_CHECK(o.eps() >= 0.0, kName, ": eps must be >= 0, got ", o.eps(), ".");
-    const double b1 = std::get<0>(o.betas());
-    const double b2 = std::get<1>(o.betas());
-    TORCH_CHECK(b1 >= 0.0 && b1 < 1.0, kName, ": betas[0] must be in [0, 1), got ", b1, ".");
-    TORCH_CHECK(b2 >= 0.0 && b2 < 1.0, kName, ": betas[1] must be in [0, 1), got ", b2, ".");
+    auto values = common_hyper(o);
+    values.insert("betas", c10::ivalue::Tuple::create(std::get<0>(o.betas()), std::get<1>(o.betas())));
+    values.insert("eps", o.eps());
+    engine::check_group_hyper(kName, values, kName, false);
   }
   static void set_hyper(ops::StepPlan& plan, int64_t group, const Options& o) {
     plan.set_adam_hyper(group, AdamHyper{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()),

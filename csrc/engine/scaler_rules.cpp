@@ -49,8 +49,6 @@ std::string float_repr(double d) {
   return out + ebuf;
 }
 
-bool is_number(const c10::IValue& v) { return v.isInt() || v.isDouble(); }
-double number(const c10::IValue& v) { return v.isInt() ? static_cast<double>(v.toInt()) : v.toDouble(); }
 
 // An integer list from a list or tuple of ints, or a 1-D integer tensor (the C++ archive's form).
 std::optional<std::vector<int64_t>> int_list(const c10::IValue& v) {
@@ -84,6 +82,9 @@ std::optional<std::vector<int64_t>> int_list(const c10::IValue& v) {
 c10::IValue optional_value(const std::optional<double>& v) {
   return v.has_value() ? c10::IValue(*v) : c10::IValue();
 }
+
+bool is_number(const c10::IValue& v) { return v.isInt() || v.isDouble(); }
+double number(const c10::IValue& v) { return v.isInt() ? static_cast<double>(v.toInt()) : v.toDouble(); }
 
 c10::Dict<std::string, c10::IValue> entry_dict() {
   return c10::impl::toTypedDict<std::string, c10::IValue>(

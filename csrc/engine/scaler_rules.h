@@ -20,6 +20,10 @@ c10::IValue optional_value(const std::optional<double>& v);
 // An empty dict of named values (str -> any IValue).
 c10::Dict<std::string, c10::IValue> entry_dict();
 
+// Whether a value is a number (an int or a float, not a bool), and the number.
+bool is_number(const c10::IValue& v);
+double number(const c10::IValue& v);
+
 // A value as Python's repr() writes it (floats shortest round-trip with a ".0" or an exponent,
 // strings quoted, None/True/False): the messages of both surfaces print values this way.
 std::string repr(const c10::IValue& v);

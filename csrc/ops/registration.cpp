@@ -5,6 +5,7 @@
 #include "ampfuse/ops.h"
 #include "ampfuse/scale_stat.h"
 #include "engine/accumulator_window.h"
+#include "engine/hyper_checks.h"
 #include "engine/optimizer_state.h"
 #include "engine/scaler_rules.h"
 #include "ops/step_plan.h"
@@ -113,6 +114,11 @@ TORCH_LIBRARY(ampfuse, m) {
       "scaler_checkpoint_check(Dict(str, Any) entries, int hysteresis, bool consecutive_hysteresis, "
       "float? min_scale, float? max_scale, int[] stats, str source) -> Dict(str, Any)",
       &ampfuse::engine::scaler_checkpoint_op);
+  // A param group's hyper-parameters (csrc/engine/hyper_checks.h): values by option name, the
+  // group's name and whether options are named as Python does (param_groups[0]['lr']) or as C++
+  // (AdamW: lr). Raises ValueError naming the option.
+  m.def("group_hyper_check(str optimizer, Dict(str, Any) values, str group, bool python_naming) -> ()",
+        &ampfuse::engine::group_hyper_op);
   // The scale bounds' rules (None, or numbers: min_scale finite in [0, FLT_MAX], max_scale > 0 and
   // not below FLT_MIN, min <= max). Raises ValueError.
   m.def("scale_bounds_check(Any min_scale, Any max_scale) -> ()", &ampfuse::engine::scale_bounds_op);

@@ -399,15 +399,16 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for p in group["params"]:
             self._param_dtypes[id(p)] = p.dtype
 
-    @staticmethod
-    def _check_precision_options(gi: int, group: dict[str, Any]) -> None:
+    def _check_precision_options(self, gi: int, group: dict[str, Any], hyper: bool = False) -> None:
+        """The master form and state dtype of group ``gi`` (and with ``hyper`` its other
+        hyper-parameters): the master form's values are this surface's own, the rest the engine's
+        ``group_hyper_check``."""
         mw = group.get("master_weights")
         if not any(mw is v or (isinstance(v, str) and mw == v) for v in _MASTER_WEIGHTS):
             raise ValueError(f"param_groups[{gi}]['master_weights'] must be True, False, 'auto' or 'remainder', got {mw!r}.")
-        if group.get("state_dtype", torch.float32) not in _STATE_DTYPES:
-            raise ValueError(
-                f"param_groups[{gi}]['state_dtype'] must be torch.float32 or torch.bfloat16, got {group.get('state_dtype')!r}."
-            )
+        values = self._hyper_values(group) if hyper else {}
+        values["state_dtype"] = repr(group.get("state_dtype", torch.float32))
+        torch.ops.ampfuse.group_hyper_check(self._engine_name, values, f"param_groups[{gi}]", True)
 
     @staticmethod
     def _master_kind(p: torch.Tensor, group: dict[str, Any]) -> str | None:
@@ -514,19 +515,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _check_group_options(self, gi: int, group: dict[str, Any]) -> None:
         """Hyper-parameters of a group as the user may have edited them since construction: every
         value the kernel would refuse is refused here, before any group steps."""
-        self._check_precision_options(gi, group)
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor):
-            if lr.numel() != 1:
-                raise ValueError(f"param_groups[{gi}]['lr'] must be a number or a 1-element tensor, got shape {tuple(lr.shape)}.")
-        elif not _is_real(lr):
-            raise ValueError(f"param_groups[{gi}]['lr'] must be a number or a 1-element tensor, got {lr!r}.")
-        elif not lr >= 0:
-            raise ValueError(f"param_groups[{gi}]['lr'] must be >= 0, got {lr!r}.")
-        self._check_hyper(gi, group)
+        self._check_precision_options(gi, group, hyper=True)
 
-    def _check_hyper(self, gi: int, group: dict[str, Any]) -> None:
-        """Hook: the optimizer's own hyper-parameters of group ``gi`` (as the kernel checks them)."""
+    _engine_name = ""  # the optimizer's name for the engine's checks: "SGD", "Adam", "AdamW"
+
+    def _hyper_values(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The group's options the engine checks, by name (see ``_hyper_value``)."""
+        raise NotImplementedError
 
     def _check_grads_arg(self, grads: Any) -> None:
         """``step(grads=...)``: a mapping whose keys are this optimizer's params themselves."""
@@ -951,6 +946,18 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def _hyper_value(value: Any) -> Any:
+    """A group's option as the engine's check takes it: numbers as Python numbers, tensors, bools
+    and None as they are, a pair element by element, anything else as its repr (refused, named)."""
+    if _is_real(value):
+        return int(value) if isinstance(value, numbers.Integral) else float(value)
+    if value is None or isinstance(value, (bool, torch.Tensor)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_hyper_value(v) for v in value)
+    return repr(value)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor (the engine's checks look at what the kernels will see)."""
     local = getattr(t, "_local_tensor", None)
@@ -1036,6 +1043,12 @@ class SGD(_FusedOptimizer):
 
     _state_keys = ("momentum_buffer",)
     _native_kind = "sgd"
+    _engine_name = "SGD"
+
+    def _hyper_values(self, group: dict[str, Any]) -> dict[str, Any]:
+        return {"lr": _hyper_value(group["lr"]), "momentum": _hyper_value(group["momentum"]),
+                "dampening": _hyper_value(group["dampening"]), "weight_decay": _hyper_value(group["weight_decay"]),
+                "nesterov": bool(group["nesterov"])}
     _native_state_keys = ("momentum_buffer",)
 
     def _native_group_hyper(self, group: dict[str, Any]) -> dict[str, float]:
@@ -1082,17 +1095,6 @@ class SGD(_FusedOptimizer):
 
     def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
-
-    def _check_hyper(self, gi: int, group: dict[str, Any]) -> None:
-        for key in ("momentum", "dampening", "weight_decay"):
-            v = group[key]
-            if not _is_real(v):
-                raise ValueError(f"param_groups[{gi}]['{key}'] must be a number, got {v!r}.")
-        if not (group["momentum"] >= 0 and group["weight_decay"] >= 0):
-            key = "momentum" if not group["momentum"] >= 0 else "weight_decay"
-            raise ValueError(f"param_groups[{gi}]['{key}'] must be >= 0, got {group[key]!r}.")
-        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
-            raise ValueError(f"param_groups[{gi}]: nesterov momentum requires a momentum > 0 and zero dampening.")
 
     def _run(self, group, lists, grads, s) -> None:
         ops.sgd_step_(
@@ -1183,6 +1185,10 @@ class Adam(_FusedOptimizer):
         super().__init__(params, defaults)
 
     _native_kind = "adam"
+    _engine_name = "Adam"
+
+    def _hyper_values(self, group: dict[str, Any]) -> dict[str, Any]:
+        return {key: _hyper_value(group[key]) for key in ("lr", "betas", "eps", "weight_decay")}
     _native_state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
     def _native_group_hyper(self, group: dict[str, Any]) -> dict[str, float]:
@@ -1194,22 +1200,6 @@ class Adam(_FusedOptimizer):
 
     def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
-
-    def _check_hyper(self, gi: int, group: dict[str, Any]) -> None:
-        betas = group["betas"]
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"param_groups[{gi}]['betas'] must be a pair of numbers, got {betas!r}.")
-        for k, b in enumerate(betas):
-            if not _is_real(b):
-                raise ValueError(f"param_groups[{gi}]['betas'][{k}] must be a number, got {b!r}.")
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"param_groups[{gi}]['betas'][{k}] must be in [0, 1), got {b!r}.")
-        for key in ("eps", "weight_decay"):
-            v = group[key]
-            if not _is_real(v):
-                raise ValueError(f"param_groups[{gi}]['{key}'] must be a number, got {v!r}.")
-            if not v >= 0:
-                raise ValueError(f"param_groups[{gi}]['{key}'] must be >= 0, got {v!r}.")
 
     def _run(self, group, lists, grads, s) -> None:
         beta1, beta2 = group["betas"]

@@ -313,6 +313,25 @@ std::stringstream optimizer_checkpoint(const std::vector<StateEntries>& states) 
   });
 }
 
+// A group's bad hyper-parameter: refused with the option named (C++: "AdamW: betas[0]", Python:
+// "param_groups[0]['betas'][0]") and the value as Python prints it.
+void group_hyper_entries() {
+  const at::Tensor p = at::ones({3}).set_requires_grad(true);
+  const std::vector<at::Tensor> params{p};
+  const std::vector<std::pair<std::string, std::function<void()>>> cases = {
+      {"sgd_lr", [&] { SGD o(params, SGDOptions(-1.0)); }},
+      {"sgd_momentum", [&] { SGD o(params, SGDOptions(0.1).momentum(-0.5)); }},
+      {"sgd_weight_decay", [&] { SGD o(params, SGDOptions(0.1).weight_decay(-1.0)); }},
+      {"sgd_nesterov", [&] { SGD o(params, SGDOptions(0.1).nesterov(true)); }},
+      {"adam_beta1", [&] { ampfuse::optim::Adam o(params, ampfuse::optim::AdamOptions(0.1).betas({1.0, 0.9})); }},
+      {"adam_beta2", [&] { ampfuse::optim::Adam o(params, ampfuse::optim::AdamOptions(0.1).betas({0.9, -0.1})); }},
+      {"adamw_eps", [&] { AdamW o(params, AdamWOptions(0.1).eps(-1.0)); }},
+      {"adamw_weight_decay", [&] { AdamW o(params, AdamWOptions(0.1).weight_decay(-0.01)); }},
+      {"adamw_state_dtype", [&] { AdamW o(params, AdamWOptions(0.1).state_dtype(at::kHalf)); }},
+  };
+  for (const auto& [name, make] : cases) put("group_hyper/" + name, message_of(make));
+}
+
 // An optimizer checkpoint with one bad state entry: refused, naming the param and the entry,
 // with nothing changed. Case k spoils entry k (none: the good checkpoint; 6: a step saved as a
 // number, which loads). A torch SGD checkpoint has no step: a momentum buffer counts one.
@@ -411,6 +430,7 @@ int main(int argc, char** argv) {
       {"idle_param_state_follows_options", idle_param_state_follows_options},
       {"accumulator_checkpoint_entries", accumulator_checkpoint_entries},
       {"optimizer_checkpoint_entries", optimizer_checkpoint_entries},
+      {"group_hyper_entries", group_hyper_entries},
   };
   for (const auto& [name, run] : cases) put(std::string("error/") + name, message_of(run));
   const std::vector<char> bytes = torch::pickle_save(c10::IValue(out));

@@ -591,7 +591,7 @@ TEST(Optim, BadInputNamesTheArgument) {
                           "param_groups()[0].params()[0] has dtype torch.float64"));
   auto p = at::randn({3}).set_requires_grad(true);
   EXPECT_TRUE(throws_with([&] { ampfuse::optim::SGD({p}, ampfuse::optim::SGDOptions(-1)); },
-                          "SGD: lr must be >= 0, got -1."));
+                          "SGD: lr must be >= 0, got -1.0."));
   EXPECT_TRUE(throws_with(
       [&] { ampfuse::optim::SGD({p}, ampfuse::optim::SGDOptions(0.1).nesterov(true)); },
       "SGD: nesterov momentum requires a momentum > 0 and zero dampening."));
@@ -599,9 +599,9 @@ TEST(Optim, BadInputNamesTheArgument) {
       [&] {
         ampfuse::optim::AdamW({p}, ampfuse::optim::AdamWOptions().betas(std::make_tuple(1.0, 0.9)));
       },
-      "AdamW: betas[0] must be in [0, 1), got 1."));
+      "AdamW: betas[0] must be in [0, 1), got 1.0."));
   EXPECT_TRUE(throws_with([&] { ampfuse::optim::Adam({p}, ampfuse::optim::AdamOptions().eps(-1)); },
-                          "Adam: eps must be >= 0, got -1."));
+                          "Adam: eps must be >= 0, got -1.0."));
   // Group options of another optimizer type.
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(std::vector<at::Tensor>{p}, std::make_unique<torch::optim::SGDOptions>(0.1));

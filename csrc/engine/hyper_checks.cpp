@@ -1,0 +1,86 @@
+#include "engine/hyper_checks.h"
+
+#include <c10/util/Exception.h>
+
+#include "engine/scaler_rules.h"
+#include "engine/step_checks.h"
+
+namespace ampfuse::engine {
+namespace {
+
+// How the surface names an option of the group, and an element of one (betas[1]).
+struct Namer {
+  const std::string& group;
+  bool python;
+  std::string operator()(const std::string& key) const {
+    return python ? group + "['" + key + "']" : group + ": " + key;
+  }
+  std::string operator()(const std::string& key, int64_t k) const {
+    return (*this)(key) + "[" + std::to_string(k) + "]";
+  }
+};
+
+double number_option(const c10::IValue& v, const std::string& name) {
+  TORCH_CHECK_VALUE(is_number(v), name, " must be a number, got ", repr(v), ".");
+  return number(v);
+}
+
+void check_at_least_zero(double value, const std::string& name) {
+  TORCH_CHECK_VALUE(value >= 0.0, name, " must be >= 0, got ", repr(value), ".");
+}
+
+void check_unit_interval(double value, const std::string& name) {
+  TORCH_CHECK_VALUE(value >= 0.0 && value < 1.0, name, " must be in [0, 1), got ", repr(value), ".");
+}
+
+}  // namespace
+
+void check_group_hyper(const std::string& optimizer, const c10::Dict<std::string, c10::IValue>& values,
+                       const std::string& group, bool python_naming) {
+  const Namer name{group, python_naming};
+  const bool sgd = optimizer == "SGD";
+  TORCH_CHECK(sgd || optimizer == "Adam" || optimizer == "AdamW", "unknown optimizer '", optimizer, "'.");
+
+  // Each option present is checked (the C++ surface passes them all; Python's add_param_group
+  // only the state dtype), in the order the Python surface always checked them.
+  const auto has = [&](const char* key) { return values.contains(key); };
+  if (has("state_dtype")) {
+    const c10::IValue& v = values.at("state_dtype");
+    const std::string dtype = v.isString() ? v.toStringRef() : repr(v);
+    TORCH_CHECK_VALUE(dtype == "torch.float32" || dtype == "torch.bfloat16", name("state_dtype"),
+                      " must be torch.float32 or torch.bfloat16, got ", dtype, ".");
+  }
+  if (has("lr")) {
+    const c10::IValue& lr = values.at("lr");
+    if (lr.isTensor()) {
+      TORCH_CHECK_VALUE(lr.toTensor().numel() == 1, name("lr"),
+                        " must be a number or a 1-element tensor, got shape ", shape_repr(lr.toTensor()), ".");
+    } else {
+      TORCH_CHECK_VALUE(is_number(lr), name("lr"), " must be a number or a 1-element tensor, got ", repr(lr), ".");
+      check_at_least_zero(number(lr), name("lr"));
+    }
+  }
+  if (sgd) {
+    if (!has("momentum")) return;
+    const double momentum = number_option(values.at("momentum"), name("momentum"));
+    const double dampening = number_option(values.at("dampening"), name("dampening"));
+    const double weight_decay = number_option(values.at("weight_decay"), name("weight_decay"));
+    check_at_least_zero(momentum, name("momentum"));
+    check_at_least_zero(weight_decay, name("weight_decay"));
+    TORCH_CHECK_VALUE(!values.at("nesterov").toBool() || (momentum > 0.0 && dampening == 0.0), group,
+                      ": nesterov momentum requires a momentum > 0 and zero dampening.");
+    return;
+  }
+  if (!has("betas")) return;
+  const c10::IValue& betas = values.at("betas");
+  const bool pair = (betas.isTuple() && betas.toTupleRef().elements().size() == 2) ||
+                    (betas.isList() && betas.toListRef().size() == 2);
+  TORCH_CHECK_VALUE(pair, name("betas"), " must be a pair of numbers, got ", repr(betas), ".");
+  const auto items = betas.isTuple() ? betas.toTupleRef().elements().vec() : betas.toListRef().vec();
+  for (int64_t k = 0; k < 2; ++k) check_unit_interval(number_option(items[k], name("betas", k)), name("betas", k));
+  for (const char* key : {"eps", "weight_decay"}) {
+    check_at_least_zero(number_option(values.at(key), name(key)), name(key));
+  }
+}
+
+}  // namespace ampfuse::engine
