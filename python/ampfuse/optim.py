@@ -378,7 +378,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         gi = len(self.param_groups) - 1
         try:
-            self._check_precision_options(gi, group)
+            self._check_group_options(gi, group, hyper=False)
         except ValueError:
             self.param_groups.pop()
             raise
@@ -399,10 +399,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for p in group["params"]:
             self._param_dtypes[id(p)] = p.dtype
 
-    def _check_precision_options(self, gi: int, group: dict[str, Any], hyper: bool = False) -> None:
-        """The master form and state dtype of group ``gi`` (and with ``hyper`` its other
-        hyper-parameters): the master form's values are this surface's own, the rest the engine's
-        ``group_hyper_check``."""
+    def _check_group_options(self, gi: int, group: dict[str, Any], hyper: bool = True) -> None:
+        """The options of group ``gi`` as the user may have edited them since construction: every
+        value the kernel would refuse is refused here, before any group steps (``hyper=False``:
+        only the master form and the state dtype, as a new group is checked). The master form's
+        values are this surface's own; the rest is the engine's ``group_hyper_check``."""
         mw = group.get("master_weights")
         if not any(mw is v or (isinstance(v, str) and mw == v) for v in _MASTER_WEIGHTS):
             raise ValueError(f"param_groups[{gi}]['master_weights'] must be True, False, 'auto' or 'remainder', got {mw!r}.")
@@ -511,11 +512,6 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 other._taken_from[p] = me
                 other._plans.clear()  # its next step checks again
                 other._native = None
-
-    def _check_group_options(self, gi: int, group: dict[str, Any]) -> None:
-        """Hyper-parameters of a group as the user may have edited them since construction: every
-        value the kernel would refuse is refused here, before any group steps."""
-        self._check_precision_options(gi, group, hyper=True)
 
     _engine_name = ""  # the optimizer's name for the engine's checks: "SGD", "Adam", "AdamW"
 
