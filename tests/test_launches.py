@@ -25,7 +25,9 @@ EMULATED = ampfuse.cpu_kernel_info()["kernels"] == "cuda-emulated"
 # memory, polled later: no kernel and no sync).
 NO_KERNEL = {"empty.memory_format", "view.default", "_unsafe_view.default", "alias.default", "detach.default",
              "reshape.default", "as_strided.default", "_record_function_enter_new.default",
-             "_record_function_exit._RecordFunction", "select.int", "_local_scalar_dense.default"}
+             "_record_function_exit._RecordFunction", "select.int", "_local_scalar_dense.default",
+             # the engine's check of a group's options: values only, no tensor read, no kernel
+             "ampfuse.group_hyper_check.default"}
 
 
 class OpLog(TorchDispatchMode):
