@@ -369,9 +369,34 @@ def _group_hyper_entries(d: dict) -> dict:
     return res
 
 
+def _accumulator_counter_entries(d: dict) -> dict:
+    bad = [None, ("steps", 5), ("micro_step", 2), ("micro_step", -1.5), ("windows", -3), ("skipped_windows_host", -1)]
+    res = {}
+    for k, spoil in enumerate(bad):
+        a = torch.ones(3).requires_grad_(True)
+        source = ampfuse.optim.AdamW([a], lr=0.05)
+        sd = {"steps": 2, "micro_step": 0, "windows": 4, "skipped_windows_host": 1,
+              "optimizer": copy.deepcopy(source.state_dict())}
+        if spoil is not None:
+            sd[spoil[0]] = spoil[1]
+        b = torch.ones(3).requires_grad_(True)
+        target = ampfuse.optim.AdamW([b], lr=0.01)
+        acc = ampfuse.GradAccumulator(torch.nn.Module(), target, None, steps=2)
+        key = f"acc_counters/{k}"
+        message = _message(lambda: acc.load_state_dict(sd))
+        if spoil is None:
+            res[f"{key}/loaded"] = (message == "" and acc.windows == 4 and acc.skipped_windows_host == 1
+                                    and target.param_groups[0]["lr"] == 0.05)
+        else:
+            res[f"{key}/message"] = message
+            res[f"{key}/unchanged"] = acc.windows == 0 and target.param_groups[0]["lr"] == 0.01
+    return res
+
+
 _CASES = [_ties, _master_weights_off_and_on, _load_keeps_own_options, _grad_checks_across_groups,
           _bad_scaler_entries, _accumulator_load_checks_the_scaler_first, _idle_param_state_follows_options,
-          _accumulator_checkpoint_entries, _optimizer_checkpoint_entries, _group_hyper_entries]
+          _accumulator_checkpoint_entries, _optimizer_checkpoint_entries, _group_hyper_entries,
+          _accumulator_counter_entries]
 
 
 def _as_python_names(message: str) -> str:
@@ -382,6 +407,7 @@ def _as_python_names(message: str) -> str:
     message = re.sub(r"^(?:SGD|Adam|AdamW): (\w+)", r"param_groups[0]['\1']", message)
     message = re.sub(r"\b(buffers|found_inf)/0\b", r"\1['cpu']", message)  # the cases run on the CPU
     message = re.sub(r"\bgrads/(\d+)", r"grads[\1]", message)
+    message = message.replace("The checkpoint was saved with", "state_dict was saved with")
     return message.replace("the checkpoint's", "the state dict's")
 
 

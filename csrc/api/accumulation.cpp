@@ -289,24 +289,13 @@ void GradAccumulator::save(OutputArchive& archive) const {
 // entries by the scaler) before anything (optimizer, scaler, sums) is loaded.
 void GradAccumulator::load(InputArchive& archive) {
   c10::IValue v;
-  archive.read("steps", v);
-  TORCH_CHECK_VALUE(v.isInt() && v.toInt() == options_.steps(), "The checkpoint was saved with steps=",
-                    engine::repr(v), ", this accumulator has steps=", options_.steps(), ".");
-  archive.read("micro_step", v);
-  TORCH_CHECK_VALUE(v.isInt() && v.toInt() >= 0 && v.toInt() < options_.steps(),
-                    "micro_step in the checkpoint must be an integer in [0, ", options_.steps(), "), got ",
-                    engine::repr(v), ".");
-  const int64_t micro_step = v.toInt();
-  archive.read("windows", v);
-  TORCH_CHECK_VALUE(v.isInt() && v.toInt() >= 0, "windows in the checkpoint must be an integer >= 0, got ",
-                    engine::repr(v), ".");
-  const int64_t windows = v.toInt();
-  int64_t skipped = skipped_windows_host_;
-  if (archive.try_read("skipped_windows_host", v)) {
-    TORCH_CHECK_VALUE(v.isInt() && v.toInt() >= 0,
-                      "skipped_windows_host in the checkpoint must be an integer >= 0, got ", engine::repr(v), ".");
-    skipped = v.toInt();
+  auto counters = engine::entry_dict();
+  for (const char* key : {"steps", "micro_step", "windows", "skipped_windows_host"}) {
+    if (archive.try_read(key, v)) counters.insert(key, v);  // an absent entry is named by the check
   }
+  const std::vector<int64_t> checked =
+      engine::check_accumulator_counters(counters, options_.steps(), "The checkpoint", "the checkpoint's {}");
+  const int64_t micro_step = checked[0], windows = checked[1], skipped = checked[2];
   const auto params = all_params();
   engine::AccumulatorWindow& w = *window_->w;
   if (micro_step != 0) {

@@ -332,6 +332,25 @@ std::vector<int64_t> AccumulatorWindow::indices_of_buffered(const std::vector<at
 }
 
 // ---- checkpoints --------------------------------------------------------------------------------
+std::vector<int64_t> check_accumulator_counters(const c10::Dict<std::string, c10::IValue>& entries, int64_t steps,
+                                                const std::string& source, const std::string& naming) {
+  const auto entry = [&](const char* key) { return entries.contains(key) ? entries.at(key) : c10::IValue(); };
+  const auto name = [&](const char* key) { return named(naming, key); };
+  const c10::IValue saved = entry("steps");
+  TORCH_CHECK_VALUE(saved.isInt() && saved.toInt() == steps, source, " was saved with steps=", repr(saved),
+                    ", this accumulator has steps=", steps, ".");
+  const c10::IValue micro = entry("micro_step");
+  TORCH_CHECK_VALUE(micro.isInt() && micro.toInt() >= 0 && micro.toInt() < steps, name("micro_step"),
+                    " must be an integer in [0, ", steps, "), got ", repr(micro), ".");
+  const c10::IValue windows = entry("windows");
+  TORCH_CHECK_VALUE(windows.isInt() && windows.toInt() >= 0, name("windows"), " must be an integer >= 0, got ",
+                    repr(windows), ".");
+  const c10::IValue skipped = entry("skipped_windows_host");
+  TORCH_CHECK_VALUE(skipped.isNone() || (skipped.isInt() && skipped.toInt() >= 0), name("skipped_windows_host"),
+                    " must be an integer >= 0, got ", repr(skipped), ".");
+  return {micro.toInt(), windows.toInt(), skipped.isNone() ? 0 : skipped.toInt()};
+}
+
 void AccumulatorWindow::check_checkpoint(const std::vector<at::Tensor>& params, const c10::IValue& buffered,
                                          const c10::Dict<std::string, c10::IValue>& buffers,
                                          const c10::Dict<std::string, c10::IValue>& found_infs,

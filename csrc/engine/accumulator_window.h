@@ -22,6 +22,14 @@
 
 namespace ampfuse::engine {
 
+// The counters of a GradAccumulator checkpoint (entries "steps", "micro_step", "windows" and,
+// optionally, "skipped_windows_host"), checked against this accumulator's `steps`: returns
+// {micro_step, windows, skipped_windows_host (0 when absent)}. `source` names the checkpoint in the
+// steps message ("state_dict", "The checkpoint"); `naming` has "{}" where an entry's name goes
+// ("the state dict's {}"). Raises c10::ValueError.
+std::vector<int64_t> check_accumulator_counters(const c10::Dict<std::string, c10::IValue>& entries, int64_t steps,
+                                                const std::string& source, const std::string& naming);
+
 class AccumulatorWindow : public torch::CustomClassHolder {
  public:
   // fp32_accumulation: fp16/bf16 params that require grad are summed in fp32 buffers (else none

@@ -114,6 +114,10 @@ TORCH_LIBRARY(ampfuse, m) {
       "scaler_checkpoint_check(Dict(str, Any) entries, int hysteresis, bool consecutive_hysteresis, "
       "float? min_scale, float? max_scale, int[] stats, str source) -> Dict(str, Any)",
       &ampfuse::engine::scaler_checkpoint_op);
+  // A GradAccumulator checkpoint's counters (csrc/engine/accumulator_window.h): returns
+  // [micro_step, windows, skipped_windows_host (0 when absent)]. Raises ValueError naming the entry.
+  m.def("accumulator_counters_check(Dict(str, Any) entries, int steps, str source, str naming) -> int[]",
+        &ampfuse::engine::check_accumulator_counters);
   // A param group's hyper-parameters (csrc/engine/hyper_checks.h): values by option name, the
   // group's name and whether options are named as Python does (param_groups[0]['lr']) or as C++
   // (AdamW: lr). Raises ValueError naming the option.

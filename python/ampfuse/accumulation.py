@@ -539,15 +539,10 @@ class GradAccumulator:
         for key in ("steps", "micro_step", "windows", "optimizer"):
             if key not in state_dict:
                 raise KeyError(f"GradAccumulator state dict has no '{key}' entry.")
-        if state_dict["steps"] != self.steps:
-            raise ValueError(f"state_dict was saved with steps={state_dict['steps']}, this accumulator has steps={self.steps}.")
-        micro = state_dict["micro_step"]
-        if not (isinstance(micro, int) and not isinstance(micro, bool) and 0 <= micro < self.steps):
-            raise ValueError(f"the state dict's micro_step must be an integer in [0, {self.steps}), got {micro!r}.")
-        for key in ("windows", "skipped_windows_host"):
-            v = state_dict.get(key, 0)
-            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
-                raise ValueError(f"the state dict's {key} must be an integer >= 0, got {v!r}.")
+        micro, windows, skipped = torch.ops.ampfuse.accumulator_counters_check(
+            {k: _engine_value(state_dict[k]) for k in ("steps", "micro_step", "windows", "skipped_windows_host")
+             if k in state_dict},
+            self.steps, "state_dict", "the state dict's {}")
         sched = state_dict.get("lr_scheduler")
         if self.lr_scheduler is not None and sched is not None and not isinstance(sched, Mapping):
             raise ValueError(f"the state dict's lr_scheduler must be a scheduler's state dict (a dict) or None, got {type(sched).__name__}.")
@@ -577,7 +572,7 @@ class GradAccumulator:
         if self.lr_scheduler is not None and state_dict.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
         self.micro_step = micro
-        self.windows = state_dict["windows"]
-        self.skipped_windows_host = state_dict.get("skipped_windows_host", 0)
+        self.windows = windows
+        self.skipped_windows_host = skipped
         self._window.load(params, micro != 0)
         self.window_ended = False

@@ -287,6 +287,49 @@ void accumulator_checkpoint_entries() {
   }
 }
 
+// A GradAccumulator checkpoint with one bad counter (case k; 0: a good one, at a window boundary):
+// refused with the entry named, nothing loaded.
+const std::vector<std::pair<std::string, c10::IValue>> kBadCounters = {
+    {"", c10::IValue()},
+    {"steps", c10::IValue(int64_t{5})},
+    {"micro_step", c10::IValue(int64_t{2})},
+    {"micro_step", c10::IValue(-1.5)},
+    {"windows", c10::IValue(int64_t{-3})},
+    {"skipped_windows_host", c10::IValue(int64_t{-1})},
+};
+
+void accumulator_counter_entries() {
+  for (size_t k = 0; k < kBadCounters.size(); ++k) {
+    at::Tensor a = at::ones({3}).set_requires_grad(true);
+    AdamW source(std::vector<at::Tensor>{a}, AdamWOptions(0.05));
+    const auto& [bad_key, bad_value] = kBadCounters[k];
+    auto buf = saved([&](OutputArchive& ar) {
+      for (const auto& [key, good] : std::vector<std::pair<std::string, c10::IValue>>{
+               {"steps", c10::IValue(int64_t{2})}, {"micro_step", c10::IValue(int64_t{0})},
+               {"windows", c10::IValue(int64_t{4})}, {"skipped_windows_host", c10::IValue(int64_t{1})}}) {
+        ar.write(key, key == bad_key ? bad_value : good);
+      }
+      OutputArchive opt_archive(ar.compilation_unit());
+      source.save(opt_archive);
+      ar.write("optimizer", opt_archive);
+    });
+    at::Tensor b = at::ones({3}).set_requires_grad(true);
+    AdamW target(std::vector<at::Tensor>{b}, AdamWOptions(0.01));
+    ampfuse::GradAccumulator acc(target, nullptr, ampfuse::GradAccumulatorOptions(2));
+    InputArchive in;
+    in.load_from(buf);
+    const std::string key = "acc_counters/" + std::to_string(k);
+    const std::string message = message_of([&] { acc.load(in); });
+    if (k == 0) {
+      put(key + "/loaded", message.empty() && acc.windows() == 4 && acc.skipped_windows_host() == 1 &&
+                               options_of<AdamWOptions>(target, 0).lr() == 0.05);
+    } else {
+      put(key + "/message", message);
+      put(key + "/unchanged", acc.windows() == 0 && options_of<AdamWOptions>(target, 0).lr() == 0.01);
+    }
+  }
+}
+
 // An optimizer checkpoint written entry by entry in torch's layout: one group (lr 0.05) whose
 // params are keyed "1", "2", ... with states[i] the entries of param i.
 using StateEntries = std::vector<std::pair<std::string, c10::IValue>>;
@@ -431,6 +474,7 @@ int main(int argc, char** argv) {
       {"accumulator_checkpoint_entries", accumulator_checkpoint_entries},
       {"optimizer_checkpoint_entries", optimizer_checkpoint_entries},
       {"group_hyper_entries", group_hyper_entries},
+      {"accumulator_counter_entries", accumulator_counter_entries},
   };
   for (const auto& [name, run] : cases) put(std::string("error/") + name, message_of(run));
   const std::vector<char> bytes = torch::pickle_save(c10::IValue(out));
