@@ -12,8 +12,10 @@ checkpoint.
 
 The sequence (CPU): bf16 params, ``AdamW`` with fp32 masters, a ``GradScaler`` with hysteresis and
 a short growth interval, an inf and a NaN injected, ``unscale_and_clip_`` on some iterations; then
-a ``GradAccumulator`` (2 micro-batches, clipping) over three windows, one of them overflowing. The
-C++ program writes its inputs too, so both sides start from the same bits.
+a ``GradAccumulator`` (2 micro-batches, clipping) over three windows, one of them overflowing; then
+a run with 16-bit remainders and bf16 moments, windows of 3 with overflows at seeded places, whose
+checkpoint taken inside an overflowed window is loaded into fresh objects by each surface's own
+checkpoint API. The C++ program writes its inputs too, so both sides start from the same bits.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ def _run_python(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             acc.backward(_loss(params, xs))
         res[f"scale2/{k}"] = scaler._scale.clone()
 
+    res.update(_run_python_resumed(d))
     for i, p in enumerate(params):
         state = opt.state[p]
         res[f"out/param/{i}"] = p.detach().clone()
@@ -97,18 +100,66 @@ def _run_python(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return res
 
 
+_MICRO3, _RESUME_AFTER3 = 16, 7
+
+
+def _run_python_resumed(d: dict[str, torch.Tensor], resume: bool = True) -> dict[str, torch.Tensor]:
+    """Phase 3: remainders and bf16 moments, windows of 3 with seeded overflows, and a
+    mid-window checkpoint loaded into a fresh optimizer, scaler and accumulator (or, with
+    ``resume=False``, the same run without the checkpoint)."""
+    res: dict[str, torch.Tensor] = {}
+
+    def build(params: list[torch.Tensor]):
+        opt = ampfuse.optim.AdamW(params, lr=3e-3, weight_decay=0.01, master_weights="remainder",
+                                  state_dtype=torch.bfloat16)
+        scaler = ampfuse.GradScaler("cpu", init_scale=256.0, growth_interval=2)
+        return opt, scaler, ampfuse.GradAccumulator(torch.nn.Module(), opt, scaler, steps=3, max_grad_norm=0.7)
+
+    params = [d[f"init3/{i}"].clone().requires_grad_(True) for i in range(_NUM_PARAMS)]
+    opt, scaler, acc = build(params)
+    for k in range(_MICRO3):
+        xs = [d[f"x3/{k}/{i}"] for i in range(_NUM_PARAMS)]
+        with acc.accumulate():
+            acc.backward(_loss(params, xs))
+        res[f"scale3/{k}"] = scaler._scale.clone()
+        if resume and k == _RESUME_AFTER3:
+            saved = copy.deepcopy(acc.state_dict())
+            params = [p.detach().clone().requires_grad_(True) for p in params]
+            opt, scaler, acc = build(params)
+            acc.load_state_dict(saved)
+    for i, p in enumerate(params):
+        state = opt.state[p]
+        res[f"out3/param/{i}"] = p.detach().clone()
+        res[f"out3/remainder/{i}"] = state["master_remainder"].clone()
+        res[f"out3/exp_avg/{i}"] = state["exp_avg"].clone()
+        res[f"out3/exp_avg_sq/{i}"] = state["exp_avg_sq"].clone()
+        res[f"out3/step/{i}"] = state["step"].clone()
+    res["out3/scale"] = scaler._scale.clone()
+    res["out3/stats"] = scaler._stats.clone()
+    res["out3/windows"] = torch.tensor(acc.windows)
+    return res
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def test_cpp_and_python_give_bitwise_identical_tensors(cpp_results):
     py = _run_python(cpp_results)
-    compared = [k for k in cpp_results if not (k.startswith("init/") or k.startswith("x"))]
+    compared = [k for k in cpp_results
+                if not (k.startswith("init") or k.startswith("x") or k == "faults3")]
     assert set(compared) == set(py), sorted(set(compared) ^ set(py))
     for key in sorted(compared):
         a, b = cpp_results[key], py[key]
         assert a.dtype == b.dtype and a.shape == b.shape, (key, a.dtype, b.dtype, a.shape, b.shape)
         assert torch.equal(_bits(a), _bits(b)), (key, a, b)
+
+
+def test_a_mid_window_resume_gives_the_bits_of_the_run_without_it(cpp_results):
+    resumed, straight = _run_python_resumed(cpp_results), _run_python_resumed(cpp_results, resume=False)
+    assert set(resumed) == set(straight)
+    for key in sorted(resumed):
+        assert torch.equal(_bits(resumed[key]), _bits(straight[key])), key
 
 
 def test_the_sequence_exercises_skips_growth_and_clipping(cpp_results):
@@ -122,6 +173,12 @@ def test_the_sequence_exercises_skips_growth_and_clipping(cpp_results):
     assert cpp_results["out/stats"].tolist() == [11, 4, 2, 0]  # updates, overflows, backoffs, floor
     assert all(float(cpp_results[f"out/step/{i}"]) == 7 for i in range(_NUM_PARAMS))
     assert 0.5 < float(cpp_results["norm/1"]) < float("inf")  # clipping was active
+    faults = cpp_results["faults3"].tolist()
+    assert faults[6] != 0 and sum(f != 0 for f in faults) >= 2  # the checkpointed window overflowed
+    assert float(cpp_results["out3/windows"]) == _MICRO3 // 3
+    assert 0 < cpp_results["out3/stats"][1] < _MICRO3 // 3  # some windows skipped, some stepped
+    assert cpp_results["out3/remainder/0"].dtype == torch.int16
+    assert cpp_results["out3/exp_avg/0"].dtype == torch.bfloat16
     assert cpp_results["out/master/0"].dtype == torch.float32
     assert cpp_results["out/param/0"].dtype == torch.bfloat16
 

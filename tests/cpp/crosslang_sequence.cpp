@@ -4,7 +4,8 @@
 //
 // The sequence, on the CPU: bf16 params, AdamW with fp32 masters, a GradScaler with hysteresis
 // and a short growth interval, overflows injected into two iterations, unscale_and_clip_ on some;
-// then a GradAccumulator (2 micro-batches, clipping) over three windows with one overflow.
+// then a GradAccumulator (2 micro-batches, clipping) over three windows with one overflow; then a
+// run with remainders and bf16 moments whose mid-window checkpoint is loaded into fresh objects.
 //
 // Usage: ampfuse_crosslang OUTPUT_FILE
 #include <ATen/ATen.h>
@@ -13,6 +14,8 @@
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <memory>
+#include <sstream>
 #include <string>
 
 #include "ampfuse/ampfuse.h"
@@ -21,6 +24,8 @@ namespace {
 
 const std::vector<std::vector<int64_t>> kShapes = {{7, 5}, {5}, {33}};
 const float kInf = std::numeric_limits<float>::infinity();
+const int64_t kMicro3 = 16;
+const int64_t kResumeAfter3 = 7;  // inside the third window
 
 at::Tensor loss_of(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& xs) {
   at::Tensor loss = at::zeros({});
@@ -83,6 +88,78 @@ int main(int argc, char** argv) {
       acc.backward(loss_of(params, xs));
       out.insert("scale2/" + std::to_string(k), scaler.get_scale_async().clone());
     }
+  }
+
+  // Phase 3: a resumed run. bf16 params with 16-bit remainders and bf16 moments, windows of 3
+  // micro-batches with overflows at seeded places; a checkpoint taken inside a window is loaded
+  // into a fresh optimizer, scaler and accumulator, which carry on.
+  {
+    std::vector<at::Tensor> p3;
+    for (size_t i = 0; i < kShapes.size(); ++i) {
+      p3.push_back((at::randn(kShapes[i]) * 0.5).to(at::kBFloat16).set_requires_grad(true));
+      out.insert("init3/" + std::to_string(i), p3.back().detach().clone());
+    }
+    const auto options = ampfuse::optim::AdamWOptions(3e-3)
+                             .weight_decay(0.01)
+                             .master_remainders(true)
+                             .state_dtype(at::kBFloat16);
+    const auto acc_options = ampfuse::GradAccumulatorOptions(3).max_grad_norm(0.7);
+    const auto scaler_options = ampfuse::GradScalerOptions().init_scale(256.0).growth_interval(2);
+    // Per micro-batch: 0 nothing, 1 an inf, 2 a NaN in one gradient.
+    const at::Tensor faults = (at::rand({kMicro3}) < 0.2).to(at::kLong) * at::randint(1, 3, {kMicro3});
+    faults[6] = 2;  // the checkpoint is taken inside a window that has overflowed
+    out.insert("faults3", faults);
+    auto opt3 = std::make_unique<ampfuse::optim::AdamW>(p3, options);
+    auto scaler3 = std::make_unique<ampfuse::GradScaler>(scaler_options);
+    auto acc3 = std::make_unique<ampfuse::GradAccumulator>(*opt3, scaler3.get(), acc_options);
+    for (int64_t k = 0; k < kMicro3; ++k) {
+      std::vector<at::Tensor> xs;
+      for (size_t i = 0; i < kShapes.size(); ++i) xs.push_back(at::randn(kShapes[i]) * 4);
+      const int64_t fault = faults[k].item<int64_t>();
+      if (fault != 0) {
+        xs[k % kShapes.size()].view({-1})[1] =
+            fault == 1 ? kInf : std::numeric_limits<float>::quiet_NaN();
+      }
+      for (size_t i = 0; i < xs.size(); ++i) {
+        out.insert("x3/" + std::to_string(k) + "/" + std::to_string(i), xs[i]);
+      }
+      acc3->backward(loss_of(p3, xs));
+      out.insert("scale3/" + std::to_string(k), scaler3->get_scale_async().clone());
+      if (k == kResumeAfter3) {
+        std::ostringstream saved;
+        {
+          torch::serialize::OutputArchive archive;
+          acc3->save(archive);
+          archive.save_to(saved);
+        }
+        acc3.reset();
+        scaler3.reset();
+        opt3.reset();
+        std::vector<at::Tensor> fresh;
+        for (const auto& p : p3) fresh.push_back(p.detach().clone().set_requires_grad(true));
+        p3 = fresh;
+        opt3 = std::make_unique<ampfuse::optim::AdamW>(p3, options);
+        scaler3 = std::make_unique<ampfuse::GradScaler>(scaler_options);
+        acc3 = std::make_unique<ampfuse::GradAccumulator>(*opt3, scaler3.get(), acc_options);
+        std::istringstream in(saved.str());
+        torch::serialize::InputArchive archive;
+        archive.load_from(in);
+        acc3->load(archive);
+      }
+    }
+    for (size_t i = 0; i < p3.size(); ++i) {
+      const auto& s = static_cast<const ampfuse::optim::AdamParamState&>(
+          *opt3->state().at(p3[i].unsafeGetTensorImpl()));
+      const std::string n = std::to_string(i);
+      out.insert("out3/param/" + n, p3[i].detach().clone());
+      out.insert("out3/remainder/" + n, s.master_remainder().clone());
+      out.insert("out3/exp_avg/" + n, s.exp_avg().clone());
+      out.insert("out3/exp_avg_sq/" + n, s.exp_avg_sq().clone());
+      out.insert("out3/step/" + n, s.step().clone());
+    }
+    out.insert("out3/scale", scaler3->get_scale_async().clone());
+    out.insert("out3/stats", scaler3->stats().clone());
+    out.insert("out3/windows", at::scalar_tensor(acc3->windows(), at::kLong));
   }
 
   for (size_t i = 0; i < params.size(); ++i) {
