@@ -679,6 +679,49 @@ def test_remainder_special_values_bit_for_bit():
         assert torch.equal(x.view(torch.int16), y.view(torch.int16)), what
 
 
+# ------------------------------------------------------------------------------------------------
+# quantize_blocks / dequantize_blocks
+# ------------------------------------------------------------------------------------------------
+
+QUANT_FORMATS = [(torch.uint8, False), (torch.uint8, True), (torch.float8_e4m3fn, False), (torch.float8_e5m2, True)]
+QUANT_SIZES = [0, 1, 255, 256, 257, 1000 * 256 + 3]  # the last: more blocks than the grid holds
+
+
+@pytest.mark.parametrize(("dtype", "nonnegative"), QUANT_FORMATS, ids=["signed", "unsigned", "e4m3", "e5m2"])
+@pytest.mark.parametrize("num_sms", [1, 3])
+def test_quantize_every_size_and_format(dtype, nonnegative, num_sms):
+    """Codes and absmax bitwise equal to the CPU kernels' (one CUDA block reduces one quantization
+    block; the grid strides over the rest), magnitudes over many decades, zeros, a NaN block and a
+    zero block; then the decoding of those codes, bitwise."""
+
+    def make():
+        out = []
+        for k, n in enumerate(QUANT_SIZES):
+            x = (randn(n, 100 + k) * torch.exp(randn(n, 200 + k) * 5)).float()
+            if nonnegative:
+                x = x.abs()
+            if n > 600:
+                x[300] = math.nan  # the second block
+                x[512:768] = 0.0  # the third
+            out.append(x)
+        return out
+
+    def call(xs):
+        return [ops.quantize_blocks(x, dtype, nonnegative=nonnegative) for x in xs]
+
+    (_, ra), (_, rb) = both(make, call, num_sms)
+    for k, ((ca, ma), (cb, mb)) in enumerate(zip(ra, rb)):
+        assert torch.equal(ca.view(torch.uint8), cb.view(torch.uint8)), QUANT_SIZES[k]
+        assert torch.equal(ma.view(torch.int32), mb.view(torch.int32)), QUANT_SIZES[k]
+
+    def call_decode(pairs):
+        return [ops.dequantize_blocks(c, m, nonnegative=nonnegative) for c, m in pairs]
+
+    (_, da), (_, db) = both(lambda: [(c.clone(), m.clone()) for c, m in ra], call_decode, num_sms)
+    for k, (x, y) in enumerate(zip(da, db)):
+        assert torch.equal(x.view(torch.int32), y.view(torch.int32)), QUANT_SIZES[k]
+
+
 def test_mutation_list_matches_the_kernel_sources():
     """`make cuda-mutants` injects each bug by replacing a text of the kernel sources: every such
     text must still occur exactly once, or the mutant no longer tests anything."""

@@ -56,6 +56,18 @@ at::Tensor clip_coef(const at::Tensor& total_norm, std::optional<double> max_nor
   return handle.call(total_norm, max_norm, max_norm_tensor);
 }
 
+std::tuple<at::Tensor, at::Tensor> quantize_blocks(const at::Tensor& values, c10::ScalarType dtype,
+                                                   bool nonnegative) {
+  static auto handle = op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, c10::ScalarType, bool)>(
+      "ampfuse::quantize_blocks");
+  return handle.call(values, dtype, nonnegative);
+}
+
+at::Tensor dequantize_blocks(const at::Tensor& codes, const at::Tensor& absmax, bool nonnegative) {
+  static auto handle = op<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>("ampfuse::dequantize_blocks");
+  return handle.call(codes, absmax, nonnegative);
+}
+
 void accumulate_grads_(at::TensorList accumulators, at::TensorList grads,
                        const at::Tensor& found_inf, bool zero_grads) {
   static auto handle = op<void(at::TensorList, at::TensorList, const at::Tensor&, bool)>(

@@ -415,6 +415,7 @@ const KernelTable& kernel_table() {
     t.clip_coef = &clip_coef;
     t.error_string = &error_string;
     fill_optim_kernels(t);
+    fill_quant_kernels(t);
     return t;
   }();
   return table;

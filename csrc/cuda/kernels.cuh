@@ -50,5 +50,6 @@ inline cudaStream_t stream_of(const LaunchContext& ctx) {
 // The CUDA kernel table (amp_kernels.cu); optim_kernels.cu fills its optimizer entries.
 const KernelTable& kernel_table();
 void fill_optim_kernels(KernelTable& table);
+void fill_quant_kernels(KernelTable& table);  // quant_kernels.cu
 
 }  // namespace ampfuse::cuda

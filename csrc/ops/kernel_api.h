@@ -126,6 +126,25 @@ struct OptimArgs {
   const float* clip_coef;   // grads are multiplied by it, or null
 };
 
+// quantize_blocks_ / dequantize_blocks: a flat fp32 run and its 8-bit block-scaled form (the
+// format of ops/rules.h: ceil(numel / kQuantBlock) absmax values, one byte per element).
+struct QuantizeArgs {
+  const float* values;  // numel elements
+  uint8_t* codes;       // numel bytes
+  float* absmax;        // one per block
+  int64_t numel;
+  QuantFormat format;
+  bool nonnegative;
+};
+
+struct DequantizeArgs {
+  const uint8_t* codes;
+  const float* absmax;
+  float* values;
+  int64_t numel;
+  QuantFormat format;
+};
+
 // A backend's kernels. Each entry returns 0 on success or a backend status that error_string
 // describes. Workspace: the op layer passes `*_workspace(...)` bytes of device memory (none when
 // 0) to the matching call: persistent memory left zeroed by the previous call when
@@ -140,6 +159,8 @@ struct KernelTable {
   size_t (*optim_workspace)(const OptimArgs&, const LaunchContext&);
   int (*sgd_step)(const OptimArgs&, const SgdHyper&, void* workspace, const LaunchContext&);
   int (*adam_step)(const OptimArgs&, const AdamHyper&, void* workspace, const LaunchContext&);
+  int (*quantize)(const QuantizeArgs&, const LaunchContext&);
+  int (*dequantize)(const DequantizeArgs&, const LaunchContext&);
   const char* (*error_string)(int status);
 };
 

@@ -341,6 +341,48 @@ at::Tensor clip_coef(const Backend& b, const at::Tensor& total_norm, std::option
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> quantize_blocks(const Backend& b, const at::Tensor& values,
+                                                   c10::ScalarType dtype, bool nonnegative) {
+  const QuantFormat format = detail::check_quantize_args(values, dtype, nonnegative);
+  const c10::SymInt blocks = (values.sym_numel() + (kQuantBlock - 1)) / kQuantBlock;
+  at::Tensor codes = at::empty_symint(values.sym_sizes(), values.options().dtype(dtype));
+  at::Tensor absmax = at::empty_symint({blocks}, values.options());
+  if (b.table == nullptr || values.numel() == 0) return {codes, absmax};
+  const c10::DeviceGuard guard(values.device());
+  const at::Tensor flat = values.contiguous();
+  kernels::QuantizeArgs args{};
+  args.values = flat.const_data_ptr<float>();
+  args.codes = static_cast<uint8_t*>(codes.mutable_data_ptr());
+  args.absmax = absmax.mutable_data_ptr<float>();
+  args.numel = values.numel();
+  args.format = format;
+  args.nonnegative = nonnegative;
+  detail::CallResources res(b, values.device());
+  const kernels::KernelTable& table = b.table();
+  check_status(table, table.quantize(args, res.ctx()), res, "quantize_blocks");
+  return {codes, absmax};
+}
+
+at::Tensor dequantize_blocks(const Backend& b, const at::Tensor& codes, const at::Tensor& absmax,
+                             bool nonnegative) {
+  const QuantFormat format = detail::check_dequantize_args(codes, absmax, nonnegative);
+  at::Tensor values = at::empty_symint(codes.sym_sizes(), codes.options().dtype(at::kFloat));
+  if (b.table == nullptr || codes.numel() == 0) return values;
+  const c10::DeviceGuard guard(codes.device());
+  const at::Tensor flat = codes.contiguous();
+  const at::Tensor scales = absmax.contiguous();
+  kernels::DequantizeArgs args{};
+  args.codes = static_cast<const uint8_t*>(flat.const_data_ptr());
+  args.absmax = scales.const_data_ptr<float>();
+  args.values = values.mutable_data_ptr<float>();
+  args.numel = codes.numel();
+  args.format = format;
+  detail::CallResources res(b, codes.device());
+  const kernels::KernelTable& table = b.table();
+  check_status(table, table.dequantize(args, res.ctx()), res, "dequantize_blocks");
+  return values;
+}
+
 void accumulate_grads(const Backend& b, at::TensorList accumulators, at::TensorList grads,
                       const at::Tensor& found_inf, bool zero_grads) {
   detail::check_accumulate_args(accumulators, grads, found_inf);

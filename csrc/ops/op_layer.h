@@ -59,6 +59,12 @@ at::Tensor clip_coef(const Backend& b, const at::Tensor& total_norm, std::option
 void accumulate_grads(const Backend& b, at::TensorList accumulators, at::TensorList grads,
                       const at::Tensor& found_inf, bool zero_grads);
 
+std::tuple<at::Tensor, at::Tensor> quantize_blocks(const Backend& b, const at::Tensor& values,
+                                                   c10::ScalarType dtype, bool nonnegative);
+
+at::Tensor dequantize_blocks(const Backend& b, const at::Tensor& codes, const at::Tensor& absmax,
+                             bool nonnegative);
+
 void sgd_step(const Backend& b, at::TensorList params, at::TensorList grads,
               at::TensorList master_params, at::TensorList momentum_buffers, at::TensorList steps,
               double lr, const std::optional<at::Tensor>& lr_tensor, double momentum,
@@ -118,6 +124,12 @@ void register_kernels(torch::Library& m) {
   m.impl("accumulate_grads_", [](at::TensorList accumulators, at::TensorList grads,
                                  const at::Tensor& found_inf, bool zero_grads) {
     accumulate_grads(B, accumulators, grads, found_inf, zero_grads);
+  });
+  m.impl("quantize_blocks", [](const at::Tensor& values, c10::ScalarType dtype, bool nonnegative) {
+    return quantize_blocks(B, values, dtype, nonnegative);
+  });
+  m.impl("dequantize_blocks", [](const at::Tensor& codes, const at::Tensor& absmax, bool nonnegative) {
+    return dequantize_blocks(B, codes, absmax, nonnegative);
   });
   m.impl("sgd_step_",
          [](at::TensorList params, at::TensorList grads, at::TensorList master_params,

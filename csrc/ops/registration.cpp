@@ -50,6 +50,14 @@ TORCH_LIBRARY(ampfuse, m) {
   m.def(
       "accumulate_grads_(Tensor(a!)[] accumulators, Tensor(b!)[] grads, Tensor(c!) found_inf, *, "
       "bool zero_grads=True) -> ()");
+  // The 8-bit block-scaled form of optimizer state (ops/rules.h): fp32 values cut in their flat
+  // order into blocks of 256, each with an fp32 absmax and one byte per value (torch.uint8: the
+  // dynamic map, signed, or unsigned for nonnegative values; torch.float8_e4m3fn/e5m2: the fp8
+  // value of value / absmax scaled to the format's range), nearest encoding. nonnegative (second
+  // moments): negative values encode as 0, positive ones never as 0. Returns (codes, absmax) /
+  // the fp32 values, fresh tensors of the input's shape.
+  m.def("quantize_blocks(Tensor values, ScalarType dtype, *, bool nonnegative=False) -> (Tensor, Tensor)");
+  m.def("dequantize_blocks(Tensor codes, Tensor absmax, *, bool nonnegative=False) -> Tensor");
   // Fused SGD step (torch.optim.SGD semantics) over one list, in one pass: grads divided by
   // grad_scale and multiplied by clip_coef; nothing at all changes when found_inf is set; masters
   // (if given: fp32 tensors for fp16/bf16 params, or int16 remainders for bf16 params, which

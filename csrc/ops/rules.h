@@ -171,6 +171,104 @@ AMPFUSE_HOST_DEVICE void split_master(float m, uint16_t* p, int16_t* r) {
   *r = static_cast<int16_t>(static_cast<int32_t>(b - (hi << 16)));
 }
 
+// ---- 8-bit block-scaled state --------------------------------------------------------------
+//
+// A state tensor in 8 bits is cut, in its flat element order, into blocks of kQuantBlock elements
+// (the last one may be shorter); each block keeps one fp32 absmax (the largest magnitude of its
+// values, NaN when one of them is NaN) and one byte per element. A byte decodes as
+// table[index] * absmax, with the format's table of magnitudes normalised to [0, 1] (its largest
+// finite entry is exactly 1, so a block's largest value decodes to exactly its absmax):
+//   Dynamic8Signed   torch.uint8, sign bit + a 7-bit index into 128 magnitudes (0, then seven
+//                    decades 1e-7..1 with 1, 2, 4, 8, 16, 32 and 63 linear steps, then 1): for
+//                    values of either sign (first moments, momentum)
+//   Dynamic8Unsigned torch.uint8, an 8-bit index into 256 magnitudes (0, seven decades with 2, 4,
+//                    ..., 128 steps, then 1): for values >= 0 (second moments), twice the
+//                    resolution
+//   E4M3 / E5M2      torch.float8_e4m3fn / torch.float8_e5m2: the byte is the fp8 value of
+//                    value / absmax * 448 (57344), i.e. the fp8 number scaled per block
+// The dynamic tables follow the construction of Dettmers et al., "8-bit Optimizers via Block-wise
+// Quantization" (2022): in each decade, the midpoints of an even split of [0.1, 1]. Encoding
+// picks the nearest entry (ties: the even index). With `nonnegative` (second moments), negative
+// values encode as 0 and a positive value never encodes as 0 (the smallest positive entry
+// instead), so a moment that the update divides by never becomes exactly 0.
+enum class QuantFormat : uint8_t { Dynamic8Signed = 0, Dynamic8Unsigned = 1, E4M3 = 2, E5M2 = 3 };
+
+constexpr int64_t kQuantBlock = 256;
+
+// Entries in the format's table (a power of two); the index is the byte's low 7 bits for the
+// signed formats, the whole byte for Dynamic8Unsigned.
+AMPFUSE_HOST_DEVICE int quant_table_size(QuantFormat f) {
+  return f == QuantFormat::Dynamic8Unsigned ? 256 : 128;
+}
+
+// Entry `i` of the format's table, in [0, 1] (ascending); fp8 bytes that are not finite numbers
+// give inf/NaN, as fp8 decodes them. Computed in double and rounded once.
+AMPFUSE_HOST_DEVICE float quant_table_entry(QuantFormat f, int i) {
+  if (f == QuantFormat::E4M3 || f == QuantFormat::E5M2) {
+    const bool e4 = f == QuantFormat::E4M3;
+    const int mbits = e4 ? 3 : 2, bias = e4 ? 7 : 15;
+    const int e = i >> mbits, m = i & ((1 << mbits) - 1);
+    if (e4 && i == 0x7F) return NAN;
+    if (!e4 && e == 31) return m == 0 ? INFINITY : NAN;
+    const double frac = static_cast<double>(m) / static_cast<double>(1 << mbits);
+    const double v = e == 0 ? ldexp(frac, 1 - bias) : ldexp(1.0 + frac, e - bias);
+    return static_cast<float>(v / (e4 ? 448.0 : 57344.0));
+  }
+  const int n = quant_table_size(f);
+  if (i <= 0) return 0.0f;
+  if (i >= n - 1) return 1.0f;
+  // decades 1e-7..1e-6, ..., 0.1..1 with `steps(d)` entries each, from the smallest
+  const bool sign = f == QuantFormat::Dynamic8Signed;
+  int k = i - 1;
+  for (int d = 0; d < 7; ++d) {
+    const int steps = sign ? (d == 6 ? 63 : 1 << d) : 2 << d;
+    if (k < steps) {
+      const double decade[7] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1e0};
+      return static_cast<float>(decade[d] * (0.1 + 0.9 * (2 * k + 1) / (2 * steps)));
+    }
+    k -= steps;
+  }
+  return 1.0f;
+}
+
+// NaN-propagating maximum of magnitudes (the block's absmax).
+AMPFUSE_HOST_DEVICE float absmax_combine(float a, float b) { return (b > a || b != b) ? b : a; }
+
+// The byte of `x` in a block of absmax `absmax` (> 0 and finite; a block whose absmax is 0 or NaN
+// stores zero bytes), given the format's table.
+AMPFUSE_HOST_DEVICE uint8_t quant_encode(float x, float absmax, const float* table, QuantFormat f,
+                                         bool nonnegative) {
+  const int n = quant_table_size(f);
+  const bool sign = f != QuantFormat::Dynamic8Unsigned;
+  const bool negative = x < 0.0f;
+  const float a = (negative && nonnegative) ? 0.0f : fabsf(x) / absmax;
+  // the first index whose entry is >= a (entries past the finite ones are inf/NaN: never < a)
+  int lo = 0;
+  for (int step = n >> 1; step > 0; step >>= 1) {
+    if (table[lo + step - 1] < a) lo += step;
+  }
+  int idx = lo;
+  if (idx > 0) {
+    const float below = a - table[idx - 1], above = table[idx] - a;
+    if (below < above || (below == above && ((idx - 1) & 1) == 0)) idx -= 1;
+  }
+  if (!(a > 0.0f)) idx = 0;  // 0 and NaN
+  if (nonnegative && idx == 0 && a > 0.0f) idx = 1;
+  return static_cast<uint8_t>(idx | ((sign && negative && idx != 0) ? 0x80 : 0));
+}
+
+// The value of byte `c` in a block of absmax `absmax`.
+AMPFUSE_HOST_DEVICE float quant_decode(uint8_t c, float absmax, const float* table, QuantFormat f) {
+  if (f == QuantFormat::Dynamic8Unsigned) return table[c] * absmax;
+  const float v = table[c & 0x7F] * absmax;
+  return (c & 0x80) ? -v : v;
+}
+
+// The absmax a block stores for the largest magnitude `m` of its values: NaN canonical.
+AMPFUSE_HOST_DEVICE float quant_block_absmax(float m) {
+  return m != m ? bits_float(0x7FC00000u) : m;
+}
+
 // Hyper-parameters of the fused optimizers (the step-dependent factors are derived per tensor from
 // its own step counter, in double precision as torch's for-loop Adam computes them).
 struct SgdHyper {

@@ -77,6 +77,45 @@ ScaleArg check_unscale_args(at::TensorList tensors, const at::Tensor& found_inf,
   return arg;
 }
 
+namespace {
+
+QuantFormat quant_format(c10::ScalarType dtype, bool nonnegative, const char* name) {
+  switch (dtype) {
+    case c10::kByte: return nonnegative ? QuantFormat::Dynamic8Unsigned : QuantFormat::Dynamic8Signed;
+    case c10::kFloat8_e4m3fn: return QuantFormat::E4M3;
+    case c10::kFloat8_e5m2: return QuantFormat::E5M2;
+    default:
+      TORCH_CHECK(false, name, " must be torch.uint8, torch.float8_e4m3fn or torch.float8_e5m2, got ",
+                  dtype_name(dtype), ".");
+  }
+}
+
+}  // namespace
+
+QuantFormat check_quantize_args(const at::Tensor& values, c10::ScalarType dtype, bool nonnegative) {
+  TORCH_CHECK(values.defined(), "values must be a defined tensor.");
+  TORCH_CHECK(values.layout() == c10::kStrided, "values must be a strided (dense) tensor.");
+  TORCH_CHECK(values.scalar_type() == c10::kFloat, "values must be a torch.float32 tensor, got ",
+              dtype_name(values.scalar_type()), ".");
+  return quant_format(dtype, nonnegative, "dtype");
+}
+
+QuantFormat check_dequantize_args(const at::Tensor& codes, const at::Tensor& absmax, bool nonnegative) {
+  TORCH_CHECK(codes.defined(), "codes must be a defined tensor.");
+  TORCH_CHECK(absmax.defined(), "absmax must be a defined tensor.");
+  TORCH_CHECK(codes.layout() == c10::kStrided, "codes must be a strided (dense) tensor.");
+  const QuantFormat f = quant_format(codes.scalar_type(), nonnegative, "codes' dtype");
+  TORCH_CHECK(absmax.layout() == c10::kStrided && absmax.dim() == 1 && absmax.scalar_type() == c10::kFloat,
+              "absmax must be a 1-D torch.float32 tensor, got shape ", absmax.sym_sizes(), " and dtype ",
+              dtype_name(absmax.scalar_type()), ".");
+  const c10::SymInt blocks = (codes.sym_numel() + (kQuantBlock - 1)) / kQuantBlock;
+  TORCH_CHECK(absmax.sym_numel() == blocks, "absmax must hold one value per block of ", kQuantBlock,
+              " codes (", blocks, " for ", codes.sym_numel(), " codes), got ", absmax.sym_numel(), ".");
+  TORCH_CHECK(absmax.device() == codes.device(), "absmax must be on ", codes.device(), " (the codes' device), got ",
+              absmax.device(), ".");
+  return f;
+}
+
 void check_clip_coef_args(const at::Tensor& total_norm, std::optional<double> max_norm,
                           const std::optional<at::Tensor>& max_norm_tensor) {
   TORCH_CHECK(total_norm.defined(), "total_norm must be a defined tensor.");

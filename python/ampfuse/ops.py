@@ -41,6 +41,9 @@ __all__ = [
     "accumulate_grads_",
     "sgd_step_",
     "adam_step_",
+    "quantize_blocks",
+    "dequantize_blocks",
+    "QUANT_BLOCK",
     "join_master",
     "split_master",
     "NUM_SCALE_STATS",
@@ -189,6 +192,48 @@ def clip_coef(
         return torch.ops.ampfuse.clip_coef(total_norm, max_norm_tensor=t)
     _dtensor_support()
     return torch.ops.ampfuse.clip_coef(total_norm, max_norm=float(max_norm))
+
+
+#: Values per block of the 8-bit block-scaled state form (:func:`quantize_blocks`).
+QUANT_BLOCK = 256
+
+
+def quantize_blocks(
+    values: torch.Tensor, dtype: torch.dtype, *, nonnegative: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8-bit block-scaled form of fp32 ``values``, as the optimizers keep 8-bit state.
+
+    ``values`` is cut, in its flat order, into blocks of :data:`QUANT_BLOCK` values (the last one
+    may be shorter). Each block keeps its absmax (largest magnitude, NaN if it holds a NaN) and one
+    byte per value, the entry of a table of magnitudes in ``[0, 1]`` nearest to
+    ``|value| / absmax`` (ties: the even entry):
+
+    * ``torch.uint8``: the dynamic map of Dettmers et al. (2022), a sign bit and 128 magnitudes
+      over seven decades, or with ``nonnegative`` 256 magnitudes and no sign;
+    * ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``: the fp8 number nearest to
+      ``value / absmax * 448`` (``57344``), so the codes are fp8 values scaled per block.
+
+    A block's largest value decodes to exactly its absmax, and requantizing the decoded values
+    gives the same codes and absmax.
+
+    Args:
+        values: float32 tensor, any shape.
+        dtype: ``torch.uint8``, ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        nonnegative: the values are a second moment: negative values encode as 0 and a positive
+            value never as 0 (the smallest positive entry instead).
+
+    Returns:
+        ``(codes, absmax)``: codes of ``values``' shape and ``dtype``, and a 1-D float32 tensor of
+        ``ceil(numel / QUANT_BLOCK)`` absmax values, on ``values``' device.
+    """
+    return torch.ops.ampfuse.quantize_blocks(values, dtype, nonnegative=nonnegative)
+
+
+def dequantize_blocks(codes: torch.Tensor, absmax: torch.Tensor, *, nonnegative: bool = False) -> torch.Tensor:
+    """The float32 values of :func:`quantize_blocks`' ``(codes, absmax)``: each code's table entry
+    times its block's absmax. ``nonnegative`` must be what the codes were made with (it selects the
+    ``torch.uint8`` table)."""
+    return torch.ops.ampfuse.dequantize_blocks(codes, absmax, nonnegative=nonnegative)
 
 
 def update_scale_(

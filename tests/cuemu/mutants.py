@@ -107,9 +107,32 @@ MUTANTS = [
      "    const int64_t end = min(begin + kChunkSize, meta.numel[t]);\n    float* acc",
      "    const int64_t end = min(begin + kChunkSize, meta.numel[t] + 1);\n    float* acc",
      "sanitize"),
+    ("quantize: the block's absmax read before thread 0 published it (no barrier)",
+     "quant_kernels.cu",
+     "      a.absmax[b] = block_absmax[0];\n    }\n    __syncthreads();\n",
+     "      a.absmax[b] = block_absmax[0];\n    }\n"),
+    ("quantize tables: entries read before the block's threads wrote them (no barrier)",
+     "quant_kernels.cu",
+     "  table[threadIdx.x] = table_entry(f, static_cast<int>(threadIdx.x));\n  __syncthreads();\n",
+     "  table[threadIdx.x] = table_entry(f, static_cast<int>(threadIdx.x));\n"),
+    ("quantize: grid-stride loop skips quantization blocks",
+     "quant_kernels.cu",
+     "  for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {\n    const int64_t i = b * kQuantBlock + threadIdx.x;\n    const float x",
+     "  for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x + 1) {\n    const int64_t i = b * kQuantBlock + threadIdx.x;\n    const float x"),
+    ("quantize: a NaN dropped from the block's absmax (a NaN-ignoring maximum)",
+     "quant_kernels.cu",
+     "block_reduce<true>(fabsf(x), partial)",
+     "block_reduce<true>(fabsf(x) == fabsf(x) ? fabsf(x) : 0.0f, partial)"),
+    ("dequantize: one byte past the ragged last block written",
+     "quant_kernels.cu",
+     "    if (i < a.numel) a.values[i] = quant_decode(",
+     "    if (i <= a.numel) a.values[i] = quant_decode(",
+     "sanitize"),
 ]
 
-SUITES = ["tests/test_cuda_kernels.py", "tests/test_ops.py", "tests/test_optim.py", "tests/test_accumulation.py"]
+# The short block-quantization suite first: its mutants are caught without the long suites' run.
+SUITES = ["tests/test_quantization.py", "tests/test_cuda_kernels.py", "tests/test_ops.py", "tests/test_optim.py",
+          "tests/test_accumulation.py"]
 
 
 def compile_entries(build_dir: str, target: str = "ampfuse_cuemu") -> list[dict]:

@@ -356,6 +356,7 @@ int parallel_threads_used() {
 }
 
 void fill_optim_kernels(KernelTable& table);  // optim_kernels.cpp
+void fill_quant_kernels(KernelTable& table);  // quant_kernels.cpp
 
 const KernelTable& kernel_table() {
   static const KernelTable table = [] {
@@ -368,6 +369,7 @@ const KernelTable& kernel_table() {
     t.clip_coef = &clip_coef;
     t.error_string = &error_string;
     fill_optim_kernels(t);
+    fill_quant_kernels(t);
     return t;
   }();
   return table;

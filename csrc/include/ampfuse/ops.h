@@ -56,6 +56,17 @@ std::tuple<at::Tensor, at::Tensor> check_norm_(
 at::Tensor clip_coef(const at::Tensor& total_norm, std::optional<double> max_norm,
                      const std::optional<at::Tensor>& max_norm_tensor = std::nullopt);
 
+// The 8-bit block-scaled form of fp32 `values` (optimizer state): blocks of 256 values in their
+// flat order, one fp32 absmax per block and one byte per value, of `dtype` torch.uint8 (the
+// dynamic map; unsigned when nonnegative) or torch.float8_e4m3fn / torch.float8_e5m2 (the fp8 value
+// of value / absmax scaled to the format's range). nonnegative (second moments): negative values
+// encode as 0, positive ones never as 0. Returns (codes of values' shape, absmax of
+// ceil(numel / 256) values).
+std::tuple<at::Tensor, at::Tensor> quantize_blocks(const at::Tensor& values, c10::ScalarType dtype,
+                                                   bool nonnegative = false);
+// The fp32 values of quantize_blocks' output (`nonnegative` as it was quantized with).
+at::Tensor dequantize_blocks(const at::Tensor& codes, const at::Tensor& absmax, bool nonnegative = false);
+
 // accumulators[i] (fp32) += grads[i] (fp16/bf16/fp32) in one pass; grads are zeroed in the same
 // pass when zero_grads, and found_inf is set to 1 if any sum is inf/NaN (an inf/NaN grad, or an
 // fp32 overflow).

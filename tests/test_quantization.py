@@ -1,0 +1,243 @@
+"""The 8-bit block-scaled state form: ``ops.quantize_blocks`` / ``ops.dequantize_blocks``.
+
+Against a reference written here from the format's definition (the dynamic map of Dettmers et al.
+(2022) built from its construction, the fp8 tables from torch's own fp8 decoding, nearest entry by
+exhaustive search): every table entry, every code's round trip (the property that makes a
+checkpoint of 8-bit state, saved as fp32, load back bitwise), the block structure (ragged last
+block, NaN blocks, absmax per block), the second-moment rules, argument errors, and ``opcheck``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ampfuse import ops
+from conftest import DEVICES
+
+FORMATS = [  # (dtype, nonnegative)
+    (torch.uint8, False),
+    (torch.uint8, True),
+    (torch.float8_e4m3fn, False),
+    (torch.float8_e5m2, False),
+    (torch.float8_e4m3fn, True),
+]
+FORMAT_IDS = ["dynamic-signed", "dynamic-unsigned", "e4m3", "e5m2", "e4m3-nonnegative"]
+BLOCK = ops.QUANT_BLOCK
+
+
+def reference_table(dtype: torch.dtype, nonnegative: bool) -> torch.Tensor:
+    """The format's magnitudes in [0, 1], ascending, as float32 (fp8: inf/NaN where the byte is not
+    a finite number)."""
+    if dtype == torch.uint8:
+        # Dettmers et al. (2022), dynamic quantization: in each decade 10^-7..1, the midpoints of an
+        # even split of [0.1, 1] into `steps` parts; plus 0 and 1.
+        steps = [2 << d for d in range(7)] if nonnegative else [1, 2, 4, 8, 16, 32, 63]
+        values = [0.0]
+        for d, n in enumerate(steps):
+            decade = float(f"1e{d - 6}")
+            values += [decade * (0.1 + 0.9 * (2 * k + 1) / (2 * n)) for k in range(n)]
+        values.append(1.0)
+        return torch.tensor(values, dtype=torch.float64).float()
+    top = 448.0 if dtype == torch.float8_e4m3fn else 57344.0
+    decoded = torch.arange(128, dtype=torch.uint8).view(dtype).double()
+    return (decoded / top).float()
+
+
+def reference_encode(x: torch.Tensor, absmax: float, table: torch.Tensor, signed: bool, nonnegative: bool) -> torch.Tensor:
+    """Nearest entry to |x| / absmax by exhaustive search (ties: the even index)."""
+    a = (x.abs() / absmax) if absmax > 0 else torch.full_like(x, math.nan)
+    if nonnegative:
+        a = torch.where(x < 0, torch.zeros_like(a), a)
+    finite = table[torch.isfinite(table)]
+    dist = (a[:, None] - finite[None, :]).abs()  # float32 subtraction, as the rule computes it
+    best = dist.min(dim=1, keepdim=True).values
+    candidates = dist == best
+    index = torch.arange(finite.numel())
+    # the lowest even index among the nearest, else the lowest
+    even = candidates & (index % 2 == 0)
+    idx = torch.where(even.any(1), (even * (1000 - index)).argmax(1), (candidates * (1000 - index)).argmax(1))
+    idx = torch.where(a > 0, idx, torch.zeros_like(idx))  # 0 and NaN
+    if nonnegative:
+        idx = torch.where((idx == 0) & (a > 0), torch.ones_like(idx), idx)
+    if signed:
+        idx = torch.where((x < 0) & (idx != 0), idx | 0x80, idx)
+    return idx.to(torch.uint8)
+
+
+def codes_of(codes: torch.Tensor) -> torch.Tensor:
+    return codes.view(torch.uint8).reshape(-1)
+
+
+def all_codes(dtype: torch.dtype, nonnegative: bool) -> torch.Tensor:
+    """Every code the format produces for a block whose absmax is 1."""
+    table = reference_table(dtype, nonnegative)
+    finite = [i for i in range(table.numel()) if math.isfinite(float(table[i]))]
+    if dtype == torch.uint8 and nonnegative:
+        return torch.tensor(finite, dtype=torch.uint8)
+    positive = finite if not nonnegative else finite
+    negative = [] if nonnegative else [i | 0x80 for i in finite if i != 0]
+    return torch.tensor(positive + negative, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize(("dtype", "nonnegative"), FORMATS, ids=FORMAT_IDS)
+def test_every_table_entry_is_the_formats_definition(dtype, nonnegative):
+    codes = all_codes(dtype, nonnegative)
+    signed = not (dtype == torch.uint8 and nonnegative)
+    absmax = torch.ones(math.ceil(codes.numel() / BLOCK))
+    decoded = ops.dequantize_blocks(codes.view(dtype) if dtype != torch.uint8 else codes, absmax, nonnegative=nonnegative)
+    table = reference_table(dtype, nonnegative)
+    low = codes.long() & (0x7F if signed else 0xFF)
+    expected = table[low] * torch.where(codes.long() & 0x80 != 0, -1.0, 1.0) if signed else table[low]
+    assert torch.equal(decoded, expected)
+    assert float(table[torch.isfinite(table)].max()) == 1.0  # the block's absmax decodes exactly
+
+
+@pytest.mark.parametrize(("dtype", "nonnegative"), FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("absmax", [1.0, 3.7e-3, 2.5e12, 2.0**-90])
+def test_every_code_survives_a_round_trip_through_fp32(dtype, nonnegative, absmax):
+    # A block of every code, scaled: decode, requantize, and the codes and absmax come back bitwise
+    # (an 8-bit state saved as its fp32 values loads back exactly).
+    codes = all_codes(dtype, nonnegative)
+    codes = torch.cat([codes, codes[codes.numel() // 3:]])  # more than one block, a ragged last
+    top = int(torch.nonzero(reference_table(dtype, nonnegative) == 1.0)[0])
+    codes[::BLOCK] = top  # every block holds its absmax
+    absmax_t = torch.full((math.ceil(codes.numel() / BLOCK),), absmax)
+    stored = codes.view(dtype) if dtype != torch.uint8 else codes
+    values = ops.dequantize_blocks(stored, absmax_t, nonnegative=nonnegative)
+    again, again_absmax = ops.quantize_blocks(values, dtype, nonnegative=nonnegative)
+    assert torch.equal(again_absmax, absmax_t)
+    assert torch.equal(codes_of(again), codes), (codes_of(again) != codes).nonzero()[:5]
+
+
+@pytest.mark.parametrize(("dtype", "nonnegative"), FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_encoding_is_the_nearest_entry(dtype, nonnegative, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = 3 * BLOCK + 77
+    # magnitudes over many decades, both signs, exact zeros, and each block's largest value first
+    x = (torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 6)).float()
+    x[5::31] = 0.0
+    table = reference_table(dtype, nonnegative)
+    # values exactly between two entries (ties) and exactly on entries, in the first block
+    finite = table[torch.isfinite(table)].double()
+    x[1:40] = ((finite[10:49] + finite[11:50]) / 2).float() * x[:BLOCK].abs().max()
+    codes, absmax = ops.quantize_blocks(x, dtype, nonnegative=nonnegative)
+    signed = not (dtype == torch.uint8 and nonnegative)
+    for b in range(absmax.numel()):
+        block = x[b * BLOCK:(b + 1) * BLOCK]
+        m = float(block.abs().max())
+        assert float(absmax[b]) == m
+        expected = reference_encode(block, m, table, signed, nonnegative)
+        got = codes_of(codes)[b * BLOCK:(b + 1) * BLOCK]
+        assert torch.equal(got, expected), (b, (got != expected).nonzero()[:5].tolist())
+
+
+def test_fp8_codes_are_the_fp8_numbers_of_the_scaled_values():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4 * BLOCK, generator=g) * 0.01
+    for dtype, top in ((torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)):
+        codes, absmax = ops.quantize_blocks(x, dtype)
+        decoded = ops.dequantize_blocks(codes, absmax)
+        scaled = codes.float() * (absmax.repeat_interleave(BLOCK) / top)
+        torch.testing.assert_close(decoded, scaled, rtol=2**-22, atol=0)
+        # and equal to torch's round-to-nearest cast of the scaled values, away from exact ties
+        cast = (x / absmax.repeat_interleave(BLOCK) * top).to(dtype)
+        assert (codes.view(torch.uint8) == cast.view(torch.uint8)).float().mean() > 0.99
+
+
+@pytest.mark.parametrize(("dtype", "nonnegative"), FORMATS, ids=FORMAT_IDS)
+def test_blocks_are_independent_and_a_nan_block_decodes_as_nan(dtype, nonnegative):
+    x = torch.rand(2 * BLOCK + 5) + 0.5
+    x[BLOCK + 3] = math.nan
+    codes, absmax = ops.quantize_blocks(x, dtype, nonnegative=nonnegative)
+    assert absmax.shape == (3,)
+    assert math.isnan(float(absmax[1])) and float(absmax[0]) == float(x[:BLOCK].max())
+    assert absmax[1:2].view(torch.int32).item() == 0x7FC00000  # one canonical NaN
+    out = ops.dequantize_blocks(codes, absmax, nonnegative=nonnegative)
+    assert out[BLOCK:2 * BLOCK].isnan().all()
+    alone, _ = ops.quantize_blocks(x[2 * BLOCK:].clone(), dtype, nonnegative=nonnegative)
+    assert torch.equal(codes_of(codes)[2 * BLOCK:], codes_of(alone))  # the ragged block by itself
+
+
+def test_zero_block_and_empty_tensor():
+    codes, absmax = ops.quantize_blocks(torch.zeros(BLOCK + 1), torch.uint8)
+    assert torch.equal(absmax, torch.zeros(2)) and not codes.any()
+    assert torch.equal(ops.dequantize_blocks(codes, absmax), torch.zeros(BLOCK + 1))
+    codes, absmax = ops.quantize_blocks(torch.empty(0, 3), torch.uint8)
+    assert codes.shape == (0, 3) and absmax.shape == (0,)
+    assert ops.dequantize_blocks(codes, absmax).shape == (0, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_second_moment_never_encodes_a_positive_value_as_zero(dtype):
+    x = torch.tensor([1.0, 1e-30, 0.0, -2e-3, 1e-9] + [0.5] * 10)
+    codes, absmax = ops.quantize_blocks(x, dtype, nonnegative=True)
+    out = ops.dequantize_blocks(codes, absmax, nonnegative=True)
+    assert (out[[0, 1, 4]] > 0).all()  # the tiny ones decode to the smallest positive entry
+    assert out[2] == 0 and out[3] == 0  # zero, and a negative value, decode as 0
+    signed, sabsmax = ops.quantize_blocks(x, dtype)
+    assert ops.dequantize_blocks(signed, sabsmax)[1] == 0  # without the rule 1e-30 rounds to 0
+
+
+def test_shapes_and_layouts():
+    x = torch.randn(6, 100).t()  # not contiguous: blocks follow the flat (row-major) order
+    codes, absmax = ops.quantize_blocks(x, torch.uint8)
+    flat_codes, flat_absmax = ops.quantize_blocks(x.contiguous().reshape(-1), torch.uint8)
+    assert codes.shape == x.shape and torch.equal(codes.reshape(-1), flat_codes)
+    assert torch.equal(absmax, flat_absmax)
+    assert ops.dequantize_blocks(codes, absmax).shape == x.shape
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    x = torch.randn(40 * BLOCK * 64 + 3) * 5
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.quantize_blocks(x, torch.uint8)
+        torch.set_num_threads(2)
+        two = ops.quantize_blocks(x, torch.uint8)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+def test_bad_arguments_are_named():
+    x = torch.randn(300)
+    with pytest.raises(RuntimeError, match=r"values must be a torch.float32 tensor, got torch.float16"):
+        ops.quantize_blocks(x.half(), torch.uint8)
+    with pytest.raises(RuntimeError, match=r"dtype must be torch.uint8, torch.float8_e4m3fn or torch.float8_e5m2, got torch.int8"):
+        ops.quantize_blocks(x, torch.int8)
+    codes, absmax = ops.quantize_blocks(x, torch.uint8)
+    with pytest.raises(RuntimeError, match=r"absmax must hold one value per block of 256 codes \(2 for 300 codes\), got 3"):
+        ops.dequantize_blocks(codes, torch.ones(3))
+    with pytest.raises(RuntimeError, match=r"absmax must be a 1-D torch.float32 tensor"):
+        ops.dequantize_blocks(codes, absmax.double())
+    with pytest.raises(RuntimeError, match=r"codes' dtype must be torch.uint8, .* got torch.int16"):
+        ops.dequantize_blocks(codes.short(), absmax)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    x = torch.randn(3, 200, device=device)
+    for dtype, nonnegative in FORMATS:
+        values = x.abs() if nonnegative else x
+        # torch's schema check compares fp8 tensors with arithmetic fp8 does not have on the CPU
+        # ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'): the uint8 formats run it
+        utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+        if dtype == torch.uint8:
+            utils = ("test_schema",) + utils
+        torch.library.opcheck(torch.ops.ampfuse.quantize_blocks.default, (values, dtype), {"nonnegative": nonnegative},
+                              test_utils=utils)
+        codes, absmax = ops.quantize_blocks(values, dtype, nonnegative=nonnegative)
+        torch.library.opcheck(torch.ops.ampfuse.dequantize_blocks.default, (codes, absmax), {"nonnegative": nonnegative},
+                              test_utils=utils)
+
+
+def test_meta_gives_the_shapes():
+    x = torch.empty(5, 300, device="meta")
+    codes, absmax = ops.quantize_blocks(x, torch.float8_e5m2)
+    assert codes.shape == (5, 300) and codes.dtype == torch.float8_e5m2 and absmax.shape == (6,)
+    assert ops.dequantize_blocks(codes, absmax).dtype == torch.float32
