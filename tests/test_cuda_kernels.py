@@ -722,6 +722,59 @@ def test_quantize_every_size_and_format(dtype, nonnegative, num_sms):
         assert torch.equal(x.view(torch.int32), y.view(torch.int32)), QUANT_SIZES[k]
 
 
+@pytest.mark.parametrize("kind", ["adam", "amsgrad", "sgd"])
+@pytest.mark.parametrize("formats", [(torch.uint8, torch.uint8), (torch.float8_e4m3fn, torch.float8_e5m2)],
+                         ids=["uint8", "fp8"])
+@pytest.mark.parametrize("num_sms", [1, 3])
+def test_8bit_state_steps(kind, formats, num_sms):
+    """The fused steps with 8-bit state against the CPU kernels: bf16 params with remainders (the
+    widest master path), quantization blocks inside CUDA chunks and ragged at tensors' ends, more
+    tensors than one launch holds (the step counters' tickets across launches), the schedule's
+    scaled, skipped and tensor-lr steps; params, remainders, codes, absmax and steps bitwise."""
+    nstates = {"sgd": 1, "adam": 2, "amsgrad": 3}[kind]
+    sizes = [1, 255, 257, CHUNK + 300, 2 * CHUNK + 5] + [40 + i for i in range(600)]
+
+    def make():
+        params, grads, masters, states, absmax, steps = [], [], [], [[] for _ in range(nstates)], [[] for _ in range(nstates)], []
+        for k, n in enumerate(sizes):
+            w = randn(n, 10 + k).float()
+            params.append(w.to(torch.bfloat16))
+            masters.append(ops.split_master(w)[1])
+            grads.append((randn(n, 5000 + k) * 8).to(torch.bfloat16))
+            for j in range(nstates):
+                x = randn(n, 9000 + 7 * k + j).float() * 1e-2
+                c, a = ops.quantize_blocks(x * x if j else x, formats[min(j, 1)], nonnegative=j > 0)
+                states[j].append(c)
+                absmax[j].append(a)
+            steps.append(torch.full((), 2.0))
+        return params, grads, masters, states, absmax, steps
+
+    def call(x):
+        params, grads, masters, states, absmax, steps = x
+        for found, scale, clip, lr in SCHEDULE:
+            sc = dict(found_inf=None if found is None else torch.full((1,), found),
+                      grad_scale=None if scale is None else torch.full((1,), scale),
+                      clip_coef=None if clip is None else torch.full((1,), clip))
+            if kind == "sgd":
+                ops.sgd_step_(params, grads, masters, states[0], steps, lr=torch.full((1,), lr) if lr else 0.05,
+                              momentum=0.9, weight_decay=0.01, momentum_absmax=absmax[0], **sc)
+            else:
+                ops.adam_step_(params, grads, masters, states[0], states[1], states[2] if kind == "amsgrad" else [],
+                               steps, lr=torch.full((1,), lr) if lr else 1e-2, weight_decay=0.1, decoupled_weight_decay=True,
+                               amsgrad=kind == "amsgrad", exp_avg_absmax=absmax[0], exp_avg_sq_absmax=absmax[1],
+                               max_exp_avg_sq_absmax=absmax[2] if kind == "amsgrad" else [], **sc)
+
+    (a, _), (b, _) = both(make, call, num_sms)
+    if not _bitwise():  # the DEFAULT CPU build rounds its multiply-adds twice
+        pytest.skip(f"the {native_name()} CPU kernels are not bitwise comparable")
+    for what, i in [("params", 0), ("remainders", 2), ("steps", 5)]:
+        assert_all_same([t.view(torch.int16) if t.dtype == torch.bfloat16 else t for t in a[i]],
+                        [t.view(torch.int16) if t.dtype == torch.bfloat16 else t for t in b[i]], what)
+    for j in range(nstates):
+        assert_all_same([c.view(torch.uint8) for c in a[3][j]], [c.view(torch.uint8) for c in b[3][j]], f"codes{j}")
+        assert_all_same(a[4][j], b[4][j], f"absmax{j}")
+
+
 def test_mutation_list_matches_the_kernel_sources():
     """`make cuda-mutants` injects each bug by replacing a text of the kernel sources: every such
     text must still occur exactly once, or the mutant no longer tests anything."""

@@ -241,3 +241,144 @@ def test_meta_gives_the_shapes():
     codes, absmax = ops.quantize_blocks(x, torch.float8_e5m2)
     assert codes.shape == (5, 300) and codes.dtype == torch.float8_e5m2 and absmax.shape == (6,)
     assert ops.dequantize_blocks(codes, absmax).dtype == torch.float32
+
+
+# ---- the fused steps with 8-bit state ------------------------------------------------------------
+
+STATE_FORMATS = {  # (first moment / momentum, second moments)
+    "uint8": (torch.uint8, torch.uint8),
+    "fp8": (torch.float8_e4m3fn, torch.float8_e5m2),
+    "e4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn),
+    "mixed": (torch.uint8, torch.float8_e5m2),
+}
+STEP_SIZES = [1, 255, 257, 4099, 2 * 16384 + 5, 32768 + 300]
+
+
+def _quantized(x: torch.Tensor, dtype: torch.dtype, nonnegative: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return ops.quantize_blocks(x.float(), dtype, nonnegative=nonnegative)
+
+
+def _step_inputs(kind, pdtype, master, formats, seed, sizes=STEP_SIZES):
+    g = torch.Generator().manual_seed(seed)
+    params, grads, masters, steps = [], [], [], []
+    nstates = {"sgd": 1, "adam": 2, "amsgrad": 3}[kind]
+    states = [[] for _ in range(nstates)]
+    for n in sizes:
+        w = torch.randn(n, generator=g)
+        params.append(w.to(pdtype))
+        grads.append((torch.randn(n, generator=g) * 64).to(pdtype))
+        if master == "float":
+            masters.append(w.clone())
+        elif master == "remainder":
+            masters.append(ops.split_master(w)[1])
+        for k in range(nstates):
+            nonneg = k > 0
+            x = torch.randn(n, generator=g) * 1e-2
+            x = x * x if nonneg else x
+            dtype = formats[0] if k == 0 else formats[1]
+            states[k].append(_quantized(x, dtype, nonneg))
+        steps.append(torch.full((), 3.0))
+    return params, grads, masters, states, steps
+
+
+def _run_step(kind, inputs, quantized, scaling):
+    params, grads, masters, states, steps = (
+        [t.clone() for t in inputs[0]], inputs[1], [t.clone() for t in inputs[2]],
+        [[(c.clone(), a.clone()) for c, a in lst] for lst in inputs[3]], [t.clone() for t in inputs[4]])
+    nonneg = [k > 0 for k in range(len(states))]
+    if quantized:
+        codes = [[c for c, _ in lst] for lst in states]
+        absmax = [[a for _, a in lst] for lst in states]
+        lists = codes
+    else:
+        lists = [[ops.dequantize_blocks(c, a, nonnegative=nonneg[k]) for c, a in lst] for k, lst in enumerate(states)]
+    if kind == "sgd":
+        extra = {"momentum_absmax": absmax[0]} if quantized else {}
+        ops.sgd_step_(params, grads, masters, lists[0], steps, lr=0.1, momentum=0.9, dampening=0.1,
+                      weight_decay=1e-2, nesterov=False, **scaling, **extra)
+    else:
+        extra = {}
+        if quantized:
+            extra = {"exp_avg_absmax": absmax[0], "exp_avg_sq_absmax": absmax[1]}
+            if kind == "amsgrad":
+                extra["max_exp_avg_sq_absmax"] = absmax[2]
+        ops.adam_step_(params, grads, masters, lists[0], lists[1], lists[2] if kind == "amsgrad" else [], steps,
+                       lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=1e-2, amsgrad=kind == "amsgrad",
+                       decoupled_weight_decay=True, **scaling, **extra)
+    if quantized:
+        out_states = [list(zip(codes[k], absmax[k])) for k in range(len(states))]
+    else:
+        dtypes = [states[k][0][0].dtype for k in range(len(states))]
+        out_states = [[_quantized(x, dtypes[k], nonneg[k]) for x in lists[k]] for k in range(len(states))]
+    return params, masters, out_states, steps
+
+
+def _assert_bitwise(a, b):
+    (pa, ma, sa, ta), (pb, mb, sb, tb) = a, b
+    for x, y in zip(pa + ma + ta, pb + mb + tb):
+        assert torch.equal(x.view(torch.uint8) if x.dtype.itemsize == 1 else x, y.view(torch.uint8) if y.dtype.itemsize == 1 else y) or torch.equal(x, y)
+    for k, (la, lb) in enumerate(zip(sa, sb)):
+        for i, ((ca, aa), (cb, ab)) in enumerate(zip(la, lb)):
+            assert torch.equal(aa, ab), (k, i, "absmax")
+            assert torch.equal(ca.view(torch.uint8), cb.view(torch.uint8)), (k, i, (ca.view(torch.uint8) != cb.view(torch.uint8)).nonzero()[:5])
+
+
+def _scaling(case):
+    if case == "plain":
+        return {}
+    return {"grad_scale": torch.full((1,), 64.0), "clip_coef": torch.full((1,), 0.5), "found_inf": torch.zeros(1)}
+
+
+@pytest.mark.parametrize("kind", ["adam", "amsgrad", "sgd"])
+@pytest.mark.parametrize("formats", list(STATE_FORMATS), ids=list(STATE_FORMATS))
+@pytest.mark.parametrize(("pdtype", "master"), [(torch.float32, "none"), (torch.bfloat16, "float"),
+                                                 (torch.bfloat16, "remainder"), (torch.float16, "float"),
+                                                 (torch.bfloat16, "none")],
+                         ids=["fp32", "bf16-master", "bf16-remainder", "fp16-master", "bf16"])
+@pytest.mark.parametrize("scaling", ["plain", "scaled"])
+def test_the_8bit_step_is_the_fp32_step_on_the_dequantized_state_requantized(kind, formats, pdtype, master, scaling):
+    # One pass: each block dequantized, updated in fp32 registers, requantized with its new absmax;
+    # bitwise what the fp32 step gives on the decoded state, quantized again.
+    inputs = _step_inputs(kind, pdtype, master, STATE_FORMATS[formats], seed=7)
+    got = _run_step(kind, inputs, True, _scaling(scaling))
+    expected = _run_step(kind, inputs, False, _scaling(scaling))
+    _assert_bitwise(got, expected)
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_a_skipped_8bit_step_writes_nothing(kind):
+    inputs = _step_inputs(kind, torch.bfloat16, "remainder", STATE_FORMATS["fp8"], seed=2)
+    scaling = {"found_inf": torch.ones(1), "grad_scale": torch.full((1,), 2.0)}
+    got = _run_step(kind, inputs, True, scaling)
+    params, _, masters, states, steps = inputs
+    _assert_bitwise(got, (params, masters, states, steps))
+
+
+def test_sgd_8bit_momentum_starts_from_the_first_gradient():
+    inputs = list(_step_inputs("sgd", torch.float32, "none", STATE_FORMATS["uint8"], seed=4))
+    inputs[4] = [torch.zeros(()) for _ in inputs[4]]  # first step: the buffer is the gradient
+    got = _run_step("sgd", inputs, True, {})
+    expected = _run_step("sgd", inputs, False, {})
+    _assert_bitwise(got, expected)
+
+
+def test_8bit_state_argument_errors():
+    p, gr = [torch.randn(300)], [torch.randn(300)]
+    m = [ops.quantize_blocks(torch.zeros(300), torch.uint8)[0]]
+    v, va = ops.quantize_blocks(torch.zeros(300), torch.uint8, nonnegative=True)
+    ma = [torch.zeros(2)]
+    common = dict(lr=1e-3)
+    with pytest.raises(RuntimeError, match=r"exp_avg_sqs\[0\] has dtype torch.float32 but exp_avgs\[0\] has dtype torch.uint8; the state lists of a call are all 8-bit"):
+        ops.adam_step_(p, gr, [], m, [torch.zeros(300)], [], [torch.zeros(())], **common, exp_avg_absmax=ma)
+    with pytest.raises(RuntimeError, match=r"exp_avg_sq_absmax must have one tensor per param \(1\) when exp_avg_sqs are 8-bit, got 0"):
+        ops.adam_step_(p, gr, [], m, [v], [], [torch.zeros(())], **common, exp_avg_absmax=ma)
+    with pytest.raises(RuntimeError, match=r"exp_avg_absmax\[0\] must be a contiguous 1-D torch.float32 tensor on cpu with one value per block of 256 elements of params\[0\] \(2\), got shape \[3\]"):
+        ops.adam_step_(p, gr, [], m, [v], [], [torch.zeros(())], **common, exp_avg_absmax=[torch.zeros(3)],
+                       exp_avg_sq_absmax=[va])
+    with pytest.raises(RuntimeError, match=r"exp_avg_absmax must be empty when exp_avgs are not 8-bit, got 1"):
+        ops.adam_step_(p, gr, [], [torch.zeros(300)], [torch.zeros(300)], [], [torch.zeros(())], **common,
+                       exp_avg_absmax=ma)
+    with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] is 8-bit state and must be contiguous"):
+        big = ops.quantize_blocks(torch.zeros(2, 300), torch.uint8)[0].t()
+        ops.adam_step_([torch.randn(300, 2)], [torch.randn(300, 2)], [], [big], [big.clone()], [], [torch.zeros(())],
+                       **common, exp_avg_absmax=[torch.zeros(3)], exp_avg_sq_absmax=[torch.zeros(3)])

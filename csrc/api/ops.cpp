@@ -89,29 +89,31 @@ void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker,
 
 void sgd_step_(at::TensorList params, at::TensorList grads, at::TensorList master_params,
                at::TensorList momentum_buffers, at::TensorList steps, const SgdStepOptions& o,
-               const StepScaling& sc) {
+               const StepScaling& sc, at::TensorList momentum_absmax) {
   using Opt = const std::optional<at::Tensor>&;
   static auto handle =
       op<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
-              double, Opt, double, double, double, bool, bool, Opt, Opt, Opt)>(
-          "ampfuse::sgd_step_");
+              double, Opt, double, double, double, bool, bool, Opt, Opt, Opt,
+              std::optional<at::TensorList>)>("ampfuse::sgd_step_");
   handle.call(params, grads, master_params, momentum_buffers, steps, o.lr, o.lr_tensor,
               o.momentum, o.dampening, o.weight_decay, o.nesterov, o.maximize, sc.grad_scale,
-              sc.found_inf, sc.clip_coef);
+              sc.found_inf, sc.clip_coef, momentum_absmax);
 }
 
 void adam_step_(at::TensorList params, at::TensorList grads, at::TensorList master_params,
                 at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                 at::TensorList max_exp_avg_sqs, at::TensorList steps, const AdamStepOptions& o,
-                const StepScaling& sc) {
+                const StepScaling& sc, const AdamStateAbsmax& absmax) {
   using Opt = const std::optional<at::Tensor>&;
+  using L = at::TensorList;
+  using OL = std::optional<at::TensorList>;
   static auto handle =
-      op<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
-              at::TensorList, at::TensorList, double, Opt, double, double, double, double, bool,
-              bool, bool, Opt, Opt, Opt)>("ampfuse::adam_step_");
+      op<void(L, L, L, L, L, L, L, double, Opt, double, double, double, double, bool, bool, bool,
+              Opt, Opt, Opt, OL, OL, OL)>("ampfuse::adam_step_");
   handle.call(params, grads, master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, o.lr,
               o.lr_tensor, o.beta1, o.beta2, o.eps, o.weight_decay, o.amsgrad, o.maximize,
-              o.decoupled_weight_decay, sc.grad_scale, sc.found_inf, sc.clip_coef);
+              o.decoupled_weight_decay, sc.grad_scale, sc.found_inf, sc.clip_coef, absmax.exp_avg,
+              absmax.exp_avg_sq, absmax.max_exp_avg_sq);
 }
 
 }  // namespace ampfuse

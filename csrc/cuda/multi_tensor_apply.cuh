@@ -294,4 +294,26 @@ __device__ __forceinline__ T block_reduce(T v, T* shared) {
   return v;
 }
 
+// ---- 8-bit block-scaled state (ops/rules.h) ----------------------------------------------------
+
+static_assert(kBlockSize == kQuantBlock, "one thread per element of a quantization block");
+
+// One entry of a format's table (a call under the emulator: the entry's early returns must not
+// give the barrier after it a different call path per thread, which the host compiler's tail
+// duplication of an inlined body would).
+static __device__ AMPFUSE_PASS_BODY float quant_table_entry_of(QuantFormat f, int i) {
+  return quant_table_entry(f, i);
+}
+
+// The tables of NT formats in shared memory: every thread computes one entry of each (those past
+// a format's size are never read), then the block synchronises.
+template <int NT>
+__device__ __forceinline__ void fill_tables(float (*tables)[256], const QuantFormat* formats) {
+#pragma unroll
+  for (int k = 0; k < NT; ++k) {
+    tables[k][threadIdx.x] = quant_table_entry_of(formats[k], static_cast<int>(threadIdx.x));
+  }
+  __syncthreads();
+}
+
 }  // namespace ampfuse::cuda

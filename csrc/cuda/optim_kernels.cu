@@ -42,6 +42,8 @@ struct SgdKind {
   using Hyper = SgdHyper;
   using Scalars = SgdScalars;
   static constexpr int kStates = 1;
+  // Whether state k is >= 0 (8-bit state: the second-moment form of ops/rules.h).
+  static constexpr __device__ bool nonnegative(int) { return false; }
   static __device__ Scalars scalars(const Hyper& h, double lr, float step) {
     return sgd_scalars(h, lr, step);
   }
@@ -61,6 +63,7 @@ struct AdamKind {
   using Hyper = AdamHyper;
   using Scalars = AdamScalars;
   static constexpr int kStates = kAmsgrad ? 3 : 2;
+  static constexpr __device__ bool nonnegative(int k) { return k > 0; }  // exp_avg_sq, max_exp_avg_sq
   static __device__ Scalars scalars(const Hyper& h, double lr, float step) {
     return adam_scalars(h, lr, step);
   }
@@ -209,6 +212,23 @@ __device__ AMPFUSE_PASS_BODY void process_chunk(T* param, const G* grad,
   }
 }
 
+// After a block's pass over a chunk of tensor t: the last block to finish a chunk of t advances
+// its step (every block of t has read the old value before arriving here).
+template <typename Meta>
+__device__ __forceinline__ void chunk_done(const Meta& meta, const ScaleArgs& sa, int t, float* step) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    unsigned int* counter = sa.counters + meta.index[t];
+    const unsigned int chunks_of_t =
+        static_cast<unsigned int>(meta.chunk_start[t + 1] - meta.chunk_start[t]);
+    if (atomicAdd(counter, 1u) == chunks_of_t - 1) {
+      *step = *step + 1.0f;
+      *counter = 0u;
+    }
+  }
+}
+
 // The pass over every chunk of a launch; `meta` is a TableMeta view (of a table in device memory,
 // or of the by-value metadata).
 template <typename T, typename G, class Kind, MasterKind MK, typename S>
@@ -238,19 +258,7 @@ __device__ AMPFUSE_PASS_BODY void optim_pass(const TableMeta<kLists<Kind>>& meta
                                      static_cast<const G*>(meta.ptr[1][t]),
                                      static_cast<MS*>(meta.ptr[2][t]), state, begin, end, s,
                                      divide, grad_scale, clip);
-    // The last block to finish a chunk of tensor t advances its step (every block of t has read
-    // the old value before arriving here).
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      unsigned int* counter = sa.counters + meta.index[t];
-      const unsigned int chunks_of_t =
-          static_cast<unsigned int>(meta.chunk_start[t + 1] - meta.chunk_start[t]);
-      if (atomicAdd(counter, 1u) == chunks_of_t - 1) {
-        *step = *step + 1.0f;
-        *counter = 0u;
-      }
-    }
+    chunk_done(meta, sa, t, step);
   }
 }
 
@@ -268,18 +276,114 @@ __global__ void __launch_bounds__(kBlockSize, kOptimBlocksPerSM<Kind>)
   optim_pass<T, G, Kind, MK, S>(meta, sa, hyper);
 }
 
+// ---- 8-bit state (OptimArgs::quantized_state) -----------------------------------------------
+// Lists: param, grad, master, the states' codes, their absmax, step. A chunk (a multiple of
+// kQuantBlock elements but at a tensor's end) is walked one quantization block at a time, one
+// element per thread: dequantize each state, update in fp32, write param and master, then per
+// state reduce the block's new absmax and requantize (ops/rules.h).
+template <class Kind>
+constexpr int kQuantLists = 3 + 2 * Kind::kStates + 1;
+
+static_assert(kChunkSize % kQuantBlock == 0, "quantization blocks never straddle chunks");
+
+template <typename T, typename G, class Kind, MasterKind MK>
+__device__ AMPFUSE_PASS_BODY void optim_quant_pass(const TableMeta<kQuantLists<Kind>>& meta,
+                                                   const ScaleArgs& sa, const typename Kind::Hyper& hyper,
+                                                   const QuantFormat* formats) {
+  constexpr int NS = Kind::kStates;
+  constexpr int kStep = kQuantLists<Kind> - 1;
+  using M = Master<MK, T>;
+  using MS = typename M::Storage;
+  AMPFUSE_SHARED(float, tables, [NS][256]);
+  AMPFUSE_SHARED(float, partial, [kBlockSize / 32]);
+  AMPFUSE_SHARED(float, block_absmax, [1]);
+  if (sa.found_inf != nullptr && *sa.found_inf != 0.0f) return;  // skipped: touch nothing
+  fill_tables<NS>(tables, formats);
+  const double lr = sa.lr_tensor ? static_cast<double>(*sa.lr_tensor) : hyper.lr;
+  const float grad_scale = sa.grad_scale ? *sa.grad_scale : 1.0f;
+  const bool divide = sa.grad_scale != nullptr && grad_scale != 1.0f;
+  const float clip = sa.clip_coef ? *sa.clip_coef : 1.0f;
+  const int32_t nchunks = meta.chunk_start[meta.count];
+  for (int32_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const int t = find_tensor(meta, c);
+    const int64_t begin = static_cast<int64_t>(c - meta.chunk_start[t]) * kChunkSize;
+    const int64_t end = min(begin + kChunkSize, meta.numel[t]);
+    float* step = static_cast<float*>(meta.ptr[kStep][t]);
+    const typename Kind::Scalars s = Kind::scalars(hyper, lr, __ldcg(step));
+    T* param = static_cast<T*>(meta.ptr[0][t]);
+    const G* grad = static_cast<const G*>(meta.ptr[1][t]);
+    MS* master = static_cast<MS*>(meta.ptr[2][t]);
+    for (int64_t b0 = begin; b0 < end; b0 += kQuantBlock) {
+      const int64_t i = b0 + threadIdx.x;
+      const int64_t block = b0 / kQuantBlock;
+      const bool live = i < end;
+      float se[NS];
+#pragma unroll
+      for (int k = 0; k < NS; ++k) {
+        const auto* codes = static_cast<const uint8_t*>(meta.ptr[3 + k][t]);
+        const float* absmax = static_cast<const float*>(meta.ptr[3 + NS + k][t]);
+        se[k] = (live && Kind::uses_state(s, k)) ? quant_decode(codes[i], absmax[block], tables[k], formats[k]) : 0.0f;
+      }
+      if (live) {
+        MS m = master ? master[i] : MS{};
+        float p = M::load(param[i], m);
+        float g = to_float(grad[i]);
+        if (divide) g = g / grad_scale;
+        if (clip != 1.0f) g = g * clip;
+        p = Kind::update(p, g, se, s);
+        param[i] = M::store(p, m);
+        if (master) master[i] = m;
+      }
+#pragma unroll
+      for (int k = 0; k < NS; ++k) {
+        if (!Kind::uses_state(s, k)) continue;  // uniform over the block
+        const float mag = block_reduce<true>(live ? fabsf(se[k]) : 0.0f, partial);
+        float* absmax = static_cast<float*>(meta.ptr[3 + NS + k][t]);
+        if (threadIdx.x == 0) {
+          block_absmax[0] = quant_block_absmax(mag);
+          absmax[block] = block_absmax[0];
+        }
+        __syncthreads();
+        if (live) {
+          static_cast<uint8_t*>(meta.ptr[3 + k][t])[i] =
+              quant_encode(se[k], block_absmax[0], tables[k], formats[k], Kind::nonnegative(k));
+        }
+      }
+    }
+    chunk_done(meta, sa, t, step);
+  }
+}
+
+// The formats of a call's state lists, by value.
+struct StateFormats {
+  QuantFormat f[3];
+};
+
+template <typename T, typename G, class Kind, MasterKind MK>
+__global__ void __launch_bounds__(kBlockSize, kOptimBlocksPerSM<Kind>)
+    optim_quant_kernel(const __grid_constant__ TensorListMeta<kQuantLists<Kind>> meta, ScaleArgs sa,
+                       typename Kind::Hyper hyper, StateFormats formats) {
+  optim_quant_pass<T, G, Kind, MK>(view_of(meta), sa, hyper, formats.f);
+}
+
+template <typename T, typename G, class Kind, MasterKind MK>
+__global__ void __launch_bounds__(kBlockSize, kOptimBlocksPerSM<Kind>)
+    optim_quant_table_kernel(const __grid_constant__ TableMeta<kQuantLists<Kind>> meta, ScaleArgs sa,
+                             typename Kind::Hyper hyper, StateFormats formats) {
+  optim_quant_pass<T, G, Kind, MK>(meta, sa, hyper, formats.f);
+}
+
 // Workspace: one arrival counter per tensor of the call. Fresh workspace is zeroed on the stream
 // here; a persistent one (ctx.workspace_zeroed) is left zero by the last block of each tensor.
 size_t optim_workspace(const OptimArgs& a, const LaunchContext&) {
   return sizeof(unsigned int) * static_cast<size_t>(a.num_tensors > 0 ? a.num_tensors : 1);
 }
 
-template <class Kind, typename T, typename G, MasterKind MK, typename S>
-int launch_optim(const OptimArgs& a, const typename Kind::Hyper& hyper, void* workspace,
-                 const LaunchContext& ctx) {
-  constexpr int N = kLists<Kind>;
+// The metadata rows of a call (param, grad, master, states[, absmax], step) and its arrival
+// counters (fresh workspace zeroed here), then `launch(tensors, scale args)`.
+template <class Kind, int N, typename Launch>
+int launch_rows(const OptimArgs& a, void* workspace, const LaunchContext& ctx, const Launch& launch) {
   constexpr int NS = Kind::kStates;
-  const cudaStream_t stream = stream_of(ctx);
   std::vector<HostTensor<N>> tensors;
   tensors.reserve(a.num_tensors);
   for (int64_t i = 0; i < a.num_tensors; ++i) {
@@ -289,6 +393,9 @@ int launch_optim(const OptimArgs& a, const typename Kind::Hyper& hyper, void* wo
     h.ptr[1] = const_cast<void*>(o.grad);
     h.ptr[2] = o.master;
     for (int k = 0; k < NS; ++k) h.ptr[3 + k] = o.state[k];
+    if constexpr (N == kQuantLists<Kind>) {
+      for (int k = 0; k < NS; ++k) h.ptr[3 + NS + k] = o.absmax[k];
+    }
     h.ptr[N - 1] = o.step;
     h.numel = o.numel;
     h.index = static_cast<int32_t>(i);
@@ -296,24 +403,53 @@ int launch_optim(const OptimArgs& a, const typename Kind::Hyper& hyper, void* wo
     tensors.push_back(h);
   }
   if (!ctx.workspace_zeroed) {
-    const cudaError_t err = cudaMemsetAsync(workspace, 0, optim_workspace(a, ctx), stream);
+    const cudaError_t err = cudaMemsetAsync(workspace, 0, optim_workspace(a, ctx), stream_of(ctx));
     if (err != cudaSuccess) return err;
   }
   const ScaleArgs sa{a.lr_tensor, a.grad_scale, a.found_inf, a.clip_coef,
                      static_cast<unsigned int*>(workspace)};
+  return launch(tensors, sa);
+}
+
+template <class Kind, typename T, typename G, MasterKind MK, typename S>
+int launch_optim(const OptimArgs& a, const typename Kind::Hyper& hyper, void* workspace,
+                 const LaunchContext& ctx) {
+  constexpr int N = kLists<Kind>;
+  const cudaStream_t stream = stream_of(ctx);
   constexpr int kPerSM = kOptimBlocksPerSM<Kind>;
-  return multi_tensor_apply<N>(tensors, ctx.num_sms * kPerSM, ctx, [&](const auto& meta, int grid) {
-    if constexpr (std::is_same_v<std::decay_t<decltype(meta)>, TensorListMeta<N>>) {
-      AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, optim_kernel<T, G, Kind, MK, S>)(meta, sa, hyper);
-    } else {
-      AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, optim_table_kernel<T, G, Kind, MK, S>)(meta, sa, hyper);
-    }
+  return launch_rows<Kind, N>(a, workspace, ctx, [&](const auto& tensors, const ScaleArgs& sa) {
+    return multi_tensor_apply<N>(tensors, ctx.num_sms * kPerSM, ctx, [&](const auto& meta, int grid) {
+      if constexpr (std::is_same_v<std::decay_t<decltype(meta)>, TensorListMeta<N>>) {
+        AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, optim_kernel<T, G, Kind, MK, S>)(meta, sa, hyper);
+      } else {
+        AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, optim_table_kernel<T, G, Kind, MK, S>)(meta, sa, hyper);
+      }
+    });
+  });
+}
+
+template <class Kind, typename T, typename G, MasterKind MK>
+int launch_optim_quantized(const OptimArgs& a, const typename Kind::Hyper& hyper, void* workspace,
+                           const LaunchContext& ctx) {
+  constexpr int N = kQuantLists<Kind>;
+  const cudaStream_t stream = stream_of(ctx);
+  constexpr int kPerSM = kOptimBlocksPerSM<Kind>;
+  const StateFormats formats{{a.state_format[0], a.state_format[1], a.state_format[2]}};
+  return launch_rows<Kind, N>(a, workspace, ctx, [&](const auto& tensors, const ScaleArgs& sa) {
+    return multi_tensor_apply<N>(tensors, ctx.num_sms * kPerSM, ctx, [&](const auto& meta, int grid) {
+      if constexpr (std::is_same_v<std::decay_t<decltype(meta)>, TensorListMeta<N>>) {
+        AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, optim_quant_kernel<T, G, Kind, MK>)(meta, sa, hyper, formats);
+      } else {
+        AMPFUSE_LAUNCH(grid, kBlockSize, 0, stream, optim_quant_table_kernel<T, G, Kind, MK>)(meta, sa, hyper, formats);
+      }
+    });
   });
 }
 
 // The supported combinations (see the file comment), state dtype last.
 template <class Kind, typename T, typename G, MasterKind MK>
 int with_state(const OptimArgs& a, const typename Kind::Hyper& h, void* ws, const LaunchContext& ctx) {
+  if (a.quantized_state) return launch_optim_quantized<Kind, T, G, MK>(a, h, ws, ctx);
   if (a.state_dtype == DType::BFloat16) return launch_optim<Kind, T, G, MK, __nv_bfloat16>(a, h, ws, ctx);
   return launch_optim<Kind, T, G, MK, float>(a, h, ws, ctx);
 }

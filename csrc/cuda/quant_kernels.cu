@@ -2,7 +2,7 @@
 // and back, by the rules of ops/rules.h. One CUDA block of kQuantBlock threads per quantization
 // block (grid-stride over the blocks): each thread holds one element, the block reduces their
 // magnitudes to the absmax, and every thread encodes its element with it. The format's table is
-// computed into shared memory by the block's threads, one entry each.
+// computed into shared memory by the block's threads (fill_tables, multi_tensor_apply.cuh).
 #include "cuda/kernels.cuh"
 #include "cuda/multi_tensor_apply.cuh"
 
@@ -12,24 +12,11 @@ namespace {
 using kernels::DequantizeArgs;
 using kernels::QuantizeArgs;
 
-static_assert(kBlockSize == kQuantBlock, "one thread per element of a quantization block");
-
-// One entry of the table (a call under the emulator: the entry's early returns must not give the
-// barrier after it a different call path per thread, which the host compiler's tail duplication
-// of an inlined body would).
-__device__ AMPFUSE_PASS_BODY float table_entry(QuantFormat f, int i) { return quant_table_entry(f, i); }
-
-// Every thread computes one entry (those past the format's size are never read).
-__device__ __forceinline__ void fill_table(float* table, QuantFormat f) {
-  table[threadIdx.x] = table_entry(f, static_cast<int>(threadIdx.x));
-  __syncthreads();
-}
-
 __global__ void __launch_bounds__(kBlockSize) quantize_kernel(QuantizeArgs a) {
-  AMPFUSE_SHARED(float, table, [256]);
+  AMPFUSE_SHARED(float, table, [1][256]);
   AMPFUSE_SHARED(float, partial, [kBlockSize / 32]);
   AMPFUSE_SHARED(float, block_absmax, [1]);
-  fill_table(table, a.format);
+  fill_tables<1>(table, &a.format);
   const int64_t blocks = (a.numel + kQuantBlock - 1) / kQuantBlock;
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
     const int64_t i = b * kQuantBlock + threadIdx.x;
@@ -40,17 +27,17 @@ __global__ void __launch_bounds__(kBlockSize) quantize_kernel(QuantizeArgs a) {
       a.absmax[b] = block_absmax[0];
     }
     __syncthreads();
-    if (i < a.numel) a.codes[i] = quant_encode(x, block_absmax[0], table, a.format, a.nonnegative);
+    if (i < a.numel) a.codes[i] = quant_encode(x, block_absmax[0], table[0], a.format, a.nonnegative);
   }
 }
 
 __global__ void __launch_bounds__(kBlockSize) dequantize_kernel(DequantizeArgs a) {
-  AMPFUSE_SHARED(float, table, [256]);
-  fill_table(table, a.format);
+  AMPFUSE_SHARED(float, table, [1][256]);
+  fill_tables<1>(table, &a.format);
   const int64_t blocks = (a.numel + kQuantBlock - 1) / kQuantBlock;
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
     const int64_t i = b * kQuantBlock + threadIdx.x;
-    if (i < a.numel) a.values[i] = quant_decode(a.codes[i], a.absmax[b], table, a.format);
+    if (i < a.numel) a.values[i] = quant_decode(a.codes[i], a.absmax[b], table[0], a.format);
   }
 }
 

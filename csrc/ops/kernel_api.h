@@ -110,6 +110,7 @@ struct OptimTensor {
   void* state[3];  // SGD: {momentum}; Adam: {exp_avg, exp_avg_sq, max_exp_avg_sq}
   float* step;
   int64_t numel;
+  float* absmax[3];  // 8-bit state (OptimArgs::quantized_state): each state's block absmax
 };
 
 // sgd_step_ / adam_step_. A non-zero *found_inf makes the call change nothing at all.
@@ -120,6 +121,11 @@ struct OptimArgs {
   DType grad_dtype;   // Half, BFloat16 or Float
   MasterKind master;
   DType state_dtype;  // Float or BFloat16 (stored rounded to nearest even; math in fp32)
+  // Or every state 8-bit block-scaled (ops/rules.h), each list in its own format: one byte per
+  // element and an absmax per block of kQuantBlock elements; a pass dequantizes a block, updates
+  // it in fp32 and requantizes it with its new absmax.
+  bool quantized_state;
+  QuantFormat state_format[3];
   const float* lr_tensor;   // 1 element, or null: the hyper-parameters' lr
   const float* grad_scale;  // grads are divided by it, or null
   const float* found_inf;   // or null

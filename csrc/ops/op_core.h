@@ -41,6 +41,9 @@ struct OptimDTypes {
   kernels::DType grad = kernels::DType::Float;
   kernels::MasterKind master = kernels::MasterKind::None;
   kernels::DType state = kernels::DType::Float;
+  bool quantized = false;  // 8-bit state lists, each of its format
+  QuantFormat formats[3] = {QuantFormat::Dynamic8Signed, QuantFormat::Dynamic8Signed,
+                            QuantFormat::Dynamic8Signed};
 };
 OptimDTypes optim_dtypes(const detail::OptimLists& l);
 

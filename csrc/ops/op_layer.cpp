@@ -50,10 +50,15 @@ OptimDTypes optim_dtypes(const detail::OptimLists& l) {
     dt.master = l.masters[0].scalar_type() == c10::kShort ? kernels::MasterKind::Remainder
                                                           : kernels::MasterKind::Float;
   }
-  for (const auto& list : l.states) {
-    if (!list.empty()) {
-      dt.state = detail::kernel_dtype(list[0].scalar_type());
-      break;
+  for (size_t k = 0; k < l.states.size(); ++k) {
+    if (l.states[k].empty()) continue;
+    const auto f = detail::state_quant_format(l.states[k][0].scalar_type(),
+                                              k < l.nonnegative.size() && l.nonnegative[k]);
+    if (f) {
+      dt.quantized = true;
+      dt.formats[k] = *f;
+    } else {
+      dt.state = detail::kernel_dtype(l.states[k][0].scalar_type());
     }
   }
   return dt;
@@ -142,6 +147,8 @@ void launch_optim(const Backend& b, const kernels::OptimTensor* rows, int64_t n,
                           dt.grad,
                           dt.master,
                           dt.state,
+                          dt.quantized,
+                          {dt.formats[0], dt.formats[1], dt.formats[2]},
                           const_ptr_or_null<float>(lr_tensor),
                           const_ptr_or_null<float>(grad_scale),
                           const_ptr_or_null<float>(found_inf),
@@ -176,6 +183,11 @@ void optim_step_impl(const Backend& b, const detail::OptimLists& l, const Hyper&
     for (size_t k = 0; k < 3; ++k) o.state[k] = row[3 + k];
     o.step = l.steps[i].mutable_data_ptr<float>();
     o.numel = l.params[i].numel();
+    for (size_t k = 0; k < 3; ++k) {
+      o.absmax[k] = k < l.absmaxes.size() && !l.absmaxes[k].empty()
+                        ? l.absmaxes[k][i].mutable_data_ptr<float>()
+                        : nullptr;
+    }
   }
   launch_optim(b, tensors.data(), static_cast<int64_t>(n), core::optim_dtypes(l), h, device, entry,
                lr_tensor, grad_scale, found_inf, clip_coef, op);
@@ -191,6 +203,7 @@ void check_optim_overlap(const detail::OptimLists& l, const std::optional<at::Te
   overlap.add(l.grads, "grads", false);
   overlap.add(l.masters, "master_params", true);
   for (size_t k = 0; k < l.states.size(); ++k) overlap.add(l.states[k], l.state_names[k], true);
+  for (size_t k = 0; k < l.absmaxes.size(); ++k) overlap.add(l.absmaxes[k], l.absmax_names[k], true);
   overlap.add(l.steps, "steps", true);
   overlap.add(lr_tensor, "lr_tensor", false);
   overlap.add(grad_scale, "grad_scale", false);
@@ -429,9 +442,10 @@ void sgd_step(const Backend& b, at::TensorList params, at::TensorList grads,
               double dampening, double weight_decay, bool nesterov, bool maximize,
               const std::optional<at::Tensor>& grad_scale,
               const std::optional<at::Tensor>& found_inf,
-              const std::optional<at::Tensor>& clip_coef) {
+              const std::optional<at::Tensor>& clip_coef, at::TensorList momentum_absmax) {
   const detail::OptimLists l{params, grads, master_params, {momentum_buffers},
-                             {"momentum_buffers"}, steps};
+                             {"momentum_buffers"}, steps, {momentum_absmax},
+                             {"momentum_absmax"}, {false}};
   const c10::Device device =
       detail::check_optim_args(l, lr_tensor, grad_scale, found_inf, clip_coef);
   const SgdHyper h{lr, momentum, dampening, weight_decay, nesterov, maximize};
@@ -447,10 +461,17 @@ void adam_step(const Backend& b, at::TensorList params, at::TensorList grads,
                double weight_decay, bool amsgrad, bool maximize, bool decoupled_weight_decay,
                const std::optional<at::Tensor>& grad_scale,
                const std::optional<at::Tensor>& found_inf,
-               const std::optional<at::Tensor>& clip_coef) {
-  const detail::OptimLists l{params, grads, master_params,
+               const std::optional<at::Tensor>& clip_coef, at::TensorList exp_avg_absmax,
+               at::TensorList exp_avg_sq_absmax, at::TensorList max_exp_avg_sq_absmax) {
+  const detail::OptimLists l{params,
+                             grads,
+                             master_params,
                              {exp_avgs, exp_avg_sqs, max_exp_avg_sqs},
-                             {"exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"}, steps};
+                             {"exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"},
+                             steps,
+                             {exp_avg_absmax, exp_avg_sq_absmax, max_exp_avg_sq_absmax},
+                             {"exp_avg_absmax", "exp_avg_sq_absmax", "max_exp_avg_sq_absmax"},
+                             {false, true, true}};
   const c10::Device device =
       detail::check_optim_args(l, lr_tensor, grad_scale, found_inf, clip_coef);
   const AdamHyper h{lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay};

@@ -62,14 +62,17 @@ TORCH_LIBRARY(ampfuse, m) {
   // grad_scale and multiplied by clip_coef; nothing at all changes when found_inf is set; masters
   // (if given: fp32 tensors for fp16/bf16 params, or int16 remainders for bf16 params, which
   // with the param are the fp32 master bit for bit) updated and params written rounded; state
-  // fp32 or bf16 (fp32 math, stored rounded to nearest even); momentum initialised on the first
-  // step actually taken. steps are per-param fp32 counters.
+  // fp32 or bf16 (fp32 math, stored rounded to nearest even), or 8-bit block-scaled (every state
+  // list torch.uint8 / float8_e4m3fn / float8_e5m2 codes, each with its *_absmax list: one
+  // contiguous fp32 tensor per param of ceil(numel / 256) values; second moments use the
+  // nonnegative form of quantize_blocks); momentum initialised on the first step actually taken.
+  // steps are per-param fp32 counters.
   m.def(
       "sgd_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] master_params, "
       "Tensor(c!)[] momentum_buffers, Tensor(d!)[] steps, *, float lr, Tensor? lr_tensor=None, "
       "float momentum=0., float dampening=0., float weight_decay=0., bool nesterov=False, "
       "bool maximize=False, Tensor? grad_scale=None, Tensor? found_inf=None, "
-      "Tensor? clip_coef=None) -> ()");
+      "Tensor? clip_coef=None, Tensor(e!)[]? momentum_absmax=None) -> ()");
   // Fused Adam/AdamW step (torch.optim.Adam/AdamW semantics), same conventions as sgd_step_.
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] master_params, "
@@ -77,7 +80,8 @@ TORCH_LIBRARY(ampfuse, m) {
       "Tensor(f!)[] steps, *, float lr, Tensor? lr_tensor=None, float beta1=0.9, "
       "float beta2=0.999, float eps=1e-8, float weight_decay=0., bool amsgrad=False, "
       "bool maximize=False, bool decoupled_weight_decay=False, Tensor? grad_scale=None, "
-      "Tensor? found_inf=None, Tensor? clip_coef=None) -> ()");
+      "Tensor? found_inf=None, Tensor? clip_coef=None, Tensor(g!)[]? exp_avg_absmax=None, "
+      "Tensor(h!)[]? exp_avg_sq_absmax=None, Tensor(i!)[]? max_exp_avg_sq_absmax=None) -> ()");
   // The master forms of a bf16 param (csrc/engine/master_forms.h), composite ops of torch ops
   // (every device, Meta included): the fp32 master of a (param, int16 remainder) pair, its
   // inverse split, and the two moves of a form switch (exact both ways, exact ties included):

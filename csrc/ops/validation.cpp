@@ -80,17 +80,22 @@ ScaleArg check_unscale_args(at::TensorList tensors, const at::Tensor& found_inf,
 namespace {
 
 QuantFormat quant_format(c10::ScalarType dtype, bool nonnegative, const char* name) {
+  const auto f = state_quant_format(dtype, nonnegative);
+  TORCH_CHECK(f.has_value(), name, " must be torch.uint8, torch.float8_e4m3fn or torch.float8_e5m2, got ",
+              dtype_name(dtype), ".");
+  return *f;
+}
+
+}  // namespace
+
+std::optional<QuantFormat> state_quant_format(c10::ScalarType dtype, bool nonnegative) {
   switch (dtype) {
     case c10::kByte: return nonnegative ? QuantFormat::Dynamic8Unsigned : QuantFormat::Dynamic8Signed;
     case c10::kFloat8_e4m3fn: return QuantFormat::E4M3;
     case c10::kFloat8_e5m2: return QuantFormat::E5M2;
-    default:
-      TORCH_CHECK(false, name, " must be torch.uint8, torch.float8_e4m3fn or torch.float8_e5m2, got ",
-                  dtype_name(dtype), ".");
+    default: return std::nullopt;
   }
 }
-
-}  // namespace
 
 QuantFormat check_quantize_args(const at::Tensor& values, c10::ScalarType dtype, bool nonnegative) {
   TORCH_CHECK(values.defined(), "values must be a defined tensor.");
@@ -309,16 +314,37 @@ c10::Device check_optim_args(const OptimLists& l, const std::optional<at::Tensor
                 "masters", pdtype == c10::kBFloat16 ? " or torch.int16 remainders (bf16 params)" : "",
                 ".");
   }
-  // State: fp32 or bf16 (stored rounded; the math is fp32), one dtype for every state list.
-  std::optional<c10::ScalarType> sdtype;
+  // State: fp32 or bf16 (stored rounded; the math is fp32), one dtype for every state list; or
+  // every state list 8-bit (each list of its own format), with its block absmax list.
+  std::vector<c10::ScalarType> sdtypes(l.states.size(), c10::kFloat);
+  const char* first = nullptr;
+  c10::ScalarType first_dtype = c10::kFloat;
+  bool quantized = false;
   for (size_t k = 0; k < l.states.size() && n; ++k) {
     if (l.states[k].empty()) continue;
     const auto d = l.states[k][0].scalar_type();
-    if (!sdtype) {
-      TORCH_CHECK(d == c10::kFloat || d == c10::kBFloat16, l.state_names[k], "[0] has dtype ",
-                  dtype_name(d), "; optimizer state must be torch.float32 or torch.bfloat16.");
-      sdtype = d;
+    const bool q = state_quant_format(d, false).has_value();
+    if (first == nullptr) {
+      TORCH_CHECK(q || d == c10::kFloat || d == c10::kBFloat16, l.state_names[k], "[0] has dtype ",
+                  dtype_name(d), "; optimizer state must be torch.float32, torch.bfloat16 or 8-bit "
+                  "(torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2).");
+      first = l.state_names[k];
+      first_dtype = d;
+      quantized = q;
+    } else {
+      TORCH_CHECK(q == quantized, l.state_names[k], "[0] has dtype ", dtype_name(d), " but ", first,
+                  "[0] has dtype ", dtype_name(first_dtype), "; the state lists of a call are all 8-bit "
+                  "or all of one dtype (torch.float32 or torch.bfloat16).");
     }
+    sdtypes[k] = quantized ? d : first_dtype;
+  }
+  for (size_t k = 0; k < l.absmaxes.size() && n; ++k) {
+    const bool needed = quantized && !l.states[k].empty();
+    TORCH_CHECK(l.absmaxes[k].size() == (needed ? n : 0), l.absmax_names[k], " must ",
+                needed ? "have one tensor per param (" + std::to_string(n) + ") when " +
+                             l.state_names[k] + " are 8-bit"
+                       : std::string("be empty when ") + l.state_names[k] + " are not 8-bit",
+                ", got ", l.absmaxes[k].size(), ".");
   }
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = l.params[i];
@@ -326,7 +352,22 @@ c10::Device check_optim_args(const OptimLists& l, const std::optional<at::Tensor
     check_tensor(l.grads[i], "grads", i, gdtype, p);
     if (!l.masters.empty()) check_tensor(l.masters[i], "master_params", i, mdtype, p);
     for (size_t k = 0; k < l.states.size(); ++k) {
-      if (!l.states[k].empty()) check_tensor(l.states[k][i], l.state_names[k], i, *sdtype, p);
+      if (l.states[k].empty()) continue;
+      const at::Tensor& st = l.states[k][i];
+      check_tensor(st, l.state_names[k], i, sdtypes[k], p);
+      if (!quantized) continue;
+      TORCH_CHECK(st.is_contiguous(), l.state_names[k], "[", i, "] is 8-bit state and must be contiguous "
+                  "(its blocks follow the flat element order).");
+      const at::Tensor& a = l.absmaxes[k][i];
+      const int64_t blocks = quant_blocks(p.numel());
+      if (!(a.defined() && a.layout() == c10::kStrided && a.scalar_type() == c10::kFloat &&
+            a.device() == *device && a.dim() == 1 && a.numel() == blocks && a.is_contiguous())) {
+        TORCH_CHECK(false, l.absmax_names[k], "[", i, "] must be a contiguous 1-D torch.float32 tensor on ",
+                    *device, " with one value per block of ", kQuantBlock, " elements of params[", i, "] (",
+                    blocks, "), got ", a.defined() ? "shape " : "an undefined tensor",
+                    a.defined() ? c10::str(a.sizes(), ", dtype ", dtype_name(a.scalar_type()), " on ", a.device())
+                                : std::string(), ".");
+      }
     }
     const at::Tensor& st = l.steps[i];
     if (!(st.defined() && st.layout() == c10::kStrided && st.sym_numel() == 1 &&

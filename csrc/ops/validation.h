@@ -80,7 +80,16 @@ struct OptimLists {
   std::vector<at::TensorList> states;  // SGD: {momentum}; Adam: {exp_avg, exp_avg_sq, max_exp_avg_sq}
   std::vector<const char*> state_names;
   at::TensorList steps;
+  // 8-bit state: per state list its block absmax list (empty when the state is not 8-bit, or
+  // absent), and whether its values are >= 0 (second moments: the unsigned map for torch.uint8).
+  std::vector<at::TensorList> absmaxes = {};
+  std::vector<const char*> absmax_names = {};
+  std::vector<bool> nonnegative = {};
 };
+
+// The 8-bit format of a state list of dtype `dtype` (torch.uint8 / float8_e4m3fn / float8_e5m2),
+// or nullopt for another dtype.
+std::optional<QuantFormat> state_quant_format(c10::ScalarType dtype, bool nonnegative);
 
 // Validates the lists of sgd_step_/adam_step_ and the optional scalar tensors. Returns the device.
 c10::Device check_optim_args(const OptimLists& l, const std::optional<at::Tensor>& lr_tensor,

@@ -327,6 +327,7 @@ def sgd_step_(
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     clip_coef: torch.Tensor | None = None,
+    momentum_absmax: Sequence[torch.Tensor] = (),
 ) -> None:
     """One fused ``torch.optim.SGD`` step over a list of tensors, in one pass.
 
@@ -341,6 +342,10 @@ def sgd_step_(
         lr: float, or a 1-element fp32 tensor on the params' device (capturable schedules).
         grad_scale: grads are divided by it. clip_coef: and multiplied by it.
         found_inf: if non-zero, nothing at all is modified (params, masters, buffers, steps).
+        momentum_absmax: with 8-bit buffers (``torch.uint8``, ``torch.float8_e4m3fn`` or
+            ``torch.float8_e5m2`` codes of :func:`quantize_blocks`), each buffer's block absmax
+            (updated in place); else ``()``. A block is dequantized, updated in fp32 and
+            requantized with its new absmax in the same pass.
     """
     lr_tensor = lr if isinstance(lr, torch.Tensor) else None
     _dtensor_support()
@@ -349,6 +354,7 @@ def sgd_step_(
         lr=0.0 if lr_tensor is not None else float(lr), lr_tensor=lr_tensor, momentum=momentum,
         dampening=dampening, weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
         grad_scale=grad_scale, found_inf=found_inf, clip_coef=clip_coef,
+        momentum_absmax=list(momentum_absmax),
     )
 
 
@@ -372,11 +378,16 @@ def adam_step_(
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     clip_coef: torch.Tensor | None = None,
+    exp_avg_absmax: Sequence[torch.Tensor] = (),
+    exp_avg_sq_absmax: Sequence[torch.Tensor] = (),
+    max_exp_avg_sq_absmax: Sequence[torch.Tensor] = (),
 ) -> None:
     """One fused ``torch.optim.Adam`` (``decoupled_weight_decay=True``: ``AdamW``) step.
 
     Same conventions as :func:`sgd_step_`; ``exp_avgs``/``exp_avg_sqs`` (and ``max_exp_avg_sqs``
-    with ``amsgrad``, else ``[]``) are fp32. Bias corrections use each tensor's own step.
+    with ``amsgrad``, else ``[]``) are fp32 or bf16, or all 8-bit codes, each list with its
+    ``*_absmax`` list (the second moments in the ``nonnegative`` form of :func:`quantize_blocks`).
+    Bias corrections use each tensor's own step.
     """
     lr_tensor = lr if isinstance(lr, torch.Tensor) else None
     _dtensor_support()
@@ -385,7 +396,8 @@ def adam_step_(
         lr=0.0 if lr_tensor is not None else float(lr), lr_tensor=lr_tensor, beta1=beta1,
         beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
         decoupled_weight_decay=decoupled_weight_decay, grad_scale=grad_scale,
-        found_inf=found_inf, clip_coef=clip_coef,
+        found_inf=found_inf, clip_coef=clip_coef, exp_avg_absmax=list(exp_avg_absmax),
+        exp_avg_sq_absmax=list(exp_avg_sq_absmax), max_exp_avg_sq_absmax=list(max_exp_avg_sq_absmax),
     )
 
 

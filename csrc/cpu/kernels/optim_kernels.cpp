@@ -226,6 +226,8 @@ struct SgdKind {
   using Hyper = SgdHyper;
   using Scalars = SgdScalars;
   static constexpr int kStates = 1;
+  // Whether state k is >= 0 (8-bit state: the second-moment form of ops/rules.h).
+  static constexpr bool nonnegative(int) { return false; }
   static Scalars scalars(const Hyper& h, double lr, float step) { return sgd_scalars(h, lr, step); }
   // Which states are read (the rest start at 0) and written.
   static bool reads_state(const Scalars& s) { return s.has_momentum && !s.first_step; }
@@ -241,6 +243,7 @@ struct AdamKind {
   using Hyper = AdamHyper;
   using Scalars = AdamScalars;
   static constexpr int kStates = kAmsgrad ? 3 : 2;
+  static constexpr bool nonnegative(int k) { return k > 0; }  // exp_avg_sq, max_exp_avg_sq
   static Scalars scalars(const Hyper& h, double lr, float step) { return adam_scalars(h, lr, step); }
   static bool reads_state(const Scalars&) { return true; }
   static bool writes_state(const Scalars&) { return true; }
@@ -341,6 +344,63 @@ void optim_chunk(const OptimArgs& a, const CallScalars& cs, const typename Kind:
   if (i < end) optim_lanes<Kind, T, G, MK, S>(param, grad, master, state, i, end - i, cs, s, read, write);
 }
 
+// 8-bit state (OptimArgs::quantized_state): chunk c block by block. Each state's block is
+// dequantized into an fp32 staging row, the vector update above runs over the staging rows as
+// fp32 state, and each row is requantized with its new absmax (ops/rules.h). Chunks start at
+// multiples of kChunkElements, a multiple of kQuantBlock, so blocks never straddle chunks.
+static_assert(kChunkElements % kQuantBlock == 0);
+
+template <class Kind, typename T, typename G, MasterKind MK>
+void optim_chunk_quantized(const OptimArgs& a, const CallScalars& cs, const typename Kind::Scalars& s,
+                           const std::vector<Chunk>& chunks, int64_t c) {
+  const int64_t t = chunks[c].tensor, begin = chunks[c].begin, end = chunks[c].end;
+  constexpr int NS = Kind::kStates;
+  constexpr int64_t L = Pair<T>::kLanes;
+  static_assert(kQuantBlock % L == 0);
+  using Storage = typename Master<MK, T>::Storage;
+  const kernels::OptimTensor& o = a.tensors[t];
+  T* param = static_cast<T*>(o.param);
+  const G* grad = static_cast<const G*>(o.grad);
+  auto* master = static_cast<Storage*>(o.master);
+  alignas(64) float staging[NS][kQuantBlock];
+  float* rows[NS];
+  const float* table[NS];
+  for (int k = 0; k < NS; ++k) {
+    rows[k] = staging[k];
+    table[k] = quant_table(a.state_format[k]);
+  }
+  const bool read = Kind::reads_state(s);
+  const bool write = Kind::writes_state(s);
+  for (int64_t b0 = begin; b0 < end; b0 += kQuantBlock) {
+    const int64_t n = std::min<int64_t>(kQuantBlock, end - b0);
+    const int64_t block = b0 / kQuantBlock;
+    if (read) {
+      for (int k = 0; k < NS; ++k) {
+        const auto* codes = static_cast<const uint8_t*>(o.state[k]) + b0;
+        const float absmax = o.absmax[k][block];
+        for (int64_t e = 0; e < n; ++e) staging[k][e] = quant_decode(codes[e], absmax, table[k], a.state_format[k]);
+      }
+    }
+    T* p = param + b0;
+    const G* g = grad + b0;
+    Storage* m = master != nullptr ? master + b0 : nullptr;
+    int64_t i = 0;
+    for (; i + L <= n; i += L) optim_lanes<Kind, T, G, MK, float>(p, g, m, rows, i, L, cs, s, read, write);
+    if (i < n) optim_lanes<Kind, T, G, MK, float>(p, g, m, rows, i, n - i, cs, s, read, write);
+    if (!write) continue;
+    for (int k = 0; k < NS; ++k) {
+      float mag = 0.0f;
+      for (int64_t e = 0; e < n; ++e) mag = absmax_combine(mag, std::fabs(staging[k][e]));
+      const float absmax = quant_block_absmax(mag);
+      o.absmax[k][block] = absmax;
+      auto* codes = static_cast<uint8_t*>(o.state[k]) + b0;
+      for (int64_t e = 0; e < n; ++e) {
+        codes[e] = quant_encode(staging[k][e], absmax, table[k], a.state_format[k], Kind::nonnegative(k));
+      }
+    }
+  }
+}
+
 // One parallel pass over every chunk of every tensor (the combination of dtypes chosen once per
 // call), then each step counter advanced by one.
 template <class Kind, typename T, typename G, MasterKind MK, typename S>
@@ -348,7 +408,11 @@ void optim_pass(const OptimArgs& a, const CallScalars& cs,
                 const std::vector<typename Kind::Scalars>& scalars) {
   const auto chunks = make_chunks(a.num_tensors, [&](int64_t t) { return a.tensors[t].numel; });
   parallel_chunks(chunks, [&](int64_t c) {
-    optim_chunk<Kind, T, G, MK, S>(a, cs, scalars[chunks[c].tensor], chunks, c);
+    if (a.quantized_state) {
+      optim_chunk_quantized<Kind, T, G, MK>(a, cs, scalars[chunks[c].tensor], chunks, c);
+    } else {
+      optim_chunk<Kind, T, G, MK, S>(a, cs, scalars[chunks[c].tensor], chunks, c);
+    }
   });
   for (int64_t t = 0; t < a.num_tensors; ++t) *a.tensors[t].step += 1.0f;
 }
@@ -357,7 +421,9 @@ void optim_pass(const OptimArgs& a, const CallScalars& cs,
 // masters None or Float, Remainder for bf16; state fp32 or bf16.
 template <class Kind, typename T, typename G, MasterKind MK>
 void with_state(const OptimArgs& a, const CallScalars& cs, const std::vector<typename Kind::Scalars>& sc) {
-  if (a.state_dtype == DType::BFloat16) return optim_pass<Kind, T, G, MK, c10::BFloat16>(a, cs, sc);
+  if (a.state_dtype == DType::BFloat16 && !a.quantized_state) {
+    return optim_pass<Kind, T, G, MK, c10::BFloat16>(a, cs, sc);
+  }
   return optim_pass<Kind, T, G, MK, float>(a, cs, sc);
 }
 

@@ -16,20 +16,6 @@ using kernels::KernelTable;
 using kernels::LaunchContext;
 using kernels::QuantizeArgs;
 
-// The format's table (ops/rules.h), computed once.
-const float* table_of(QuantFormat f) {
-  static const auto tables = [] {
-    std::array<std::array<float, 256>, 4> t{};
-    for (int k = 0; k < 4; ++k) {
-      const auto format = static_cast<QuantFormat>(k);
-      t[k].fill(0.0f);
-      for (int i = 0; i < quant_table_size(format); ++i) t[k][i] = quant_table_entry(format, i);
-    }
-    return t;
-  }();
-  return tables[static_cast<int>(f)].data();
-}
-
 // Blocks per parallel work item: kChunkElements elements, as the other passes.
 constexpr int64_t kBlocksPerItem = kChunkElements / kQuantBlock;
 
@@ -45,7 +31,7 @@ void parallel_blocks(int64_t numel, const Fn& fn) {
 }
 
 int quantize(const QuantizeArgs& a, const LaunchContext&) {
-  const float* table = table_of(a.format);
+  const float* table = quant_table(a.format);
   parallel_blocks(a.numel, [&](int64_t k, int64_t begin, int64_t end) {
     float m = 0.0f;
     for (int64_t i = begin; i < end; ++i) m = absmax_combine(m, std::fabs(a.values[i]));
@@ -59,7 +45,7 @@ int quantize(const QuantizeArgs& a, const LaunchContext&) {
 }
 
 int dequantize(const DequantizeArgs& a, const LaunchContext&) {
-  const float* table = table_of(a.format);
+  const float* table = quant_table(a.format);
   parallel_blocks(a.numel, [&](int64_t k, int64_t begin, int64_t end) {
     const float absmax = a.absmax[k];
     for (int64_t i = begin; i < end; ++i) a.values[i] = quant_decode(a.codes[i], absmax, table, a.format);

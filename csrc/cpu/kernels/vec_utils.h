@@ -9,6 +9,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <array>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -134,6 +135,21 @@ inline bool any_lane_nonzero(const V& v) {
     if (buf[i] != S(0) || buf[i] != buf[i]) return true;
   }
   return false;
+}
+
+// The table of an 8-bit state format (ops/rules.h), computed once: 256 entries, those past the
+// format's size zero.
+inline const float* quant_table(QuantFormat f) {
+  static const auto tables = [] {
+    std::array<std::array<float, 256>, 4> t{};
+    for (int k = 0; k < 4; ++k) {
+      const auto format = static_cast<QuantFormat>(k);
+      t[k].fill(0.0f);
+      for (int i = 0; i < quant_table_size(format); ++i) t[k][i] = quant_table_entry(format, i);
+    }
+    return t;
+  }();
+  return tables[static_cast<int>(f)].data();
 }
 
 }  // namespace CPU_CAPABILITY

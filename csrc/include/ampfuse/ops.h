@@ -109,10 +109,12 @@ struct SgdStepOptions {
 };
 
 // Fused torch.optim.SGD step over one list (one dtype per list; master_params and
-// momentum_buffers may be empty). See csrc/ops/registration.cpp for the contract.
+// momentum_buffers may be empty). See csrc/ops/registration.cpp for the contract. 8-bit
+// momentum buffers (quantize_blocks' codes) come with their block absmax list, else {}.
 void sgd_step_(at::TensorList params, at::TensorList grads, at::TensorList master_params,
                at::TensorList momentum_buffers, at::TensorList steps,
-               const SgdStepOptions& options, const StepScaling& scaling = {});
+               const SgdStepOptions& options, const StepScaling& scaling = {},
+               at::TensorList momentum_absmax = {});
 
 struct AdamStepOptions {
   double lr = 1e-3;
@@ -126,10 +128,17 @@ struct AdamStepOptions {
   bool decoupled_weight_decay = false;  // true: AdamW
 };
 
-// Fused torch.optim.Adam / AdamW step over one list.
+// Fused torch.optim.Adam / AdamW step over one list. 8-bit state: every state list codes, each
+// with its block absmax list (the second moments in quantize_blocks' nonnegative form).
+struct AdamStateAbsmax {
+  at::TensorList exp_avg;
+  at::TensorList exp_avg_sq;
+  at::TensorList max_exp_avg_sq;
+};
 void adam_step_(at::TensorList params, at::TensorList grads, at::TensorList master_params,
                 at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                 at::TensorList max_exp_avg_sqs, at::TensorList steps,
-                const AdamStepOptions& options, const StepScaling& scaling = {});
+                const AdamStepOptions& options, const StepScaling& scaling = {},
+                const AdamStateAbsmax& absmax = {});
 
 }  // namespace ampfuse
