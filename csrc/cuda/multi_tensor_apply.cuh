@@ -305,13 +305,19 @@ static __device__ AMPFUSE_PASS_BODY float quant_table_entry_of(QuantFormat f, in
   return quant_table_entry(f, i);
 }
 
+// The formats of a call's state lists, by value (a pointer to a kernel parameter would give the
+// kernel a stack frame).
+struct QuantFormats {
+  QuantFormat f[3];
+};
+
 // The tables of NT formats in shared memory: every thread computes one entry of each (those past
 // a format's size are never read), then the block synchronises.
 template <int NT>
-__device__ __forceinline__ void fill_tables(float (*tables)[256], const QuantFormat* formats) {
+__device__ __forceinline__ void fill_tables(float (*tables)[256], QuantFormats formats) {
 #pragma unroll
   for (int k = 0; k < NT; ++k) {
-    tables[k][threadIdx.x] = quant_table_entry_of(formats[k], static_cast<int>(threadIdx.x));
+    tables[k][threadIdx.x] = quant_table_entry_of(formats.f[k], static_cast<int>(threadIdx.x));
   }
   __syncthreads();
 }

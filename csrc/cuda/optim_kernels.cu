@@ -229,37 +229,58 @@ __device__ __forceinline__ void chunk_done(const Meta& meta, const ScaleArgs& sa
   }
 }
 
-// The pass over every chunk of a launch; `meta` is a TableMeta view (of a table in device memory,
-// or of the by-value metadata).
-template <typename T, typename G, class Kind, MasterKind MK, typename S>
-__device__ AMPFUSE_PASS_BODY void optim_pass(const TableMeta<kLists<Kind>>& meta, const ScaleArgs& sa,
-                                        const typename Kind::Hyper& hyper) {
-  constexpr int NS = Kind::kStates;
-  constexpr int kStep = kLists<Kind> - 1;
-  using MS = typename Master<MK, T>::Storage;
+// How a pass prepares each grad: divided by the scale, multiplied by the clip coefficient.
+struct GradPrep {
+  float grad_scale;
+  bool divide;
+  float clip;
+  __device__ __forceinline__ float operator()(float g) const {
+    if (divide) g = g / grad_scale;
+    if (clip != 1.0f) g = g * clip;
+    return g;
+  }
+};
+
+// The grid-stride walk every optimizer pass shares: nothing at all when found_inf is set; else
+// for each chunk of the launch body(t, begin, end, scalars of the tensor's step, grad prep), then
+// chunk_done. `meta` is a TableMeta view (of a table in device memory, or of the by-value
+// metadata); the step is the last list.
+template <class Kind, int N, typename Body>
+__device__ __forceinline__ void for_each_chunk(const TableMeta<N>& meta, const ScaleArgs& sa,
+                                               const typename Kind::Hyper& hyper, const Body& body) {
   if (sa.found_inf != nullptr && *sa.found_inf != 0.0f) return;  // skipped: touch nothing
   const double lr = sa.lr_tensor ? static_cast<double>(*sa.lr_tensor) : hyper.lr;
   const float grad_scale = sa.grad_scale ? *sa.grad_scale : 1.0f;
-  const bool divide = sa.grad_scale != nullptr && grad_scale != 1.0f;
-  const float clip = sa.clip_coef ? *sa.clip_coef : 1.0f;
+  const GradPrep prep{grad_scale, sa.grad_scale != nullptr && grad_scale != 1.0f,
+                      sa.clip_coef ? *sa.clip_coef : 1.0f};
   const int32_t nchunks = meta.chunk_start[meta.count];
   for (int32_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const int t = find_tensor(meta, c);
     const int64_t begin = static_cast<int64_t>(c - meta.chunk_start[t]) * kChunkSize;
     const int64_t end = min(begin + kChunkSize, meta.numel[t]);
-    float* step = static_cast<float*>(meta.ptr[kStep][t]);
+    float* step = static_cast<float*>(meta.ptr[N - 1][t]);
     // __ldcg: the step is read through L2, where the tensor's last block advances it (after the
-    // fence and ticket below, which order this read before that write).
-    const typename Kind::Scalars s = Kind::scalars(hyper, lr, __ldcg(step));
+    // fence and ticket of chunk_done, which order this read before that write).
+    body(t, begin, end, Kind::scalars(hyper, lr, __ldcg(step)), prep);
+    chunk_done(meta, sa, t, step);
+  }
+}
+
+template <typename T, typename G, class Kind, MasterKind MK, typename S>
+__device__ AMPFUSE_PASS_BODY void optim_pass(const TableMeta<kLists<Kind>>& meta, const ScaleArgs& sa,
+                                        const typename Kind::Hyper& hyper) {
+  constexpr int NS = Kind::kStates;
+  using MS = typename Master<MK, T>::Storage;
+  for_each_chunk<Kind>(meta, sa, hyper, [&](int t, int64_t begin, int64_t end,
+                                            const typename Kind::Scalars& s, const GradPrep& prep) {
     S* state[NS];
 #pragma unroll
     for (int k = 0; k < NS; ++k) state[k] = static_cast<S*>(meta.ptr[3 + k][t]);
     process_chunk<T, G, Kind, MK, S>(static_cast<T*>(meta.ptr[0][t]),
                                      static_cast<const G*>(meta.ptr[1][t]),
                                      static_cast<MS*>(meta.ptr[2][t]), state, begin, end, s,
-                                     divide, grad_scale, clip);
-    chunk_done(meta, sa, t, step);
-  }
+                                     prep.divide, prep.grad_scale, prep.clip);
+  });
 }
 
 template <typename T, typename G, class Kind, MasterKind MK, typename S>
@@ -289,27 +310,16 @@ static_assert(kChunkSize % kQuantBlock == 0, "quantization blocks never straddle
 template <typename T, typename G, class Kind, MasterKind MK>
 __device__ AMPFUSE_PASS_BODY void optim_quant_pass(const TableMeta<kQuantLists<Kind>>& meta,
                                                    const ScaleArgs& sa, const typename Kind::Hyper& hyper,
-                                                   const QuantFormat* formats) {
+                                                   QuantFormats formats) {
   constexpr int NS = Kind::kStates;
-  constexpr int kStep = kQuantLists<Kind> - 1;
   using M = Master<MK, T>;
   using MS = typename M::Storage;
   AMPFUSE_SHARED(float, tables, [NS][256]);
   AMPFUSE_SHARED(float, partial, [kBlockSize / 32]);
   AMPFUSE_SHARED(float, block_absmax, [1]);
-  if (sa.found_inf != nullptr && *sa.found_inf != 0.0f) return;  // skipped: touch nothing
   fill_tables<NS>(tables, formats);
-  const double lr = sa.lr_tensor ? static_cast<double>(*sa.lr_tensor) : hyper.lr;
-  const float grad_scale = sa.grad_scale ? *sa.grad_scale : 1.0f;
-  const bool divide = sa.grad_scale != nullptr && grad_scale != 1.0f;
-  const float clip = sa.clip_coef ? *sa.clip_coef : 1.0f;
-  const int32_t nchunks = meta.chunk_start[meta.count];
-  for (int32_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
-    const int t = find_tensor(meta, c);
-    const int64_t begin = static_cast<int64_t>(c - meta.chunk_start[t]) * kChunkSize;
-    const int64_t end = min(begin + kChunkSize, meta.numel[t]);
-    float* step = static_cast<float*>(meta.ptr[kStep][t]);
-    const typename Kind::Scalars s = Kind::scalars(hyper, lr, __ldcg(step));
+  for_each_chunk<Kind>(meta, sa, hyper, [&](int t, int64_t begin, int64_t end,
+                                            const typename Kind::Scalars& s, const GradPrep& prep) {
     T* param = static_cast<T*>(meta.ptr[0][t]);
     const G* grad = static_cast<const G*>(meta.ptr[1][t]);
     MS* master = static_cast<MS*>(meta.ptr[2][t]);
@@ -322,15 +332,11 @@ __device__ AMPFUSE_PASS_BODY void optim_quant_pass(const TableMeta<kQuantLists<K
       for (int k = 0; k < NS; ++k) {
         const auto* codes = static_cast<const uint8_t*>(meta.ptr[3 + k][t]);
         const float* absmax = static_cast<const float*>(meta.ptr[3 + NS + k][t]);
-        se[k] = (live && Kind::uses_state(s, k)) ? quant_decode(codes[i], absmax[block], tables[k], formats[k]) : 0.0f;
+        se[k] = (live && Kind::uses_state(s, k)) ? quant_decode(codes[i], absmax[block], tables[k], formats.f[k]) : 0.0f;
       }
       if (live) {
         MS m = master ? master[i] : MS{};
-        float p = M::load(param[i], m);
-        float g = to_float(grad[i]);
-        if (divide) g = g / grad_scale;
-        if (clip != 1.0f) g = g * clip;
-        p = Kind::update(p, g, se, s);
+        const float p = Kind::update(M::load(param[i], m), prep(to_float(grad[i])), se, s);
         param[i] = M::store(p, m);
         if (master) master[i] = m;
       }
@@ -346,31 +352,25 @@ __device__ AMPFUSE_PASS_BODY void optim_quant_pass(const TableMeta<kQuantLists<K
         __syncthreads();
         if (live) {
           static_cast<uint8_t*>(meta.ptr[3 + k][t])[i] =
-              quant_encode(se[k], block_absmax[0], tables[k], formats[k], Kind::nonnegative(k));
+              quant_encode(se[k], block_absmax[0], tables[k], formats.f[k], Kind::nonnegative(k));
         }
       }
     }
-    chunk_done(meta, sa, t, step);
-  }
+  });
 }
-
-// The formats of a call's state lists, by value.
-struct StateFormats {
-  QuantFormat f[3];
-};
 
 template <typename T, typename G, class Kind, MasterKind MK>
 __global__ void __launch_bounds__(kBlockSize, kOptimBlocksPerSM<Kind>)
     optim_quant_kernel(const __grid_constant__ TensorListMeta<kQuantLists<Kind>> meta, ScaleArgs sa,
-                       typename Kind::Hyper hyper, StateFormats formats) {
-  optim_quant_pass<T, G, Kind, MK>(view_of(meta), sa, hyper, formats.f);
+                       typename Kind::Hyper hyper, QuantFormats formats) {
+  optim_quant_pass<T, G, Kind, MK>(view_of(meta), sa, hyper, formats);
 }
 
 template <typename T, typename G, class Kind, MasterKind MK>
 __global__ void __launch_bounds__(kBlockSize, kOptimBlocksPerSM<Kind>)
     optim_quant_table_kernel(const __grid_constant__ TableMeta<kQuantLists<Kind>> meta, ScaleArgs sa,
-                             typename Kind::Hyper hyper, StateFormats formats) {
-  optim_quant_pass<T, G, Kind, MK>(meta, sa, hyper, formats.f);
+                             typename Kind::Hyper hyper, QuantFormats formats) {
+  optim_quant_pass<T, G, Kind, MK>(meta, sa, hyper, formats);
 }
 
 // Workspace: one arrival counter per tensor of the call. Fresh workspace is zeroed on the stream
@@ -434,7 +434,7 @@ int launch_optim_quantized(const OptimArgs& a, const typename Kind::Hyper& hyper
   constexpr int N = kQuantLists<Kind>;
   const cudaStream_t stream = stream_of(ctx);
   constexpr int kPerSM = kOptimBlocksPerSM<Kind>;
-  const StateFormats formats{{a.state_format[0], a.state_format[1], a.state_format[2]}};
+  const QuantFormats formats{{a.state_format[0], a.state_format[1], a.state_format[2]}};
   return launch_rows<Kind, N>(a, workspace, ctx, [&](const auto& tensors, const ScaleArgs& sa) {
     return multi_tensor_apply<N>(tensors, ctx.num_sms * kPerSM, ctx, [&](const auto& meta, int grid) {
       if constexpr (std::is_same_v<std::decay_t<decltype(meta)>, TensorListMeta<N>>) {

@@ -16,7 +16,7 @@ __global__ void __launch_bounds__(kBlockSize) quantize_kernel(QuantizeArgs a) {
   AMPFUSE_SHARED(float, table, [1][256]);
   AMPFUSE_SHARED(float, partial, [kBlockSize / 32]);
   AMPFUSE_SHARED(float, block_absmax, [1]);
-  fill_tables<1>(table, &a.format);
+  fill_tables<1>(table, QuantFormats{{a.format, a.format, a.format}});
   const int64_t blocks = (a.numel + kQuantBlock - 1) / kQuantBlock;
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
     const int64_t i = b * kQuantBlock + threadIdx.x;
@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(kBlockSize) quantize_kernel(QuantizeArgs a) {
 
 __global__ void __launch_bounds__(kBlockSize) dequantize_kernel(DequantizeArgs a) {
   AMPFUSE_SHARED(float, table, [1][256]);
-  fill_tables<1>(table, &a.format);
+  fill_tables<1>(table, QuantFormats{{a.format, a.format, a.format}});
   const int64_t blocks = (a.numel + kQuantBlock - 1) / kQuantBlock;
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
     const int64_t i = b * kQuantBlock + threadIdx.x;

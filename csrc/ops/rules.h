@@ -223,8 +223,15 @@ AMPFUSE_HOST_DEVICE float quant_table_entry(QuantFormat f, int i) {
   for (int d = 0; d < 7; ++d) {
     const int steps = sign ? (d == 6 ? 63 : 1 << d) : 2 << d;
     if (k < steps) {
-      const double decade[7] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1e0};
-      return static_cast<float>(decade[d] * (0.1 + 0.9 * (2 * k + 1) / (2 * steps)));
+      // (a select chain, not an array: a GPU keeps an indexed local array in stack memory)
+      const double decade = d == 0   ? 1e-6
+                            : d == 1 ? 1e-5
+                            : d == 2 ? 1e-4
+                            : d == 3 ? 1e-3
+                            : d == 4 ? 1e-2
+                            : d == 5 ? 1e-1
+                                     : 1e0;
+      return static_cast<float>(decade * (0.1 + 0.9 * (2 * k + 1) / (2 * steps)));
     }
     k -= steps;
   }
