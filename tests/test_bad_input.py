@@ -214,7 +214,7 @@ _low_precision_case("remainder-for-fp16-params", r"master_params\[0\] has dtype 
                     pdtype=torch.float16)
 _low_precision_case("mixed-master-kinds", r"master_params\[1\] has dtype torch.float32; expected torch.int16",
                     lambda p, g, s, m, v: (lambda: ops.adam_step_(p, g, [torch.zeros(4, dtype=torch.int16), torch.zeros(4)], m, v, [], s, lr=0.1), []))
-_low_precision_case("state-fp16", r"exp_avgs\[0\] has dtype torch.float16; optimizer state must be torch.float32 or torch.bfloat16",
+_low_precision_case("state-fp16", r"exp_avgs\[0\] has dtype torch.float16; optimizer state must be torch.float32, torch.bfloat16 or 8-bit \(torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2\)",
                     lambda p, g, s, m, v: (lambda: ops.adam_step_(p, g, [], [x.half() for x in m], [x.half() for x in v], [], s, lr=0.1), []))
 _low_precision_case("mixed-state-dtypes", r"exp_avg_sqs\[0\] has dtype torch.float32; expected torch.bfloat16",
                     lambda p, g, s, m, v: (lambda: ops.adam_step_(p, g, [], [x.bfloat16() for x in m], v, [], s, lr=0.1), []))

@@ -241,27 +241,38 @@ AMPFUSE_HOST_DEVICE float quant_table_entry(QuantFormat f, int i) {
 // NaN-propagating maximum of magnitudes (the block's absmax).
 AMPFUSE_HOST_DEVICE float absmax_combine(float a, float b) { return (b > a || b != b) ? b : a; }
 
-// The byte of `x` in a block of absmax `absmax` (> 0 and finite; a block whose absmax is 0 or NaN
-// stores zero bytes), given the format's table.
+// The magnitude an encoding looks up: |x| / absmax (0 for a negative second moment).
+AMPFUSE_HOST_DEVICE float quant_magnitude(float x, float absmax, bool nonnegative) {
+  return (x < 0.0f && nonnegative) ? 0.0f : fabsf(x) / absmax;
+}
+
+// The byte of `x` whose magnitude `a` (quant_magnitude) has `first` as the first table index
+// with an entry >= a: the nearest entry (ties: the even index), 0 for a zero or NaN magnitude,
+// the floor for a positive second moment, and the sign bit.
+AMPFUSE_HOST_DEVICE uint8_t quant_encode_at(float x, float a, int first, const float* table,
+                                            QuantFormat f, bool nonnegative) {
+  // (in selects rather than branches: which way a value rounds is data, not predictable)
+  const int prev = first > 0 ? first - 1 : 0;
+  const float below = a - table[prev], above = table[first] - a;
+  const bool down = first > 0 && (below < above || (below == above && (prev & 1) == 0));
+  int idx = first - (down ? 1 : 0);
+  idx = a > 0.0f ? idx : 0;  // 0 and NaN
+  idx = (nonnegative && idx == 0 && a > 0.0f) ? 1 : idx;
+  const bool sign = f != QuantFormat::Dynamic8Unsigned;
+  return static_cast<uint8_t>(idx | ((sign && x < 0.0f && idx != 0) ? 0x80 : 0));
+}
+
+// The byte of `x` in a block of absmax `absmax` (a block whose absmax is 0 or NaN stores zero
+// bytes), given the format's table: the first index is found by binary search (entries past the
+// finite ones are inf/NaN, never < a).
 AMPFUSE_HOST_DEVICE uint8_t quant_encode(float x, float absmax, const float* table, QuantFormat f,
                                          bool nonnegative) {
-  const int n = quant_table_size(f);
-  const bool sign = f != QuantFormat::Dynamic8Unsigned;
-  const bool negative = x < 0.0f;
-  const float a = (negative && nonnegative) ? 0.0f : fabsf(x) / absmax;
-  // the first index whose entry is >= a (entries past the finite ones are inf/NaN: never < a)
+  const float a = quant_magnitude(x, absmax, nonnegative);
   int lo = 0;
-  for (int step = n >> 1; step > 0; step >>= 1) {
+  for (int step = quant_table_size(f) >> 1; step > 0; step >>= 1) {
     if (table[lo + step - 1] < a) lo += step;
   }
-  int idx = lo;
-  if (idx > 0) {
-    const float below = a - table[idx - 1], above = table[idx] - a;
-    if (below < above || (below == above && ((idx - 1) & 1) == 0)) idx -= 1;
-  }
-  if (!(a > 0.0f)) idx = 0;  // 0 and NaN
-  if (nonnegative && idx == 0 && a > 0.0f) idx = 1;
-  return static_cast<uint8_t>(idx | ((sign && negative && idx != 0) ? 0x80 : 0));
+  return quant_encode_at(x, a, lo, table, f, nonnegative);
 }
 
 // The value of byte `c` in a block of absmax `absmax`.

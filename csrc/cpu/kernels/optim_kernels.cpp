@@ -364,10 +364,10 @@ void optim_chunk_quantized(const OptimArgs& a, const CallScalars& cs, const type
   auto* master = static_cast<Storage*>(o.master);
   alignas(64) float staging[NS][kQuantBlock];
   float* rows[NS];
-  const float* table[NS];
+  const QuantTable* table[NS];
   for (int k = 0; k < NS; ++k) {
     rows[k] = staging[k];
-    table[k] = quant_table(a.state_format[k]);
+    table[k] = &quant_table(a.state_format[k]);
   }
   const bool read = Kind::reads_state(s);
   const bool write = Kind::writes_state(s);
@@ -378,7 +378,8 @@ void optim_chunk_quantized(const OptimArgs& a, const CallScalars& cs, const type
       for (int k = 0; k < NS; ++k) {
         const auto* codes = static_cast<const uint8_t*>(o.state[k]) + b0;
         const float absmax = o.absmax[k][block];
-        for (int64_t e = 0; e < n; ++e) staging[k][e] = quant_decode(codes[e], absmax, table[k], a.state_format[k]);
+        const float* entries = table[k]->entries;
+        for (int64_t e = 0; e < n; ++e) staging[k][e] = quant_decode(codes[e], absmax, entries, a.state_format[k]);
       }
     }
     T* p = param + b0;
@@ -395,7 +396,7 @@ void optim_chunk_quantized(const OptimArgs& a, const CallScalars& cs, const type
       o.absmax[k][block] = absmax;
       auto* codes = static_cast<uint8_t*>(o.state[k]) + b0;
       for (int64_t e = 0; e < n; ++e) {
-        codes[e] = quant_encode(staging[k][e], absmax, table[k], a.state_format[k], Kind::nonnegative(k));
+        codes[e] = quant_encode_cpu(staging[k][e], absmax, *table[k], a.state_format[k], Kind::nonnegative(k));
       }
     }
   }

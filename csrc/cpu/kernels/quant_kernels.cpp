@@ -31,21 +31,21 @@ void parallel_blocks(int64_t numel, const Fn& fn) {
 }
 
 int quantize(const QuantizeArgs& a, const LaunchContext&) {
-  const float* table = quant_table(a.format);
+  const QuantTable& table = quant_table(a.format);
   parallel_blocks(a.numel, [&](int64_t k, int64_t begin, int64_t end) {
     float m = 0.0f;
     for (int64_t i = begin; i < end; ++i) m = absmax_combine(m, std::fabs(a.values[i]));
     const float absmax = quant_block_absmax(m);
     a.absmax[k] = absmax;
     for (int64_t i = begin; i < end; ++i) {
-      a.codes[i] = quant_encode(a.values[i], absmax, table, a.format, a.nonnegative);
+      a.codes[i] = quant_encode_cpu(a.values[i], absmax, table, a.format, a.nonnegative);
     }
   });
   return 0;
 }
 
 int dequantize(const DequantizeArgs& a, const LaunchContext&) {
-  const float* table = quant_table(a.format);
+  const float* table = quant_table(a.format).entries;
   parallel_blocks(a.numel, [&](int64_t k, int64_t begin, int64_t end) {
     const float absmax = a.absmax[k];
     for (int64_t i = begin; i < end; ++i) a.values[i] = quant_decode(a.codes[i], absmax, table, a.format);

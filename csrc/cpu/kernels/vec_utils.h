@@ -9,6 +9,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <utility>
@@ -137,19 +138,52 @@ inline bool any_lane_nonzero(const V& v) {
   return false;
 }
 
-// The table of an 8-bit state format (ops/rules.h), computed once: 256 entries, those past the
-// format's size zero.
-inline const float* quant_table(QuantFormat f) {
+// An 8-bit state format's table (ops/rules.h) and, for the encoding, the first index with an
+// entry >= a by a's leading 16 bits (sign, exponent, 7 mantissa bits): no two entries share such
+// a bucket (the tables' relative spacing is above 2^-7), so the first index of `a` is its
+// bucket's plus one where the entry there is still < a. Replaces the binary search's eight
+// dependent, unpredictable branches with two loads. Magnitudes below the first bucket lie below
+// every positive entry of every format.
+struct QuantTable {
+  static constexpr uint32_t kFirstBucket = 0x2F00;  // 2^-33
+  static constexpr uint32_t kBuckets = 0x3F80 - kFirstBucket + 1;  // up to 1.0
+  float entries[256];
+  uint8_t first[kBuckets];
+
+  // The first index whose entry is >= a, for a in [0, 1] or NaN (NaN: any, quant_encode_at
+  // gives it code 0).
+  int first_at_least(float a) const {
+    const uint32_t prefix = float_bits(a) >> 16;
+    const uint32_t b = prefix < kFirstBucket ? 0 : std::min(prefix - kFirstBucket, kBuckets - 1);
+    const int i = first[b];
+    return i + (entries[i] < a ? 1 : 0);
+  }
+};
+
+inline const QuantTable& quant_table(QuantFormat f) {
   static const auto tables = [] {
-    std::array<std::array<float, 256>, 4> t{};
+    std::array<QuantTable, 4> t{};
     for (int k = 0; k < 4; ++k) {
       const auto format = static_cast<QuantFormat>(k);
-      t[k].fill(0.0f);
-      for (int i = 0; i < quant_table_size(format); ++i) t[k][i] = quant_table_entry(format, i);
+      const int n = quant_table_size(format);
+      QuantTable& q = t[k];
+      for (int i = 0; i < 256; ++i) q.entries[i] = i < n ? quant_table_entry(format, i) : 0.0f;
+      for (uint32_t b = 0; b < QuantTable::kBuckets; ++b) {
+        const float lo = bits_float((b + QuantTable::kFirstBucket) << 16);
+        int i = 0;  // entries < lo (inf/NaN entries never are)
+        while (i < n && q.entries[i] < lo) ++i;
+        q.first[b] = static_cast<uint8_t>(std::min(i, n - 1));
+      }
     }
     return t;
   }();
-  return tables[static_cast<int>(f)].data();
+  return tables[static_cast<int>(f)];
+}
+
+// quant_encode (ops/rules.h) with the bucketed search.
+inline uint8_t quant_encode_cpu(float x, float absmax, const QuantTable& t, QuantFormat f, bool nonnegative) {
+  const float a = quant_magnitude(x, absmax, nonnegative);
+  return quant_encode_at(x, a, t.first_at_least(a), t.entries, f, nonnegative);
 }
 
 }  // namespace CPU_CAPABILITY
