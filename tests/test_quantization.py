@@ -313,14 +313,20 @@ def _run_step(kind, inputs, quantized, scaling):
     return params, masters, out_states, steps
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 def _assert_bitwise(a, b):
+    """Params, masters, steps, codes and absmax of two step results, bit for bit."""
     (pa, ma, sa, ta), (pb, mb, sb, tb) = a, b
-    for x, y in zip(pa + ma + ta, pb + mb + tb):
-        assert torch.equal(x.view(torch.uint8) if x.dtype.itemsize == 1 else x, y.view(torch.uint8) if y.dtype.itemsize == 1 else y) or torch.equal(x, y)
+    assert len(pa + ma + ta) == len(pb + mb + tb)
+    for i, (x, y) in enumerate(zip(pa + ma + ta, pb + mb + tb)):
+        assert x.dtype == y.dtype and torch.equal(_bits(x), _bits(y)), i
     for k, (la, lb) in enumerate(zip(sa, sb)):
         for i, ((ca, aa), (cb, ab)) in enumerate(zip(la, lb)):
-            assert torch.equal(aa, ab), (k, i, "absmax")
-            assert torch.equal(ca.view(torch.uint8), cb.view(torch.uint8)), (k, i, (ca.view(torch.uint8) != cb.view(torch.uint8)).nonzero()[:5])
+            assert torch.equal(_bits(aa), _bits(ab)), (k, i, "absmax")
+            assert torch.equal(_bits(ca), _bits(cb)), (k, i, (_bits(ca) != _bits(cb)).nonzero()[:5])
 
 
 def _scaling(case):
