@@ -63,6 +63,18 @@ def _loss(params: list[torch.Tensor], xs: list[torch.Tensor]) -> torch.Tensor:
     return loss
 
 
+def _record_params(res: dict[str, torch.Tensor], prefix: str, params: list[torch.Tensor], opt) -> None:
+    """Each param and its AdamW state under `prefix`, as the C++ program records them."""
+    for i, p in enumerate(params):
+        state = opt.state[p]
+        res[f"{prefix}param/{i}"] = p.detach().clone()
+        for key, name in (("master_param", "master"), ("master_remainder", "remainder")):
+            if key in state:
+                res[f"{prefix}{name}/{i}"] = state[key].clone()
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            res[f"{prefix}{key}/{i}"] = state[key].clone()
+
+
 def _run_python(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     res: dict[str, torch.Tensor] = {}
     params = [d[f"init/{i}"].clone().requires_grad_(True) for i in range(_NUM_PARAMS)]
@@ -87,13 +99,7 @@ def _run_python(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         res[f"scale2/{k}"] = scaler._scale.clone()
 
     res.update(_run_python_resumed(d))
-    for i, p in enumerate(params):
-        state = opt.state[p]
-        res[f"out/param/{i}"] = p.detach().clone()
-        res[f"out/master/{i}"] = state["master_param"].clone()
-        res[f"out/exp_avg/{i}"] = state["exp_avg"].clone()
-        res[f"out/exp_avg_sq/{i}"] = state["exp_avg_sq"].clone()
-        res[f"out/step/{i}"] = state["step"].clone()
+    _record_params(res, "out/", params, opt)
     res["out/scale"] = scaler._scale.clone()
     res["out/growth_tracker"] = torch.tensor(scaler._get_growth_tracker())
     res["out/stats"] = scaler._stats.clone()
@@ -127,13 +133,7 @@ def _run_python_resumed(d: dict[str, torch.Tensor], resume: bool = True) -> dict
             params = [p.detach().clone().requires_grad_(True) for p in params]
             opt, scaler, acc = build(params)
             acc.load_state_dict(saved)
-    for i, p in enumerate(params):
-        state = opt.state[p]
-        res[f"out3/param/{i}"] = p.detach().clone()
-        res[f"out3/remainder/{i}"] = state["master_remainder"].clone()
-        res[f"out3/exp_avg/{i}"] = state["exp_avg"].clone()
-        res[f"out3/exp_avg_sq/{i}"] = state["exp_avg_sq"].clone()
-        res[f"out3/step/{i}"] = state["step"].clone()
+    _record_params(res, "out3/", params, opt)
     res["out3/scale"] = scaler._scale.clone()
     res["out3/stats"] = scaler._stats.clone()
     res["out3/windows"] = torch.tensor(acc.windows)

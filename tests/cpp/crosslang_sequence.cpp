@@ -33,6 +33,22 @@ at::Tensor loss_of(const std::vector<at::Tensor>& params, const std::vector<at::
   return loss;
 }
 
+// Each param and its AdamW state, under `prefix`: the master as "master" (fp32) or "remainder".
+void record_params(c10::Dict<std::string, at::Tensor>& out, const std::string& prefix,
+                   const std::vector<at::Tensor>& params, const ampfuse::optim::AdamW& opt) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& s = static_cast<const ampfuse::optim::AdamParamState&>(
+        *opt.state().at(params[i].unsafeGetTensorImpl()));
+    const std::string n = std::to_string(i);
+    out.insert(prefix + "param/" + n, params[i].detach().clone());
+    if (s.master_param().defined()) out.insert(prefix + "master/" + n, s.master_param().clone());
+    if (s.master_remainder().defined()) out.insert(prefix + "remainder/" + n, s.master_remainder().clone());
+    out.insert(prefix + "exp_avg/" + n, s.exp_avg().clone());
+    out.insert(prefix + "exp_avg_sq/" + n, s.exp_avg_sq().clone());
+    out.insert(prefix + "step/" + n, s.step().clone());
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -147,31 +163,13 @@ int main(int argc, char** argv) {
         acc3->load(archive);
       }
     }
-    for (size_t i = 0; i < p3.size(); ++i) {
-      const auto& s = static_cast<const ampfuse::optim::AdamParamState&>(
-          *opt3->state().at(p3[i].unsafeGetTensorImpl()));
-      const std::string n = std::to_string(i);
-      out.insert("out3/param/" + n, p3[i].detach().clone());
-      out.insert("out3/remainder/" + n, s.master_remainder().clone());
-      out.insert("out3/exp_avg/" + n, s.exp_avg().clone());
-      out.insert("out3/exp_avg_sq/" + n, s.exp_avg_sq().clone());
-      out.insert("out3/step/" + n, s.step().clone());
-    }
+    record_params(out, "out3/", p3, *opt3);
     out.insert("out3/scale", scaler3->get_scale_async().clone());
     out.insert("out3/stats", scaler3->stats().clone());
     out.insert("out3/windows", at::scalar_tensor(acc3->windows(), at::kLong));
   }
 
-  for (size_t i = 0; i < params.size(); ++i) {
-    const auto& s = static_cast<const ampfuse::optim::AdamParamState&>(
-        *opt.state().at(params[i].unsafeGetTensorImpl()));
-    const std::string n = std::to_string(i);
-    out.insert("out/param/" + n, params[i].detach().clone());
-    out.insert("out/master/" + n, s.master_param().clone());
-    out.insert("out/exp_avg/" + n, s.exp_avg().clone());
-    out.insert("out/exp_avg_sq/" + n, s.exp_avg_sq().clone());
-    out.insert("out/step/" + n, s.step().clone());
-  }
+  record_params(out, "out/", params, opt);
   out.insert("out/scale", scaler.get_scale_async().clone());
   out.insert("out/growth_tracker", at::scalar_tensor(scaler.get_growth_tracker(), at::kLong));
   out.insert("out/stats", scaler.stats().clone());
