@@ -77,9 +77,8 @@ def all_codes(dtype: torch.dtype, nonnegative: bool) -> torch.Tensor:
     finite = [i for i in range(table.numel()) if math.isfinite(float(table[i]))]
     if dtype == torch.uint8 and nonnegative:
         return torch.tensor(finite, dtype=torch.uint8)
-    positive = finite if not nonnegative else finite
-    negative = [] if nonnegative else [i | 0x80 for i in finite if i != 0]
-    return torch.tensor(positive + negative, dtype=torch.uint8)
+    negative = [] if nonnegative else [i | 0x80 for i in finite if i != 0]  # nonnegative: no sign
+    return torch.tensor(finite + negative, dtype=torch.uint8)
 
 
 @pytest.mark.parametrize(("dtype", "nonnegative"), FORMATS, ids=FORMAT_IDS)
