@@ -318,7 +318,8 @@ _opt_ctor_case("sgd-nesterov", ValueError, "Nesterov momentum requires a momentu
 _opt_ctor_case("adam-beta1", ValueError, "Invalid beta parameter at index 0: 1.0", "Adam", dict(betas=(1.0, 0.999)))
 _opt_ctor_case("adam-eps", ValueError, "Invalid epsilon value: -1", "Adam", dict(eps=-1.0))
 _opt_ctor_case("adamw-wd", ValueError, "Invalid weight_decay value: -1", "AdamW", dict(weight_decay=-1.0))
-_opt_ctor_case("state_dtype", ValueError, "state_dtype must be torch.float32 or torch.bfloat16, got torch.float16", "AdamW",
+_opt_ctor_case("state_dtype", ValueError, r"\['state_dtype'\] must be torch.float32, torch.bfloat16, torch.uint8, torch.float8_e4m3fn or "
+               "torch.float8_e5m2, got torch.float16", "AdamW",
                dict(state_dtype=torch.float16))
 _opt_ctor_case("master_weights", ValueError, "master_weights must be True, False, 'auto' or 'remainder', got 'yes'", "AdamW", dict(master_weights="yes"))
 _opt_ctor_case("int64-param", ValueError, r"param_groups\[0\]\['params'\]\[0\] has dtype torch.int64", "SGD", dict(lr=0.1),

@@ -25,7 +25,7 @@ struct OptimizerPlan;  // the persistent step plan and what it was built for (ap
 struct StepPlanBucket {
   size_t group = 0;
   std::vector<at::Tensor> params, masters, steps;
-  std::array<std::vector<at::Tensor>, 3> states;
+  std::array<std::vector<at::Tensor>, 3> states, absmaxes;
   bool fp32_grads = false;
 };
 

@@ -93,19 +93,20 @@ struct Bucket {
   c10::ScalarType param_dtype;
   c10::ScalarType grad_dtype;
   MasterKind master;
+  c10::ScalarType state_dtype;  // of the first state (a small param's 8-bit state is fp32)
   std::vector<at::Tensor> params, grads, masters, steps;
-  std::array<std::vector<at::Tensor>, 3> states;
+  std::array<std::vector<at::Tensor>, 3> states, absmaxes;
 };
 
 Bucket& bucket_for(std::vector<Bucket>& buckets, const at::Tensor& p, const at::Tensor& g,
-                   MasterKind master) {
+                   MasterKind master, c10::ScalarType state_dtype) {
   for (auto& b : buckets) {
     if (b.device == p.device() && b.param_dtype == p.scalar_type() &&
-        b.grad_dtype == g.scalar_type() && b.master == master) {
+        b.grad_dtype == g.scalar_type() && b.master == master && b.state_dtype == state_dtype) {
       return b;
     }
   }
-  buckets.push_back(Bucket{p.device(), p.scalar_type(), g.scalar_type(), master, {}, {}, {}, {}, {}});
+  buckets.push_back(Bucket{p.device(), p.scalar_type(), g.scalar_type(), master, state_dtype, {}, {}, {}, {}, {}, {}});
   return buckets.back();
 }
 
@@ -129,6 +130,12 @@ StepScaling scaling_on(const std::optional<StepScaling>& scaling, const c10::Dev
 }
 
 // ---- a param's state as the engine's slots (engine/optimizer_state.h) ----------------------------
+// The names of the first `num` states of P.
+template <typename P>
+std::vector<std::string> state_names_of(int num) {
+  return std::vector<std::string>(P::kStateNames.begin(), P::kStateNames.begin() + num);
+}
+
 template <typename P>
 void push_slots(c10::List<std::optional<at::Tensor>>& slots, typename P::State& s, int num) {
   auto given = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
@@ -136,17 +143,19 @@ void push_slots(c10::List<std::optional<at::Tensor>>& slots, typename P::State& 
   slots.push_back(given(s.master_param()));
   slots.push_back(given(s.master_remainder()));
   for (int k = 0; k < num; ++k) slots.push_back(given(P::state(s, k)));
+  for (int k = 0; k < num; ++k) slots.push_back(given(P::absmax(s, k)));
 }
 
 // The slots of the i-th param of `out` (each param num states wide) written into s.
 template <typename P>
 void take_slots(typename P::State& s, const c10::List<std::optional<at::Tensor>>& out, size_t i, int num) {
-  const size_t width = engine::kStateSlotsBeforeStates + num;
+  const size_t width = engine::state_width(num);
   auto slot_at = [&](size_t k) { return out.get(i * width + k).value_or(at::Tensor()); };
   s.step(slot_at(0));
   s.master_param(slot_at(1));
   s.master_remainder(slot_at(2));
   for (int k = 0; k < num; ++k) P::state(s, k) = slot_at(engine::kStateSlotsBeforeStates + k);
+  for (int k = 0; k < num; ++k) P::absmax(s, k) = slot_at(engine::kStateSlotsBeforeStates + num + k);
 }
 
 // ---- generic step over a policy ----------------------------------------------------------------
@@ -177,8 +186,8 @@ void bring_state(torch::optim::Optimizer& opt, const std::vector<at::Tensor>& pa
     push_slots<P>(slots, s, num);
   }
   if (ps.empty()) return;
-  const auto out = engine::optimizer_state_(ps, slots, num, o.state_dtype(), master_weights_of(o), creates,
-                                            reconciles, P::kRestartOnCreate);
+  const auto out = engine::optimizer_state_(ps, slots, state_names_of<P>(num), P::state_dtypes(o, num), master_weights_of(o),
+                                            creates, reconciles, P::kRestartOnCreate);
   for (size_t i = 0; i < owners.size(); ++i) take_slots<P>(*owners[i], out, i, num);
 }
 
@@ -208,18 +217,22 @@ void fused_step(FusedOptimizer& opt, std::vector<detail::StepPlanBucket>& ran,
       }
       auto& s = static_cast<typename P::State&>(*opt.state().at(p.unsafeGetTensorImpl()));
       const MasterKind kind = master_kind_of(s);
-      Bucket& b = bucket_for(buckets, p, g, kind);
+      const int num = P::num_states(o);
+      Bucket& b = bucket_for(buckets, p, g, kind, num > 0 ? P::state(s, 0).scalar_type() : at::kFloat);
       b.params.push_back(p);
       b.grads.push_back(g);
       b.steps.push_back(s.step());
       if (kind == MasterKind::Float) b.masters.push_back(s.master_param());
       if (kind == MasterKind::Remainder) b.masters.push_back(s.master_remainder());
-      for (int k = 0; k < P::num_states(o); ++k) b.states[k].push_back(P::state(s, k));
+      for (int k = 0; k < num; ++k) b.states[k].push_back(P::state(s, k));
+      for (int k = 0; k < num; ++k) {
+        if (P::absmax(s, k).defined()) b.absmaxes[k].push_back(P::absmax(s, k));
+      }
     }
     for (auto& b : buckets) {
       P::run(o, b, scaling_on(opt.step_scaling(), b.device));
-      ran.push_back(detail::StepPlanBucket{gi, b.params, b.masters, b.steps, b.states,
-                                       b.grad_dtype == at::kFloat && b.param_dtype != at::kFloat});
+      ran.push_back(detail::StepPlanBucket{gi, b.params, b.masters, b.steps, b.states, b.absmaxes,
+                                           b.grad_dtype == at::kFloat && b.param_dtype != at::kFloat});
     }
     ++gi;
   }
@@ -238,7 +251,7 @@ std::vector<const void*> plan_key_of(const torch::optim::Optimizer& opt) {
     key.push_back(as_key(static_cast<int64_t>(group.params().size())));
     key.push_back(as_key(P::num_states(o)));
     key.push_back(as_key(o.master_weights() ? (o.master_remainders() ? 2 : 1) : 0));
-    key.push_back(as_key(static_cast<int64_t>(o.state_dtype())));
+    for (const auto dtype : P::state_dtypes(o, P::num_states(o))) key.push_back(as_key(static_cast<int64_t>(dtype)));
     for (const auto& p : group.params()) {
       key.push_back(p.unsafeGetTensorImpl());
       auto it = states.find(p.unsafeGetTensorImpl());
@@ -251,7 +264,10 @@ std::vector<const void*> plan_key_of(const torch::optim::Optimizer& opt) {
       key.push_back(s.step().unsafeGetTensorImpl());
       key.push_back(s.master_param().unsafeGetTensorImpl());
       key.push_back(s.master_remainder().unsafeGetTensorImpl());
-      for (int k = 0; k < 3; ++k) key.push_back(P::state(s, k).unsafeGetTensorImpl());
+      for (int k = 0; k < static_cast<int>(P::kStateNames.size()); ++k) {
+        key.push_back(P::state(s, k).unsafeGetTensorImpl());
+        key.push_back(P::absmax(s, k).unsafeGetTensorImpl());
+      }
     }
   }
   return key;
@@ -278,7 +294,7 @@ void fused_save(const torch::optim::Optimizer& opt, OutputArchive& archive) {
       push_slots<P>(slots, *copies.back(), kNum);
     }
   }
-  const auto out = engine::optimizer_state_saved(ps, slots, kNum);
+  const auto out = engine::optimizer_state_saved(ps, slots, state_names_of<P>(kNum));
   std::remove_reference_t<decltype(live)> saved;
   for (size_t i = 0; i < ps.size(); ++i) {
     take_slots<P>(*copies[i], out, i, kNum);
@@ -339,6 +355,7 @@ void fused_load(torch::optim::Optimizer& opt, InputArchive& archive,
     o.serialize(options_archive);
     // The optimizer's own precision options win; the loaded state is converted to them.
     o.master_weights(own.master_weights()).master_remainders(own.master_remainders()).state_dtype(own.state_dtype());
+    if constexpr (!std::is_same_v<Options, SGDOptions>) o.exp_avg_sq_dtype(own.exp_avg_sq_dtype());
     options.push_back(std::move(o));
   }
   // Check every state tensor against its parameter and convert it (the engine), then commit.
@@ -359,7 +376,7 @@ void fused_load(torch::optim::Optimizer& opt, InputArchive& archive,
     }
   }
   const auto out = engine::optimizer_state_loaded(
-      ps, slots, std::vector<std::string>(P::kStateNames.begin(), P::kStateNames.end()), group_of, index_of,
+      ps, slots, state_names_of<P>(kNum), group_of, index_of,
       "param_groups()[{g}].params()[{i}]", P::kRestartOnCreate);
   for (size_t g = 0; g < num_groups; ++g) {
     for (const auto& p : groups[g].params()) opt.state().erase(p.unsafeGetTensorImpl());
@@ -496,12 +513,14 @@ void SGDParamState::serialize(OutputArchive& archive) const {
   write_tensor(archive, "momentum_buffer", momentum_buffer());
   write_tensor(archive, "master_param", master_param());
   write_tensor(archive, "master_remainder", master_remainder());
+  write_tensor(archive, "momentum_buffer_absmax", momentum_buffer_absmax());
 }
 void SGDParamState::serialize(InputArchive& archive) {
   step(read_step(archive));
   momentum_buffer(read_tensor(archive, "momentum_buffer"));
   master_param(read_tensor(archive, "master_param"));
   master_remainder(read_tensor(archive, "master_remainder"));
+  momentum_buffer_absmax(read_tensor(archive, "momentum_buffer_absmax"));
 }
 void AdamParamState::serialize(OutputArchive& archive) const {
   write_tensor(archive, "step", step());
@@ -510,6 +529,9 @@ void AdamParamState::serialize(OutputArchive& archive) const {
   write_tensor(archive, "max_exp_avg_sq", max_exp_avg_sq());
   write_tensor(archive, "master_param", master_param());
   write_tensor(archive, "master_remainder", master_remainder());
+  write_tensor(archive, "exp_avg_absmax", exp_avg_absmax());
+  write_tensor(archive, "exp_avg_sq_absmax", exp_avg_sq_absmax());
+  write_tensor(archive, "max_exp_avg_sq_absmax", max_exp_avg_sq_absmax());
 }
 void AdamParamState::serialize(InputArchive& archive) {
   step(read_step(archive));
@@ -518,6 +540,9 @@ void AdamParamState::serialize(InputArchive& archive) {
   max_exp_avg_sq(read_tensor(archive, "max_exp_avg_sq"));
   master_param(read_tensor(archive, "master_param"));
   master_remainder(read_tensor(archive, "master_remainder"));
+  exp_avg_absmax(read_tensor(archive, "exp_avg_absmax"));
+  exp_avg_sq_absmax(read_tensor(archive, "exp_avg_sq_absmax"));
+  max_exp_avg_sq_absmax(read_tensor(archive, "max_exp_avg_sq_absmax"));
 }
 
 // ============================================================================================
@@ -675,7 +700,8 @@ void build_plan(OptimizerInternals& in, const std::vector<StepPlanBucket>& bucke
   std::vector<c10::Device> devices;
   for (const auto& b : buckets) {
     plan->plan->add_bucket(static_cast<int64_t>(b.group), b.params, b.masters, b.states[0],
-                           b.states[1], b.states[2], b.steps, b.fp32_grads);
+                           b.states[1], b.states[2], b.steps, b.fp32_grads, b.absmaxes[0],
+                           b.absmaxes[1], b.absmaxes[2]);
     const c10::Device d = b.params[0].device();
     if (std::find(devices.begin(), devices.end(), d) == devices.end()) devices.push_back(d);
     plan->fp16_grads |= !b.fp32_grads && b.params[0].scalar_type() == at::kHalf;
@@ -747,8 +773,13 @@ struct SgdPolicy {
   using State = SGDParamState;
   static constexpr const char* kName = "SGD";
   static constexpr std::array<const char*, 1> kStateNames = {"momentum_buffer"};
+  static constexpr std::array<const char*, 1> kAbsmaxNames = {"momentum_buffer_absmax"};
   static int num_states(const Options& o) { return o.momentum() != 0 ? 1 : 0; }
   static at::Tensor& state(State& s, int) { return s.momentum_buffer(); }
+  static at::Tensor& absmax(State& s, int) { return s.momentum_buffer_absmax(); }
+  static std::vector<at::ScalarType> state_dtypes(const Options& o, int num) {
+    return std::vector<at::ScalarType>(num, o.state_dtype());
+  }
   // Momentum switched on mid-run (torch: the buffer is None): the next step taken starts it from
   // the gradient, which the kernel does when the step counter is 0.
   static constexpr bool kRestartOnCreate = true;
@@ -771,7 +802,7 @@ struct SgdPolicy {
     so.weight_decay = o.weight_decay();
     so.nesterov = o.nesterov();
     so.maximize = o.maximize();
-    sgd_step_(b.params, b.grads, b.masters, b.states[0], b.steps, so, sc);
+    sgd_step_(b.params, b.grads, b.masters, b.states[0], b.steps, so, sc, b.absmaxes[0]);
   }
 };
 
@@ -782,15 +813,29 @@ struct AdamPolicyT {
   static constexpr const char* kName = kDecoupled ? "AdamW" : "Adam";
   static constexpr std::array<const char*, 3> kStateNames = {"exp_avg", "exp_avg_sq",
                                                              "max_exp_avg_sq"};
+  static constexpr std::array<const char*, 3> kAbsmaxNames = {"exp_avg_absmax", "exp_avg_sq_absmax",
+                                                              "max_exp_avg_sq_absmax"};
   static int num_states(const Options& o) { return o.amsgrad() ? 3 : 2; }
   static at::Tensor& state(State& s, int k) {
     return k == 0 ? s.exp_avg() : (k == 1 ? s.exp_avg_sq() : s.max_exp_avg_sq());
+  }
+  static at::Tensor& absmax(State& s, int k) {
+    return k == 0 ? s.exp_avg_absmax() : (k == 1 ? s.exp_avg_sq_absmax() : s.max_exp_avg_sq_absmax());
+  }
+  static std::vector<at::ScalarType> state_dtypes(const Options& o, int num) {
+    const auto second = o.exp_avg_sq_dtype() == at::ScalarType::Undefined ? o.state_dtype() : o.exp_avg_sq_dtype();
+    std::vector<at::ScalarType> out(num, second);
+    if (num > 0) out[0] = o.state_dtype();
+    return out;
   }
   static constexpr bool kRestartOnCreate = false;
   static void check(const Options& o) {
     auto values = common_hyper(o);
     values.insert("betas", c10::ivalue::Tuple::create(std::get<0>(o.betas()), std::get<1>(o.betas())));
     values.insert("eps", o.eps());
+    values.insert("exp_avg_sq_dtype", o.exp_avg_sq_dtype() == at::ScalarType::Undefined
+                                          ? c10::IValue()
+                                          : c10::IValue(detail::dtype_name(o.exp_avg_sq_dtype())));
     engine::check_group_hyper(kName, values, kName, false);
   }
   static void set_hyper(ops::StepPlan& plan, int64_t group, const Options& o) {
@@ -809,7 +854,7 @@ struct AdamPolicyT {
     ao.maximize = o.maximize();
     ao.decoupled_weight_decay = kDecoupled;
     adam_step_(b.params, b.grads, b.masters, b.states[0], b.states[1], b.states[2], b.steps, ao,
-               sc);
+               sc, AdamStateAbsmax{b.absmaxes[0], b.absmaxes[1], b.absmaxes[2]});
   }
 };
 struct AdamPolicy : AdamPolicyT<AdamOptions, false> {};
@@ -888,6 +933,7 @@ std::vector<std::pair<const char*, at::Tensor>> Fused<P>::state_tensors(const at
   };
   add("step", s.step());
   for (size_t k = 0; k < P::kStateNames.size(); ++k) add(P::kStateNames[k], P::state(s, static_cast<int>(k)));
+  for (size_t k = 0; k < P::kStateNames.size(); ++k) add(P::kAbsmaxNames[k], P::absmax(s, static_cast<int>(k)));
   add("master_param", s.master_param());
   add("master_remainder", s.master_remainder());
   return out;

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "engine/optimizer_state.h"
 #include "engine/scaler_rules.h"
 #include "engine/step_checks.h"
 
@@ -44,11 +45,26 @@ void check_group_hyper(const std::string& optimizer, const c10::Dict<std::string
   // Each option present is checked (the C++ surface passes them all; Python's add_param_group
   // only the state dtype), in the order the Python surface always checked them.
   const auto has = [&](const char* key) { return values.contains(key); };
-  if (has("state_dtype")) {
-    const c10::IValue& v = values.at("state_dtype");
+  for (const char* key : {"state_dtype", "exp_avg_sq_dtype"}) {  // the second: None (as the first)
+    if (!has(key)) continue;
+    const c10::IValue& v = values.at(key);
+    if (v.isNone() && std::string(key) == "exp_avg_sq_dtype") continue;
     const std::string dtype = v.isString() ? v.toStringRef() : repr(v);
-    TORCH_CHECK_VALUE(dtype == "torch.float32" || dtype == "torch.bfloat16", name("state_dtype"),
-                      " must be torch.float32 or torch.bfloat16, got ", dtype, ".");
+    TORCH_CHECK_VALUE(state_dtype_named(dtype), name(key), " must be ", kStateDtypeChoices,
+                      std::string(key) == "exp_avg_sq_dtype" ? " or None" : "", ", got ", dtype, ".");
+  }
+  if (has("exp_avg_sq_dtype") && !values.at("exp_avg_sq_dtype").isNone()) {
+    // one kernel path per step: every state list 8-bit (each in its own format), or one dtype
+    const auto named = [&](const char* key) {
+      const c10::IValue& v = values.at(key);
+      return v.isString() ? v.toStringRef() : repr(v);
+    };
+    const std::string first = has("state_dtype") ? named("state_dtype") : "torch.float32";
+    const std::string second = named("exp_avg_sq_dtype");
+    const auto wide = [](const std::string& d) { return d == "torch.float32" || d == "torch.bfloat16"; };
+    TORCH_CHECK_VALUE(first == second || (!wide(first) && !wide(second)), name("exp_avg_sq_dtype"), " (", second,
+                      ") may differ from ", name("state_dtype"), " (", first,
+                      ") only when both are 8-bit dtypes; leave it None for one state dtype.");
   }
   if (has("lr")) {
     const c10::IValue& lr = values.at("lr");

@@ -1,6 +1,7 @@
 #include "engine/optimizer_state.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -8,6 +9,7 @@
 
 #include "engine/master_forms.h"
 #include "engine/step_checks.h"
+#include "ops/rules.h"
 #include "ops/validation.h"
 
 namespace ampfuse::engine {
@@ -16,10 +18,10 @@ namespace {
 bool present(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
 void check_slots(const char* op, size_t params, size_t slots, int64_t num_states) {
-  TORCH_CHECK(num_states >= 0 && slots == params * static_cast<size_t>(kStateSlotsBeforeStates + num_states), op,
-              ": ", params, " params with ", num_states, " states need ",
-              params * static_cast<size_t>(kStateSlotsBeforeStates + std::max<int64_t>(num_states, 0)),
-              " slots, got ", slots, ".");
+  TORCH_CHECK(num_states >= 0 && slots == params * static_cast<size_t>(state_width(num_states)), op, ": ",
+              params, " params with ", num_states, " states need ",
+              params * static_cast<size_t>(state_width(std::max<int64_t>(num_states, 0))), " slots, got ", slots,
+              ".");
 }
 
 c10::List<std::optional<at::Tensor>> as_list(std::vector<std::optional<at::Tensor>>& out) {
@@ -29,7 +31,49 @@ c10::List<std::optional<at::Tensor>> as_list(std::vector<std::optional<at::Tenso
   return result;
 }
 
+std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& values, at::ScalarType dtype, bool nonnegative) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("ampfuse::quantize_blocks", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::ScalarType, bool)>();
+  return op.call(values, dtype, nonnegative);
+}
+
+at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& absmax, bool nonnegative) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("ampfuse::dequantize_blocks", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>();
+  return op.call(codes, absmax, nonnegative);
+}
+
+// State slot `value` with its absmax slot `absmax` as fp32 values (an 8-bit state dequantized).
+at::Tensor values_of(const at::Tensor& value, const std::optional<at::Tensor>& absmax, bool nonnegative,
+                     const std::string& what) {
+  if (!quantized_state_dtype(value.scalar_type())) return value.to(at::kFloat);
+  TORCH_CHECK_VALUE(present(absmax), what, " is ", detail::dtype_name(value.scalar_type()),
+                    " codes without its block absmax.");
+  return dequantize(value.contiguous(), *absmax, nonnegative);
+}
+
 }  // namespace
+
+bool state_nonnegative(const std::string& name) { return name == "exp_avg_sq" || name == "max_exp_avg_sq"; }
+
+bool quantized_state_dtype(at::ScalarType dtype) {
+  return dtype == at::kByte || dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2;
+}
+
+bool state_dtype_named(const std::string& name) {
+  for (const auto t : {at::kFloat, at::kBFloat16, at::kByte, at::kFloat8_e4m3fn, at::kFloat8_e5m2}) {
+    if (name == detail::dtype_name(t)) return true;
+  }
+  return false;
+}
+
+at::ScalarType stored_state_dtype(const at::Tensor& param, at::ScalarType requested, const std::string& what) {
+  TORCH_CHECK_VALUE(requested == at::kFloat || requested == at::kBFloat16 || quantized_state_dtype(requested), what,
+                    " must be ", kStateDtypeChoices, ", got ", detail::dtype_name(requested), ".");
+  return quantized_state_dtype(requested) && param.numel() < kQuantMinNumel ? at::kFloat : requested;
+}
 
 std::string master_kind(const at::Tensor& param, const std::string& master_weights) {
   TORCH_CHECK(master_weights == "true" || master_weights == "auto" || master_weights == "false" ||
@@ -42,17 +86,21 @@ std::string master_kind(const at::Tensor& param, const std::string& master_weigh
 
 c10::List<std::optional<at::Tensor>> optimizer_state_(
     const std::vector<at::Tensor>& params, const c10::List<std::optional<at::Tensor>>& slots,
-    int64_t num_states, at::ScalarType state_dtype, const std::string& master_weights,
-    const c10::List<bool>& create, const c10::List<bool>& reconcile, bool restart_on_create) {
+    const std::vector<std::string>& state_names, const std::vector<at::ScalarType>& state_dtypes,
+    const std::string& master_weights, const c10::List<bool>& create, const c10::List<bool>& reconcile,
+    bool restart_on_create) {
+  const auto num_states = static_cast<int64_t>(state_names.size());
   check_slots("optimizer_state_", params.size(), slots.size(), num_states);
-  const int64_t width = kStateSlotsBeforeStates + num_states;
+  const int64_t width = state_width(num_states);
   const auto n = static_cast<int64_t>(params.size());
   TORCH_CHECK(static_cast<int64_t>(create.size()) == n && static_cast<int64_t>(reconcile.size()) == n,
               "optimizer_state_: ", n, " params need as many create and reconcile flags, got ", create.size(),
               " and ", reconcile.size(), ".");
-  TORCH_CHECK(state_dtype == at::kFloat || state_dtype == at::kBFloat16,
-              "optimizer_state_: state_dtype must be torch.float32 or torch.bfloat16, got ",
-              detail::dtype_name(state_dtype), ".");
+  TORCH_CHECK(static_cast<int64_t>(state_dtypes.size()) == num_states, "optimizer_state_: ", num_states,
+              " states need as many state dtypes, got ", state_dtypes.size(), ".");
+  for (const auto dtype : state_dtypes) {
+    if (n > 0) stored_state_dtype(params[0], dtype, "state_dtype");  // a dtype it can keep
+  }
   at::NoGradGuard no_grad;
   std::vector<std::optional<at::Tensor>> out(slots.begin(), slots.end());
   auto slot = [&](int64_t i, int64_t k) -> std::optional<at::Tensor>& { return out[i * width + k]; };
@@ -74,16 +122,36 @@ c10::List<std::optional<at::Tensor>> optimizer_state_(
     master = kind == "float" ? std::optional<at::Tensor>(m[0]) : std::nullopt;
     remainder = kind == "remainder" ? std::optional<at::Tensor>(m[0]) : std::nullopt;
   }
-  for (int64_t k = 0; k < num_states; ++k) {  // each state in turn
+  for (int64_t k = 0; k < num_states; ++k) {  // each state in turn (codes, then their absmax)
+    const bool nonnegative = state_nonnegative(state_names[k]);
     for (int64_t i = 0; i < n; ++i) {
       auto& t = slot(i, kStateSlotsBeforeStates + k);
+      auto& absmax = slot(i, kStateSlotsBeforeStates + num_states + k);
       const at::Tensor& p = params[i];
+      const at::ScalarType dtype = stored_state_dtype(p, state_dtypes[k], "state_dtype");
+      const bool quantized = quantized_state_dtype(dtype);
       if (present(t)) {
-        if (t->scalar_type() != state_dtype) t = t->to(state_dtype);
+        if (t->scalar_type() == dtype && (!quantized || present(absmax))) {
+          if (!quantized) absmax = std::nullopt;
+          continue;
+        }
+        const at::Tensor values = values_of(*t, absmax, nonnegative, c10::str("state '", state_names[k], "'"));
+        if (quantized) {
+          std::tie(t, absmax) = quantize(values.contiguous(), dtype, nonnegative);
+        } else {
+          t = values.to(dtype);
+          absmax = std::nullopt;
+        }
       } else if (create[i]) {
-        t = at::zeros_like(p, p.options().dtype(state_dtype), at::MemoryFormat::Preserve);
+        if (quantized) {
+          t = at::zeros(p.sizes(), p.options().dtype(dtype));
+          absmax = at::zeros({(p.numel() + kQuantBlock - 1) / kQuantBlock}, p.options().dtype(at::kFloat));
+        } else {
+          t = at::zeros_like(p, p.options().dtype(dtype), at::MemoryFormat::Preserve);
+        }
         if (restart_on_create) slot(i, 0)->zero_();
       }
+      if (!quantized) absmax = std::nullopt;
     }
   }
   return as_list(out);
@@ -91,9 +159,10 @@ c10::List<std::optional<at::Tensor>> optimizer_state_(
 
 c10::List<std::optional<at::Tensor>> optimizer_state_saved(
     const std::vector<at::Tensor>& params, const c10::List<std::optional<at::Tensor>>& slots,
-    int64_t num_states) {
+    const std::vector<std::string>& state_names) {
+  const auto num_states = static_cast<int64_t>(state_names.size());
   check_slots("optimizer_state_saved", params.size(), slots.size(), num_states);
-  const int64_t width = kStateSlotsBeforeStates + num_states;
+  const int64_t width = state_width(num_states);
   at::NoGradGuard no_grad;
   std::vector<std::optional<at::Tensor>> out(slots.begin(), slots.end());
   for (size_t i = 0; i < params.size(); ++i) {
@@ -102,8 +171,13 @@ c10::List<std::optional<at::Tensor>> optimizer_state_saved(
       slot[1] = join_master(params[i], *slot[2]);
       slot[2] = std::nullopt;
     }
-    for (int64_t k = kStateSlotsBeforeStates; k < width; ++k) {
-      if (present(slot[k]) && slot[k]->scalar_type() != at::kFloat) slot[k] = slot[k]->to(at::kFloat);
+    for (int64_t k = 0; k < num_states; ++k) {
+      auto& t = slot[kStateSlotsBeforeStates + k];
+      auto& absmax = slot[kStateSlotsBeforeStates + num_states + k];
+      if (present(t) && t->scalar_type() != at::kFloat) {
+        t = values_of(*t, absmax, state_nonnegative(state_names[k]), c10::str("state '", state_names[k], "'"));
+      }
+      absmax = std::nullopt;
     }
   }
   return as_list(out);
@@ -118,10 +192,13 @@ c10::List<std::optional<at::Tensor>> optimizer_state_loaded(
   TORCH_CHECK(groups.size() == params.size() && indices.size() == params.size(),
               "optimizer_state_loaded: ", params.size(), " params need as many groups and indices, got ",
               groups.size(), " and ", indices.size(), ".");
-  const int64_t width = kStateSlotsBeforeStates + num_states;
+  const int64_t width = state_width(num_states);
+  const int64_t values_end = kStateSlotsBeforeStates + num_states;  // the slots after are absmaxes
   std::vector<std::optional<at::Tensor>> out(slots.begin(), slots.end());
   auto name_of = [&](int64_t k) -> std::string {
-    return k == 0 ? "step" : k == 1 ? "master_param" : k == 2 ? "master_remainder" : state_names[k - kStateSlotsBeforeStates];
+    if (k < kStateSlotsBeforeStates) return k == 0 ? "step" : k == 1 ? "master_param" : "master_remainder";
+    return k < values_end ? state_names[k - kStateSlotsBeforeStates]
+                          : state_names[k - values_end] + "_absmax";
   };
   for (size_t i = 0; i < params.size(); ++i) {  // every check first
     const at::Tensor& p = params[i];
@@ -134,12 +211,16 @@ c10::List<std::optional<at::Tensor>> optimizer_state_loaded(
                         shape_repr(*slot[0]), ".");
     }
     TORCH_CHECK_VALUE(!present(slot[2]), where(2), ": checkpoints hold masters as fp32 master_param.");
-    for (int64_t k = 1; k < width; ++k) {
+    for (int64_t k = values_end; k < width; ++k) {
+      TORCH_CHECK_VALUE(!present(slot[k]), where(k), ": checkpoints hold 8-bit state as its fp32 values.");
+    }
+    for (int64_t k = 1; k < values_end; ++k) {
       if (!present(slot[k])) continue;
       const at::Tensor& t = *slot[k];
       TORCH_CHECK_VALUE(t.sizes() == p.sizes(), where(k), " has shape ", shape_repr(t),
                         " but the parameter has shape ", shape_repr(p), ".");
-      TORCH_CHECK_VALUE(t.is_floating_point(), where(k), " must be a floating-point tensor, got ",
+      TORCH_CHECK_VALUE(t.is_floating_point() && !quantized_state_dtype(t.scalar_type()), where(k),
+                        " must be a floating-point tensor of values (float32, bfloat16, float16 or float64), got ",
                         detail::dtype_name(t.scalar_type()), ".");
     }
   }
@@ -154,7 +235,7 @@ c10::List<std::optional<at::Tensor>> optimizer_state_loaded(
       const bool counted = restart_on_create && num_states > 0 && present(slot[kStateSlotsBeforeStates]);
       slot[0] = at::full({}, counted ? 1.0 : 0.0, fp32);
     }
-    for (int64_t k = 1; k < width; ++k) {
+    for (int64_t k = 1; k < values_end; ++k) {
       if (present(slot[k])) slot[k] = slot[k]->detach().to(fp32, /*non_blocking=*/false, /*copy=*/true);
     }
   }

@@ -98,16 +98,17 @@ TORCH_LIBRARY(ampfuse, m) {
       "convert_master_(Tensor(a!) param, Tensor? master_param, Tensor? master_remainder, str kind, "
       "bool reconcile) -> Tensor[]");
   // A group's per-param state brought to its options (csrc/engine/optimizer_state.h): slots per
-  // param [step, master_param, master_remainder, state...], created where create[i] (one kind at a
-  // time), converted otherwise; returns the slots. A composite of torch ops and convert_master_.
+  // param [step, master_param, master_remainder, state..., state absmax...], created where
+  // create[i] (one kind at a time), converted otherwise; returns the slots. A composite of torch
+  // ops, convert_master_ and the block quantization ops.
   m.def(
-      "optimizer_state_(Tensor(a!)[] params, Tensor?[] slots, int num_states, ScalarType state_dtype, "
+      "optimizer_state_(Tensor(a!)[] params, Tensor?[] slots, str[] state_names, ScalarType[] state_dtypes, "
       "str master_weights, bool[] create, bool[] reconcile, bool restart_on_create) -> Tensor?[]");
   // The state's checkpoint form, both ways (csrc/engine/optimizer_state.h), same slots: saved
-  // (state as fp32, a remainder as its fp32 master_param) and loaded (checked against the params,
+  // (state as fp32 values, a remainder as its fp32 master_param) and loaded (checked against the params,
   // named by `naming` with {g}/{i} replaced by groups[i]/indices[i], then fp32 copies on each
   // param's device). Composites of torch ops and join_master.
-  m.def("optimizer_state_saved(Tensor[] params, Tensor?[] slots, int num_states) -> Tensor?[]");
+  m.def("optimizer_state_saved(Tensor[] params, Tensor?[] slots, str[] state_names) -> Tensor?[]");
   m.def(
       "optimizer_state_loaded(Tensor[] params, Tensor?[] slots, str[] state_names, int[] groups, int[] indices, "
       "str naming, bool restart_on_create) -> Tensor?[]");
@@ -188,7 +189,11 @@ TORCH_LIBRARY(ampfuse, m) {
       .def(torch::init<std::string>())
       .def("set_hyper", &StepPlan::set_hyper)
       .def("hyper_names", &StepPlan::hyper_names)
-      .def("add_bucket", &StepPlan::add_bucket)
+      .def("add_bucket", &StepPlan::add_bucket, "",
+           {torch::arg("group"), torch::arg("params"), torch::arg("masters"), torch::arg("state0"),
+            torch::arg("state1"), torch::arg("state2"), torch::arg("steps"), torch::arg("fp32_grads"),
+            torch::arg("absmax0") = c10::List<at::Tensor>(), torch::arg("absmax1") = c10::List<at::Tensor>(),
+            torch::arg("absmax2") = c10::List<at::Tensor>()})
       .def("add_idle", &StepPlan::add_idle)
       .def("bind_source", &StepPlan::bind_source)
       .def("finalize", &StepPlan::finalize)

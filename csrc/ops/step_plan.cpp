@@ -45,6 +45,24 @@ const std::vector<const char*>& state_names(bool adam) {
   return adam ? adam_names : sgd;
 }
 
+// The step op's lists of a bucket's tensors, 8-bit state's absmax lists included.
+detail::OptimLists optim_lists(bool adam, at::TensorList params, at::TensorList grads,
+                               at::TensorList masters, const std::vector<at::Tensor> (&states)[3],
+                               const std::vector<at::Tensor> (&absmaxes)[3], at::TensorList steps) {
+  static const std::vector<const char*> sgd_absmax{"momentum_absmax", "", ""};
+  static const std::vector<const char*> adam_absmax{"exp_avg_absmax", "exp_avg_sq_absmax",
+                                                    "max_exp_avg_sq_absmax"};
+  return detail::OptimLists{params,
+                            grads,
+                            masters,
+                            {states[0], states[1], states[2]},
+                            state_names(adam),
+                            steps,
+                            {absmaxes[0], absmaxes[1], absmaxes[2]},
+                            adam ? adam_absmax : sgd_absmax,
+                            {false, adam, adam}};
+}
+
 }  // namespace
 
 StepPlan::StepPlan(const std::string& kind) {
@@ -129,11 +147,13 @@ StepPlan::Span StepPlan::span_of(const at::Tensor& t) {
 void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
                           std::vector<at::Tensor> masters, std::vector<at::Tensor> state0,
                           std::vector<at::Tensor> state1, std::vector<at::Tensor> state2,
-                          std::vector<at::Tensor> steps, bool fp32_grads) {
+                          std::vector<at::Tensor> steps, bool fp32_grads,
+                          std::vector<at::Tensor> absmax0, std::vector<at::Tensor> absmax1,
+                          std::vector<at::Tensor> absmax2) {
   TORCH_CHECK(!finalized_, "StepPlan.add_bucket: the plan is finalized.");
   TORCH_CHECK(!params.empty(), "StepPlan.add_bucket: params must not be empty.");
   TORCH_CHECK(group >= 0, "StepPlan.add_bucket: group must be >= 0, got ", group, ".");
-  TORCH_CHECK(adam_ || (state1.empty() && state2.empty()),
+  TORCH_CHECK(adam_ || (state1.empty() && state2.empty() && absmax1.empty() && absmax2.empty()),
               "StepPlan.add_bucket: an sgd plan has one state list (momentum buffers).");
   Bucket b;
   b.group = group;
@@ -149,8 +169,13 @@ void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
   std::vector<at::Tensor> probe;
   probe.reserve(params.size());
   for (const auto& p : params) probe.push_back(fp32_grads ? p.to(c10::kFloat) : p);
-  const detail::OptimLists l{params, probe, masters, {state0, state1, state2}, state_names(adam_),
-                             steps};
+  b.states[0] = std::move(state0);
+  b.states[1] = std::move(state1);
+  b.states[2] = std::move(state2);
+  b.absmaxes[0] = std::move(absmax0);
+  b.absmaxes[1] = std::move(absmax1);
+  b.absmaxes[2] = std::move(absmax2);
+  const detail::OptimLists l = optim_lists(adam_, params, probe, masters, b.states, b.absmaxes, steps);
   detail::check_optim_args(l, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
   for (const auto& p : params) {
     b.geom_at.push_back(b.geom.size());
@@ -167,16 +192,12 @@ void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
   b.geom_at.push_back(b.geom.size());
   b.params = std::move(params);
   b.masters = std::move(masters);
-  b.states[0] = std::move(state0);
-  b.states[1] = std::move(state1);
-  b.states[2] = std::move(state2);
   b.steps = std::move(steps);
   b.grads.resize(b.params.size());
   b.refs.resize(b.params.size());
   b.spans.resize(b.params.size());
   b.clear_of_written.assign(b.params.size(), Span{});
-  b.dtypes = core::optim_dtypes(detail::OptimLists{
-      b.params, probe, b.masters, {b.states[0], b.states[1], b.states[2]}, {"", "", ""}, b.steps});
+  b.dtypes = core::optim_dtypes(optim_lists(adam_, b.params, probe, b.masters, b.states, b.absmaxes, b.steps));
   // The rows, when every tensor of every row lies flat in its param's element order.
   bool flat = true;
   for (size_t i = 0; i < b.params.size() && flat; ++i) {
@@ -196,9 +217,13 @@ void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
       o.grad = nullptr;
       o.master = b.masters.empty() ? nullptr : b.masters[i].data_ptr();
       for (int k = 0; k < 3; ++k) o.state[k] = b.states[k].empty() ? nullptr : b.states[k][i].data_ptr();
+      for (int k = 0; k < 3; ++k) {
+        o.absmax[k] = b.absmaxes[k].empty() ? nullptr : b.absmaxes[k][i].mutable_data_ptr<float>();
+      }
       o.step = b.steps[i].mutable_data_ptr<float>();
       o.numel = b.params[i].numel();
-      for (const auto* list : {&b.masters, &b.states[0], &b.states[1], &b.states[2], &b.steps}) {
+      for (const auto* list : {&b.masters, &b.states[0], &b.states[1], &b.states[2], &b.absmaxes[0],
+                               &b.absmaxes[1], &b.absmaxes[2], &b.steps}) {
         if (!list->empty()) b.keep.push_back((*list)[i].storage());
       }
     }
@@ -249,6 +274,7 @@ void StepPlan::finalize() {
     overlap.add(b.params, "params", true);
     overlap.add(b.masters, "master_params", true);
     for (const auto& s : b.states) overlap.add(s, "state", true);
+    for (const auto& s : b.absmaxes) overlap.add(s, "state absmax", true);
     overlap.add(b.steps, "steps", true);
   }
   overlap.check();
@@ -261,6 +287,7 @@ void StepPlan::finalize() {
     add(b.params);
     add(b.masters);
     for (const auto& s : b.states) add(s);
+    for (const auto& s : b.absmaxes) add(s);
     add(b.steps);
   }
   std::sort(written_.begin(), written_.end(),
@@ -566,8 +593,7 @@ int64_t StepPlan::step(const std::optional<at::Tensor>& grad_scale,
     return kStale;
   }
   auto lists = [this](Bucket& b) {
-    return detail::OptimLists{b.params, b.grads, b.masters,
-                              {b.states[0], b.states[1], b.states[2]}, state_names(adam_), b.steps};
+    return optim_lists(adam_, b.params, b.grads, b.masters, b.states, b.absmaxes, b.steps);
   };
   auto sgd_hyper = [this](const Bucket& b) { return hyper_[b.group].sgd; };
   auto adam_hyper = [this](const Bucket& b) { return hyper_[b.group].adam; };

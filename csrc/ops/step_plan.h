@@ -53,12 +53,14 @@ class StepPlan : public torch::CustomClassHolder {
 
   // One bucket of param group `group`: same device, param dtype, gradient dtype (the params' own,
   // or fp32 when `fp32_grads`) and master kind. masters and each state list empty or one tensor
-  // per param; states: sgd {momentum}, adam {exp_avg, exp_avg_sq, max_exp_avg_sq}. Validated as
-  // the step op validates them.
+  // per param; states: sgd {momentum}, adam {exp_avg, exp_avg_sq, max_exp_avg_sq}; absmaxN: the
+  // block absmax of 8-bit stateN, one per param (empty otherwise). Validated as the step op
+  // validates them.
   void add_bucket(int64_t group, std::vector<at::Tensor> params, std::vector<at::Tensor> masters,
                   std::vector<at::Tensor> state0, std::vector<at::Tensor> state1,
                   std::vector<at::Tensor> state2, std::vector<at::Tensor> steps,
-                  bool fp32_grads);
+                  bool fp32_grads, std::vector<at::Tensor> absmax0 = {},
+                  std::vector<at::Tensor> absmax1 = {}, std::vector<at::Tensor> absmax2 = {});
   // Params the plan steps only while they have no gradient (none when it was built).
   void add_idle(std::vector<at::Tensor> params);
   // Reads the gradients of the params `source` buffers from it (GradAccumulator's window step,
@@ -108,6 +110,7 @@ class StepPlan : public torch::CustomClassHolder {
     caffe2::TypeMeta param_meta, grad_meta;  // the same, as TensorImpl holds them
     std::vector<at::Tensor> params, masters, steps;
     std::vector<at::Tensor> states[3];
+    std::vector<at::Tensor> absmaxes[3];
     // Each param's shape and strides when the plan was built, side by side in one array (dims
     // sizes then dims strides from geom_at[i]), and its data.
     std::vector<int64_t> geom;

@@ -26,6 +26,8 @@ std::string dtype_name(c10::ScalarType t) {
     case c10::kComplexFloat: return "torch.complex64";
     case c10::kComplexDouble: return "torch.complex128";
     case c10::kComplexHalf: return "torch.complex32";
+    case c10::kFloat8_e4m3fn: return "torch.float8_e4m3fn";
+    case c10::kFloat8_e5m2: return "torch.float8_e5m2";
     default: return std::string("torch.") + c10::toString(t);
   }
 }

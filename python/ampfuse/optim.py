@@ -34,8 +34,7 @@ __all__ = ["SGD", "Adam", "AdamW", "StepScaling", "join_master", "split_master"]
 
 MasterWeights = Union[bool, Literal["auto", "remainder"]]
 _MASTER_WEIGHTS = (True, False, "auto", "remainder")
-_STATE_DTYPES = (torch.float32, torch.bfloat16)
-_PRECISION_OPTIONS = ("master_weights", "state_dtype")
+_PRECISION_OPTIONS = ("master_weights", "state_dtype", "exp_avg_sq_dtype")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -310,8 +309,6 @@ class _FusedOptimizer(torch.optim.Optimizer):
         mw = defaults.get("master_weights")
         if not any(mw is v or (isinstance(v, str) and mw == v) for v in _MASTER_WEIGHTS):
             raise ValueError(f"master_weights must be True, False, 'auto' or 'remainder', got {mw!r}.")
-        if defaults.get("state_dtype") not in _STATE_DTYPES:
-            raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {defaults.get('state_dtype')!r}.")
         self._param_dtypes: dict[int, torch.dtype] = {}
         self._plans: dict[int, _Plan] = {}
         self._native: _NativePlan | None = None
@@ -409,6 +406,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"param_groups[{gi}]['master_weights'] must be True, False, 'auto' or 'remainder', got {mw!r}.")
         values = self._hyper_values(group) if hyper else {}
         values["state_dtype"] = repr(group.get("state_dtype", torch.float32))
+        if "exp_avg_sq_dtype" in group:
+            sq = group["exp_avg_sq_dtype"]
+            values["exp_avg_sq_dtype"] = None if sq is None else repr(sq)
         torch.ops.ampfuse.group_hyper_check(self._engine_name, values, f"param_groups[{gi}]", True)
 
     @staticmethod
@@ -539,7 +539,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         todo = [(p, c) for p, c in zip(params, create) if c or (isinstance(self.state.get(p), Mapping) and self.state[p])]
         if not todo:
             return
-        names = ("step", "master_param", "master_remainder", *self._state_keys_for(group))
+        keys = self._state_keys_for(group)
+        names = _slot_names(keys)
         slots: list[torch.Tensor | None] = []
         for p, _ in todo:
             st = self.state[p]
@@ -551,7 +552,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         mw = group["master_weights"]
         ops._dtensor_support()
         out = torch.ops.ampfuse.optimizer_state_(
-            [p.detach() for p, _ in todo], slots, len(names) - 3, group.get("state_dtype", torch.float32),
+            [p.detach() for p, _ in todo], slots, list(keys), list(self._state_dtypes_for(group, keys)),
             "true" if mw is True else "false" if mw is False else mw, [c for _, c in todo], reconcile,
             self._restart_on_create)
         for j, (p, _) in enumerate(todo):
@@ -559,6 +560,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         return self._state_keys
+
+    def _state_dtypes_for(self, group: dict[str, Any], keys: Sequence[str]) -> tuple[torch.dtype, ...]:
+        """The dtype the group asks for each of its state tensors ``keys`` (the engine keeps
+        small params' 8-bit state in fp32)."""
+        return (group.get("state_dtype", torch.float32),) * len(keys)
 
     def sync_masters_from_params(self) -> None:
         """Restart every fp32 master from its param now.
@@ -583,7 +589,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     # ---- step --------------------------------------------------------------------------------
     def _signature(self, group: dict[str, Any]) -> tuple:
-        return (self._state_keys_for(group), group["master_weights"], group.get("state_dtype", torch.float32))
+        return (self._state_keys_for(group), group["master_weights"], group.get("state_dtype", torch.float32),
+                group.get("exp_avg_sq_dtype"))
 
     def _build_plan(self, group: dict[str, Any], ids: tuple, grad_dtypes: tuple) -> _Plan:
         buckets: dict[tuple, tuple[list[int], dict[str, list]]] = {}
@@ -594,7 +601,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 continue
             state = self.state[p]
             kind = "float" if "master_param" in state else "remainder" if "master_remainder" in state else None
-            idx, lists = buckets.setdefault((p.device, p.dtype, grad_dtypes[i], kind), ([], collections.defaultdict(list)))
+            form = tuple(state[key].dtype for key in keys)  # a small param's 8-bit state is fp32
+            idx, lists = buckets.setdefault((p.device, p.dtype, grad_dtypes[i], kind, form),
+                                            ([], collections.defaultdict(list)))
             idx.append(i)
             lists["params"].append(p)
             lists["steps"].append(state["step"])
@@ -602,6 +611,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 lists["masters"].append(state["master_param" if kind == "float" else "master_remainder"])
             for key in keys:
                 lists[key].append(state[key])
+                if key + "_absmax" in state:
+                    lists[key + "_absmax"].append(state[key + "_absmax"])
         plan_buckets = [(key[0], idx, dict(lists)) for key, (idx, lists) in buckets.items()]
         return _Plan(group["params"], ids, self.state.generation, self._signature(group), grad_dtypes,
                      tuple(p.dtype for p in group["params"]), plan_buckets)
@@ -765,9 +776,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
             for device, idx, lists in py.buckets:
                 states = [lists.get(k, []) for k in self._native_state_keys]
                 states += [[]] * (3 - len(states))
+                absmax = [lists.get(k + "_absmax", []) for k in self._native_state_keys]
+                absmax += [[]] * (3 - len(absmax))
                 grad_dtype = py.grad_dtypes[idx[0]]
                 plan.add_bucket(gi, lists["params"], lists.get("masters", []), *states, lists["steps"],
-                                grad_dtype == torch.float32 and py.param_dtypes[idx[0]] != torch.float32)
+                                grad_dtype == torch.float32 and py.param_dtypes[idx[0]] != torch.float32,
+                                *absmax)
                 devices.add(device)
                 fp16_grads |= grad_dtype == torch.float16
             idle = [p for p, dt in zip(group["params"], py.grad_dtypes) if dt is None]
@@ -830,14 +844,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
         stands for, so the checkpoint does not depend on the precision options."""
         sd = super().state_dict()
         params = [p for g in self.param_groups for p in g["params"]]
-        names = ("step", "master_param", "master_remainder", *self._native_state_keys)
+        names = _slot_names(self._native_state_keys)
         keys = [k for k, v in sd["state"].items()  # torch allows other values under non-param keys
                 if isinstance(v, Mapping) and isinstance(k, int) and 0 <= k < len(params)]
         out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in sd["state"].items()}
         if keys:
             slots = [v if isinstance(v := out[k].get(name), torch.Tensor) else None for k in keys for name in names]
             ops._dtensor_support()
-            saved = torch.ops.ampfuse.optimizer_state_saved([params[k].detach() for k in keys], slots, len(names) - 3)
+            saved = torch.ops.ampfuse.optimizer_state_saved([params[k].detach() for k in keys], slots,
+                                                            list(self._native_state_keys))
             for j, k in enumerate(keys):
                 _put_slots(out[k], names, saved[j * len(names):(j + 1) * len(names)])
         sd["state"] = out
@@ -869,7 +884,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 )
         where = {pid: (gi, i, p) for gi, (g, sg) in enumerate(zip(groups, saved_groups))
                  for i, (pid, p) in enumerate(zip(sg["params"], g["params"]))}
-        names = ("step", "master_param", "master_remainder", *self._native_state_keys)
+        names = _slot_names(self._native_state_keys)
         new_state: dict[Any, dict[str, Any]] = {}
         loaded = []  # (pid, gi, i, p): the states the engine checks and converts
         for pid, st in state_dict["state"].items():
@@ -897,7 +912,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             slots += [step, *(st.get(name) for name in names[1:])]
         ops._dtensor_support()
         out = torch.ops.ampfuse.optimizer_state_loaded(
-            [p.detach() for *_, p in loaded], slots, list(names[3:]), [gi for _, gi, _, _ in loaded],
+            [p.detach() for *_, p in loaded], slots, list(self._native_state_keys), [gi for _, gi, _, _ in loaded],
             [i for *_, i, _ in loaded], "param_groups[{g}]['params'][{i}]", self._restart_on_create) if loaded else []
         for j, (pid, _, _, p) in enumerate(loaded):
             converted = {key: deepcopy(v) for key, v in state_dict["state"][pid].items() if key not in names}
@@ -925,6 +940,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
+
+
+def _slot_names(keys: Sequence[str]) -> tuple[str, ...]:
+    """The state keys of the engine's slots of a param (``csrc/engine/optimizer_state.h``) for
+    the optimizer's state ``keys``: step, the masters, the states, each state's block absmax."""
+    return ("step", "master_param", "master_remainder", *keys, *(k + "_absmax" for k in keys))
 
 
 def _put_slots(state: dict[str, Any], names: Sequence[str], values: Sequence[torch.Tensor | None]) -> None:
@@ -1029,8 +1050,9 @@ class SGD(_FusedOptimizer):
             ``"remainder"``: bf16 params keep an int16 remainder instead (2 bytes, not 4; the same
             fp32 master bit for bit; see the module docstring). ``False`` updates low-precision
             params directly (fp32 math).
-        state_dtype (torch.float32 or torch.bfloat16, default float32): storage of the momentum
-            buffer (the math is fp32; bf16 is stored rounded to nearest even).
+        state_dtype (torch.dtype, default float32): storage of the momentum buffer (the math is
+            fp32): ``torch.float32``, ``torch.bfloat16`` (rounded to nearest even) or 8-bit as
+            :class:`Adam`'s.
 
     ``state["step"]`` counts the steps taken with the current momentum buffer: the next step taken
     with ``step == 0`` initialises the buffer to that step's gradient, as torch does when its
@@ -1098,6 +1120,7 @@ class SGD(_FusedOptimizer):
             lr=s["lr"], momentum=group["momentum"], dampening=group["dampening"],
             weight_decay=group["weight_decay"], nesterov=group["nesterov"], maximize=group["maximize"],
             grad_scale=s["grad_scale"], found_inf=s["found_inf"], clip_coef=s["clip_coef"],
+            momentum_absmax=lists.get("momentum_buffer_absmax", ()),
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -1125,8 +1148,14 @@ class Adam(_FusedOptimizer):
         decoupled_weight_decay (bool, default False): AdamW's decoupled weight decay.
         master_weights (bool, "auto" or "remainder", default "auto"): fp32 masters for fp16/bf16
             params; ``"remainder"``: int16 remainders for bf16 params (see :class:`SGD`).
-        state_dtype (torch.float32 or torch.bfloat16, default float32): storage of ``exp_avg``,
-            ``exp_avg_sq`` (and ``max_exp_avg_sq``); the math is fp32 in registers either way.
+        state_dtype (torch.dtype, default float32): storage of ``exp_avg``, ``exp_avg_sq`` (and
+            ``max_exp_avg_sq``); the math is fp32 in registers either way. ``torch.float32``,
+            ``torch.bfloat16`` (rounded to nearest even), or 8-bit, block-scaled:
+            ``torch.uint8`` (a dynamic map), ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``
+            (each state tensor of 4,096 elements or more; smaller ones stay fp32). An 8-bit state
+            is its codes under its key and its blocks' fp32 scales under ``<key>_absmax``.
+        exp_avg_sq_dtype (torch.dtype or None, default None): storage of ``exp_avg_sq`` and
+            ``max_exp_avg_sq`` when it differs from ``state_dtype`` (None: ``state_dtype``).
 
     Bias corrections are computed in fp64 from each parameter's own step count, as in torch's
     for-loop implementation.
@@ -1149,6 +1178,7 @@ class Adam(_FusedOptimizer):
         decoupled_weight_decay: bool = False,
         master_weights: MasterWeights = "auto",
         state_dtype: torch.dtype = torch.float32,
+        exp_avg_sq_dtype: torch.dtype | None = None,
     ) -> None:
         self._check_torch_kwargs(foreach, fused, capturable, differentiable)
         # torch's argument rules for tensor hyper-parameters, as strict as torch.optim.Adam (the
@@ -1177,7 +1207,7 @@ class Adam(_FusedOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,
                         fused=fused, decoupled_weight_decay=decoupled_weight_decay, master_weights=master_weights,
-                        state_dtype=state_dtype)
+                        state_dtype=state_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype)
         super().__init__(params, defaults)
 
     _native_kind = "adam"
@@ -1197,6 +1227,11 @@ class Adam(_FusedOptimizer):
     def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
 
+    def _state_dtypes_for(self, group: dict[str, Any], keys: Sequence[str]) -> tuple[torch.dtype, ...]:
+        first = group.get("state_dtype", torch.float32)
+        second = group.get("exp_avg_sq_dtype")
+        return tuple(first if key == "exp_avg" or second is None else second for key in keys)
+
     def _run(self, group, lists, grads, s) -> None:
         beta1, beta2 = group["betas"]
         ops.adam_step_(
@@ -1206,6 +1241,8 @@ class Adam(_FusedOptimizer):
             amsgrad=group["amsgrad"], maximize=group["maximize"],
             decoupled_weight_decay=group.get("decoupled_weight_decay", False),
             grad_scale=s["grad_scale"], found_inf=s["found_inf"], clip_coef=s["clip_coef"],
+            exp_avg_absmax=lists.get("exp_avg_absmax", ()), exp_avg_sq_absmax=lists.get("exp_avg_sq_absmax", ()),
+            max_exp_avg_sq_absmax=lists.get("max_exp_avg_sq_absmax", ()),
         )
 
 
@@ -1229,7 +1266,9 @@ class AdamW(Adam):
         fused: bool | None = None,
         master_weights: MasterWeights = "auto",
         state_dtype: torch.dtype = torch.float32,
+        exp_avg_sq_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True, master_weights=master_weights, state_dtype=state_dtype)
+                         decoupled_weight_decay=True, master_weights=master_weights, state_dtype=state_dtype,
+                         exp_avg_sq_dtype=exp_avg_sq_dtype)

@@ -546,7 +546,8 @@ TEST(Optim, PrecisionOptionsMergeAndCheck) {
   EXPECT_EQ(g1.state_dtype(), at::kBFloat16);  // inherited from the defaults
   EXPECT_TRUE(throws_with(
       [&] { ampfuse::optim::AdamW bad(std::vector<at::Tensor>{p[2]}, ampfuse::optim::AdamWOptions().state_dtype(at::kHalf)); },
-      "AdamW: state_dtype must be torch.float32 or torch.bfloat16, got torch.float16"));
+      "AdamW: state_dtype must be torch.float32, torch.bfloat16, torch.uint8, torch.float8_e4m3fn or "
+      "torch.float8_e5m2, got torch.float16"));
 }
 
 TEST(Optim, LoadChecksBeforeChangingAnything) {

@@ -58,7 +58,9 @@ struct SGDOptions : public torch::optim::OptimizerCloneableOptions<SGDOptions> {
   TORCH_ARG(bool, master_weights) = true;
   // With master_weights: bf16 params keep an int16 remainder instead of an fp32 master.
   TORCH_ARG(bool, master_remainders) = false;
-  // Storage of the momentum buffer: at::kFloat or at::kBFloat16 (rounded to nearest even).
+  // Storage of the momentum buffer: at::kFloat, at::kBFloat16 (rounded to nearest even), or
+  // 8-bit block-scaled: at::kByte (a dynamic map), at::kFloat8_e4m3fn or at::kFloat8_e5m2 (for
+  // params of 4,096 elements or more; smaller ones keep fp32).
   TORCH_ARG(c10::ScalarType, state_dtype) = at::kFloat;
 
  public:
@@ -108,8 +110,11 @@ struct AdamOptionsBase : public torch::optim::OptimizerCloneableOptions<Derived>
   AMPFUSE_OPTION(bool, maximize) = false;
   AMPFUSE_OPTION(bool, master_weights) = true;
   AMPFUSE_OPTION(bool, master_remainders) = false;
-  // Storage of exp_avg / exp_avg_sq / max_exp_avg_sq: at::kFloat or at::kBFloat16.
+  // Storage of exp_avg / exp_avg_sq / max_exp_avg_sq: as SGDOptions::state_dtype.
   AMPFUSE_OPTION(c10::ScalarType, state_dtype) = at::kFloat;
+  // Storage of exp_avg_sq / max_exp_avg_sq when it differs from state_dtype (both 8-bit);
+  // at::ScalarType::Undefined: state_dtype.
+  AMPFUSE_OPTION(c10::ScalarType, exp_avg_sq_dtype) = at::ScalarType::Undefined;
 
  public:
   template <class Self, class F>
@@ -123,6 +128,7 @@ struct AdamOptionsBase : public torch::optim::OptimizerCloneableOptions<Derived>
     f("master_weights", self.master_weights_);
     f("master_remainders", self.master_remainders_);
     f("state_dtype", self.state_dtype_);
+    f("exp_avg_sq_dtype", self.exp_avg_sq_dtype_);
   }
   void serialize(torch::serialize::InputArchive& archive) override;
   void serialize(torch::serialize::OutputArchive& archive) const override;
@@ -150,6 +156,7 @@ struct SGDParamState : public torch::optim::OptimizerCloneableParamState<SGDPara
   TORCH_ARG(at::Tensor, momentum_buffer);   // state_dtype; initialised by the first step taken
   TORCH_ARG(at::Tensor, master_param);      // fp32
   TORCH_ARG(at::Tensor, master_remainder);  // int16 (master_remainders, bf16 params)
+  TORCH_ARG(at::Tensor, momentum_buffer_absmax);  // fp32 block scales of an 8-bit buffer
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -163,6 +170,10 @@ struct AdamParamState : public torch::optim::OptimizerCloneableParamState<AdamPa
   TORCH_ARG(at::Tensor, max_exp_avg_sq);  // amsgrad only
   TORCH_ARG(at::Tensor, master_param);
   TORCH_ARG(at::Tensor, master_remainder);
+  // fp32 block scales of 8-bit exp_avg / exp_avg_sq / max_exp_avg_sq
+  TORCH_ARG(at::Tensor, exp_avg_absmax);
+  TORCH_ARG(at::Tensor, exp_avg_sq_absmax);
+  TORCH_ARG(at::Tensor, max_exp_avg_sq_absmax);
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
