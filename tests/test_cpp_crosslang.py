@@ -15,7 +15,8 @@ a short growth interval, an inf and a NaN injected, ``unscale_and_clip_`` on som
 a ``GradAccumulator`` (2 micro-batches, clipping) over three windows, one of them overflowing; then
 a run with 16-bit remainders and bf16 moments, windows of 3 with overflows at seeded places, whose
 checkpoint taken inside an overflowed window is loaded into fresh objects by each surface's own
-checkpoint API. The C++ program writes its inputs too, so both sides start from the same bits.
+checkpoint API; then 8-bit moments (uint8 and e5m2) with remainders, an overflow and an optimizer
+checkpoint. The C++ program writes its inputs too, so both sides start from the same bits.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def _run_python(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         res[f"scale2/{k}"] = scaler._scale.clone()
 
     res.update(_run_python_resumed(d))
+    res.update(_run_python_8bit(d))
     _record_params(res, "out/", params, opt)
     res["out/scale"] = scaler._scale.clone()
     res["out/growth_tracker"] = torch.tensor(scaler._get_growth_tracker())
@@ -137,6 +139,39 @@ def _run_python_resumed(d: dict[str, torch.Tensor], resume: bool = True) -> dict
     res["out3/scale"] = scaler._scale.clone()
     res["out3/stats"] = scaler._stats.clone()
     res["out3/windows"] = torch.tensor(acc.windows)
+    return res
+
+
+def _run_python_8bit(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Phase 4: uint8 / e5m2 moments with remainders, an overflow, an optimizer checkpoint."""
+    res: dict[str, torch.Tensor] = {}
+    params = [d[f"init4/{i}"].clone().requires_grad_(True) for i in range(2)]
+
+    def build(ps):
+        return ampfuse.optim.AdamW(ps, lr=1e-2, weight_decay=0.01, master_weights="remainder",
+                                   state_dtype=torch.uint8, exp_avg_sq_dtype=torch.float8_e5m2)
+
+    opt = build(params)
+    scaler = ampfuse.GradScaler("cpu", init_scale=512.0)
+    for step in range(6):
+        scaler.scale(_loss(params, [d[f"x4/{step}/{i}"] for i in range(2)])).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if step == 3:
+            saved = copy.deepcopy(opt.state_dict())
+            params = [p.detach().clone().requires_grad_(True) for p in params]
+            opt = build(params)
+            opt.load_state_dict(saved)
+    for i, p in enumerate(params):
+        state = opt.state[p]
+        res[f"out4/param/{i}"] = p.detach().clone()
+        res[f"out4/remainder/{i}"] = state["master_remainder"].clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            res[f"out4/{key}/{i}"] = state[key].view(torch.uint8).clone()
+            if key + "_absmax" in state:
+                res[f"out4/{key}_absmax/{i}"] = state[key + "_absmax"].clone()
+        res[f"out4/step/{i}"] = state["step"].clone()
     return res
 
 
@@ -179,6 +214,11 @@ def test_the_sequence_exercises_skips_growth_and_clipping(cpp_results):
     assert 0 < cpp_results["out3/stats"][1] < _MICRO3 // 3  # some windows skipped, some stepped
     assert cpp_results["out3/remainder/0"].dtype == torch.int16
     assert cpp_results["out3/exp_avg/0"].dtype == torch.bfloat16
+    # phase 4: the big param's moments are 8-bit codes with absmax, the small one's fp32; the
+    # overflowed step was skipped
+    assert cpp_results["out4/exp_avg/0"].shape == (80, 64) and cpp_results["out4/exp_avg_absmax/0"].shape == (20,)
+    assert "out4/exp_avg_absmax/1" not in cpp_results and cpp_results["out4/exp_avg/1"].numel() == 33 * 4
+    assert float(cpp_results["out4/step/0"]) == 5
     assert cpp_results["out/master/0"].dtype == torch.float32
     assert cpp_results["out/param/0"].dtype == torch.bfloat16
 

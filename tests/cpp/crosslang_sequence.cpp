@@ -5,7 +5,9 @@
 // The sequence, on the CPU: bf16 params, AdamW with fp32 masters, a GradScaler with hysteresis
 // and a short growth interval, overflows injected into two iterations, unscale_and_clip_ on some;
 // then a GradAccumulator (2 micro-batches, clipping) over three windows with one overflow; then a
-// run with remainders and bf16 moments whose mid-window checkpoint is loaded into fresh objects.
+// run with remainders and bf16 moments whose mid-window checkpoint is loaded into fresh objects;
+// then 8-bit moments (a param past the 8-bit threshold and a small one), an overflow, and an
+// optimizer checkpoint loaded into a fresh optimizer.
 //
 // Usage: ampfuse_crosslang OUTPUT_FILE
 #include <ATen/ATen.h>
@@ -167,6 +169,69 @@ int main(int argc, char** argv) {
     out.insert("out3/scale", scaler3->get_scale_async().clone());
     out.insert("out3/stats", scaler3->stats().clone());
     out.insert("out3/windows", at::scalar_tensor(acc3->windows(), at::kLong));
+  }
+
+  // Phase 4: 8-bit moments (uint8 first moment, e5m2 second) with remainders, one param of
+  // 5,120 elements (8-bit) and one of 33 (fp32 state), an overflow at step 2, and the
+  // optimizer's checkpoint after step 3 loaded into a fresh optimizer.
+  {
+    const std::vector<std::vector<int64_t>> shapes = {{80, 64}, {33}};
+    std::vector<at::Tensor> p4;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      p4.push_back((at::randn(shapes[i]) * 0.5).to(at::kBFloat16).set_requires_grad(true));
+      out.insert("init4/" + std::to_string(i), p4.back().detach().clone());
+    }
+    const auto options = ampfuse::optim::AdamWOptions(1e-2)
+                             .weight_decay(0.01)
+                             .master_remainders(true)
+                             .state_dtype(at::kByte)
+                             .exp_avg_sq_dtype(at::kFloat8_e5m2);
+    auto opt4 = std::make_unique<ampfuse::optim::AdamW>(p4, options);
+    ampfuse::GradScaler scaler4(ampfuse::GradScalerOptions().init_scale(512.0));
+    for (int step = 0; step < 6; ++step) {
+      std::vector<at::Tensor> xs;
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        xs.push_back(at::randn(shapes[i]) * at::logspace(-3, 1, at::randn(shapes[i]).numel()).reshape(shapes[i]));
+      }
+      if (step == 2) xs[0].view({-1})[100] = kInf;
+      for (size_t i = 0; i < xs.size(); ++i) {
+        out.insert("x4/" + std::to_string(step) + "/" + std::to_string(i), xs[i]);
+      }
+      scaler4.scale(loss_of(p4, xs)).backward();
+      scaler4.step(*opt4);
+      scaler4.update();
+      opt4->zero_grad();
+      if (step == 3) {
+        std::ostringstream saved;
+        {
+          torch::serialize::OutputArchive archive;
+          opt4->save(archive);
+          archive.save_to(saved);
+        }
+        std::vector<at::Tensor> fresh;
+        for (const auto& p : p4) fresh.push_back(p.detach().clone().set_requires_grad(true));
+        p4 = fresh;
+        opt4 = std::make_unique<ampfuse::optim::AdamW>(p4, options);
+        std::istringstream in(saved.str());
+        torch::serialize::InputArchive archive;
+        archive.load_from(in);
+        opt4->load(archive);
+      }
+    }
+    for (size_t i = 0; i < p4.size(); ++i) {
+      const auto& s = static_cast<const ampfuse::optim::AdamParamState&>(
+          *opt4->state().at(p4[i].unsafeGetTensorImpl()));
+      const std::string n = std::to_string(i);
+      out.insert("out4/param/" + n, p4[i].detach().clone());
+      out.insert("out4/remainder/" + n, s.master_remainder().clone());
+      out.insert("out4/exp_avg/" + n, s.exp_avg().view(at::kByte).clone());
+      out.insert("out4/exp_avg_sq/" + n, s.exp_avg_sq().view(at::kByte).clone());
+      if (s.exp_avg_absmax().defined()) out.insert("out4/exp_avg_absmax/" + n, s.exp_avg_absmax().clone());
+      if (s.exp_avg_sq_absmax().defined()) {
+        out.insert("out4/exp_avg_sq_absmax/" + n, s.exp_avg_sq_absmax().clone());
+      }
+      out.insert("out4/step/" + n, s.step().clone());
+    }
   }
 
   record_params(out, "out/", params, opt);
