@@ -461,3 +461,128 @@ def _mid_window_state_worker(rank: int, world: int):
 def test_mid_window_accumulator_state_is_per_rank_or_refused():
     res = run_ranks(_mid_window_state_worker, 2)[0]
     assert "partial sums differ per rank" in res["refused"] and res["has_buffers"]
+
+
+# ---- 8-bit optimizer state under FSDP2 ----------------------------------------------------------
+
+
+def _model_8bit():
+    """bf16, with one layer past the 8-bit threshold (256 x 32 = 8,192 elements: 8-bit moments
+    whatever the shard) and small ones (fp32 moments)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1)).to(torch.bfloat16)
+
+
+def _batches_8bit(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + step)
+    return torch.randn(BATCH, 32, generator=g), torch.randn(BATCH, 1, generator=g)
+
+
+def _train_8bit(rank: int, world: int, model, opt, scaler, start: int, steps: int) -> list:
+    per = BATCH // world
+    log = []
+    for step in range(start, start + steps):
+        x, y = _batches_8bit(step)
+        out = model(x[rank * per:(rank + 1) * per].to(torch.bfloat16))
+        scaler.scale(torch.nn.functional.mse_loss(out.float(), y[rank * per:(rank + 1) * per])).backward()
+        scaler.unscale_and_clip_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        log.append({"scale": scaler.get_scale(), "skipped": float(scaler.last_found_inf)})
+    return log
+
+
+def _state_8bit(model, opt) -> dict:
+    """Per param: the full fp32 values of each moment (the checkpoint's), and this rank's own 8-bit
+    codes and absmax where the moment is 8-bit."""
+    from torch.distributed.tensor import DTensor
+
+    def full(t):
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+    sd = opt.state_dict()["state"]
+    out = {"params": [full(p).float() for p in model.parameters()], "values": [], "codes": [], "forms": []}
+    for i, p in enumerate(model.parameters()):
+        st = opt.state[p]
+        out["values"].append({k: full(sd[i][k]) for k in ("exp_avg", "exp_avg_sq", "master_param")})
+        out["forms"].append({k: str(st[k].dtype) for k in ("exp_avg", "exp_avg_sq")})
+        out["codes"].append({k: (st[k]._local_tensor.view(torch.uint8).clone(), st[k + "_absmax"].clone())
+                             for k in ("exp_avg", "exp_avg_sq") if k + "_absmax" in st})
+    return out
+
+
+def _dcp_8bit_worker(rank: int, world: int, ckpt: str, mode: str):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import ampfuse
+
+    model = _shard(_model_8bit(), "bf16")
+    opt = ampfuse.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, master_weights="remainder",
+                              state_dtype=torch.uint8, exp_avg_sq_dtype=torch.float8_e5m2)
+    scaler = ampfuse.GradScaler("cpu", init_scale=2.0**12)
+    if mode == "save":
+        _train_8bit(rank, world, model, opt, scaler, 0, 3)
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+        if rank == 0:
+            torch.save(scaler.state_dict(), os.path.join(ckpt, "scaler.pt"))
+        at_save = _state_8bit(model, opt)
+        log = _train_8bit(rank, world, model, opt, scaler, 3, 3)
+        return {"at_save": at_save, "final": _state_8bit(model, opt), "log": log}
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    scaler.load_state_dict(torch.load(os.path.join(ckpt, "scaler.pt")))
+    # a skipped step (found_inf set) brings the loaded fp32 values to the 8-bit form, changing nothing else
+    opt.step(scaling=ampfuse.optim.StepScaling(None, torch.ones(1), None))
+    loaded = _state_8bit(model, opt)
+    # what each rank's codes must be: its shard of the loaded values, requantized in its own blocks
+    expect = []
+    for p in model.parameters():
+        st = opt.state[p]
+        expect.append({k: ampfuse.ops.quantize_blocks(
+            opt.state_dict()["state"][len(expect)][k]._local_tensor.contiguous(), st[k].dtype,
+            nonnegative=k == "exp_avg_sq") for k in ("exp_avg", "exp_avg_sq") if k + "_absmax" in st})
+    expect = [{k: (c.view(torch.uint8), a) for k, (c, a) in e.items()} for e in expect]
+    log = _train_8bit(rank, world, model, opt, scaler, 3, 3)
+    return {"loaded": loaded, "expect": expect, "final": _state_8bit(model, opt), "log": log}
+
+
+@pytest.mark.parametrize("worlds", [(2, 2), (4, 2)], ids=["same-ranks", "resharded-4-to-2"])
+def test_fsdp2_8bit_state_dcp_save_load_continue(worlds):
+    """8-bit moments under FSDP2 keep their blocks inside each rank's shard. A DCP checkpoint holds
+    the moments' fp32 values: loaded on the same ranks the codes come back bit for bit and training
+    continues as if uninterrupted; resharded (4 ranks to 2), the values load bit for bit and each
+    rank's codes are its new shard's values requantized."""
+    save_world, load_world = worlds
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = os.path.join(d, "ckpt")
+        saved = run_ranks(_dcp_8bit_worker, save_world, ckpt, "save", timeout=300.0)
+        loaded = run_ranks(_dcp_8bit_worker, load_world, ckpt, "load", timeout=300.0)
+    s0, l0 = saved[0], loaded[0]
+    assert s0["at_save"]["forms"][0] == {"exp_avg": "torch.uint8", "exp_avg_sq": "torch.float8_e5m2"}
+    assert s0["at_save"]["forms"][1] == {"exp_avg": "torch.float32", "exp_avg_sq": "torch.float32"}
+    for a, b in zip(s0["at_save"]["params"], l0["loaded"]["params"]):
+        assert torch.equal(a, b)
+    for a, b in zip(s0["at_save"]["values"], l0["loaded"]["values"]):  # the fp32 values, whatever the ranks
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    for rank, res in enumerate(loaded):
+        for i, (got, want) in enumerate(zip(res["loaded"]["codes"], res["expect"])):
+            assert got.keys() == want.keys() and bool(got) == (i == 0)  # the one big param is 8-bit
+            for k in got:
+                assert torch.equal(got[k][0], want[k][0]) and torch.equal(got[k][1], want[k][1]), (rank, k)
+    if save_world == load_world:
+        for rank in range(save_world):
+            for a, b in zip(saved[rank]["at_save"]["codes"], loaded[rank]["loaded"]["codes"]):
+                for k in a:
+                    assert torch.equal(a[k][0], b[k][0]) and torch.equal(a[k][1], b[k][1]), (rank, k)
+            assert saved[rank]["log"] == loaded[rank]["log"]
+            for a, b in zip(saved[rank]["final"]["params"], loaded[rank]["final"]["params"]):
+                assert torch.equal(a, b)
+    else:
+        # other blocks: requantization changes the state by a block's rounding, training goes on close
+        for a, b in zip(s0["final"]["params"], l0["final"]["params"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-2)

@@ -377,6 +377,42 @@ def _refusals() -> dict:
     return out
 
 
+def _tp_8bit() -> dict:
+    """TP on 4 ranks with 8-bit moments: a column-wise layer (its weight sharded on dim 0) and a
+    row-wise one (dim 1) of 16,384 elements each, 3 AdamW steps; the same with fp32 moments."""
+    import ampfuse
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = _mesh((4,), ("tp",))
+    out: dict = {}
+    for form in ("uint8", "fp32"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64))
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        opt = ampfuse.optim.AdamW(model.parameters(), lr=LR,
+                                  state_dtype=torch.uint8 if form == "uint8" else torch.float32)
+        for step in range(3):
+            g = torch.Generator().manual_seed(3000 + step)
+            x, y = torch.randn(BATCH, 64, generator=g), torch.randn(BATCH, 64, generator=g)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        res = {"params": [_full(p) for p in model.parameters()], "blocks": []}
+        if form == "uint8":
+            saved = opt.state_dict()["state"]
+            for i, (name, p) in enumerate(model.named_parameters()):
+                st = opt.state[p]
+                if "exp_avg_absmax" not in st:
+                    continue
+                local = saved[i]["exp_avg"]._local_tensor.contiguous()
+                codes, absmax = ampfuse.ops.quantize_blocks(local, torch.uint8)
+                res["blocks"].append({"name": name, "placements": str(p.placements), "local_numel": local.numel(),
+                                      "absmax": st["exp_avg_absmax"].clone(), "want_absmax": absmax,
+                                      "codes": st["exp_avg"]._local_tensor.clone(), "want_codes": codes})
+        out[form] = res
+    return out
+
+
 # ---- the one 4-rank job ---------------------------------------------------------------------------
 
 
@@ -415,6 +451,10 @@ def _scenarios(rank: int, world: int, ckpt: str) -> dict:
         out["dcp-load-on-2"] = _dcp_load(ckpt, 2)
     except Exception:  # noqa: BLE001
         out["dcp-load-on-2"] = {"error": traceback.format_exc()}
+    try:
+        out["tp-8bit"] = _tp_8bit()
+    except Exception:  # noqa: BLE001
+        out["tp-8bit"] = {"error": traceback.format_exc()}
     out["precision"] = _precision_helpers()
     out["refusals"] = _refusals()
     return out
@@ -487,6 +527,22 @@ def test_tp_fsdp2_norm_and_params_equal_torch(mesh_runs):
             torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
         for x, y in zip(a["params"], _ok(four[0], "tpfsdp")["params"]):
             assert torch.equal(x, y)
+
+
+def test_tp_8bit_state_blocks_lie_inside_each_local_shard(mesh_runs):
+    """Column- and row-wise sharded weights keep 8-bit moments whose blocks cut each rank's local
+    shard (not the global tensor), and train close to fp32 moments."""
+    for rank in range(4):
+        res = _ok(mesh_runs[rank], "tp-8bit")
+        blocks = res["uint8"]["blocks"]
+        assert [b["placements"] for b in blocks] == ["(Shard(dim=0),)", "(Shard(dim=1),)"]
+        for b in blocks:
+            assert b["local_numel"] == 4096 and b["absmax"].shape == (16,)
+            assert torch.equal(b["absmax"], b["want_absmax"]) and torch.equal(b["codes"], b["want_codes"])
+        for x, y in zip(res["uint8"]["params"], res["fp32"]["params"]):
+            torch.testing.assert_close(x, y, rtol=0, atol=2e-3)
+        for x, y in zip(res["uint8"]["params"], _ok(mesh_runs[0], "tp-8bit")["uint8"]["params"]):
+            assert torch.equal(x, y)  # the ranks agree
 
 
 def test_tp_fsdp2_inf_in_one_shard_skips_every_rank(mesh_runs):

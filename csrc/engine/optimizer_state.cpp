@@ -9,7 +9,6 @@
 
 #include "engine/master_forms.h"
 #include "engine/step_checks.h"
-#include "ops/rules.h"
 #include "ops/validation.h"
 
 namespace ampfuse::engine {
@@ -143,9 +142,9 @@ c10::List<std::optional<at::Tensor>> optimizer_state_(
           absmax = std::nullopt;
         }
       } else if (create[i]) {
-        if (quantized) {
-          t = at::zeros(p.sizes(), p.options().dtype(dtype));
-          absmax = at::zeros({(p.numel() + kQuantBlock - 1) / kQuantBlock}, p.options().dtype(at::kFloat));
+        if (quantized) {  // through the op, so that a DTensor's blocks are its local shard's
+          std::tie(t, absmax) = quantize(
+              at::zeros_like(p, p.options().dtype(at::kFloat), at::MemoryFormat::Contiguous), dtype, nonnegative);
         } else {
           t = at::zeros_like(p, p.options().dtype(dtype), at::MemoryFormat::Preserve);
         }

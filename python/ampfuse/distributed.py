@@ -45,6 +45,8 @@ def install() -> None:
         ops.split_master.default: _elementwise_handler,
         ops.remainder_of_.default: _elementwise_handler,
         ops.round_ties_even_.default: _elementwise_handler,
+        ops.quantize_blocks.default: _quantize_handler,
+        ops.dequantize_blocks.default: _dequantize_handler,
     })
     _installed = True
 
@@ -371,3 +373,40 @@ def _elementwise_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -
     if out is None:
         return None
     return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)
+
+
+def _blocks_of(x: Any, name: str, op: torch._ops.OpOverload) -> Any:
+    """A DTensor whose local tensor the 8-bit ops cut into blocks: any ``Shard`` kind or
+    ``Replicate``, not ``Partial`` (its values are not known before the sum)."""
+    if any(pl.is_partial() for pl in x.placements):
+        raise ValueError(f"ampfuse.{op._schema.name.split('::')[1]}: {name} is a Partial DTensor ({x.placements}); "
+                         "reduce it first.")
+    return x
+
+
+def _quantize_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """quantize_blocks of a DTensor: blocks inside each rank's local shard. The codes are a DTensor
+    of the values' mesh, placements and shape; the absmax is each rank's own plain tensor (one
+    value per block of its shard: shards of different sizes have different counts, so it has no
+    global shape). Checkpoints hold the dequantized values, never the absmax."""
+    DTensor = _dtensor_cls()
+    a = _normalize(op, args, kwargs)
+    values = _blocks_of(a["values"], "values", op)
+    codes, absmax = op(values._local_tensor, a["dtype"], nonnegative=a["nonnegative"])
+    return (DTensor.from_local(codes, values.device_mesh, values.placements, run_check=False,
+                               shape=values.shape, stride=values.stride()), absmax)
+
+
+def _dequantize_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """dequantize_blocks of DTensor codes and the rank's own absmax (see ``_quantize_handler``):
+    a float32 DTensor of the codes' mesh, placements and shape."""
+    DTensor = _dtensor_cls()
+    a = _normalize(op, args, kwargs)
+    codes = _blocks_of(a["codes"], "codes", op)
+    absmax = a["absmax"]
+    if isinstance(absmax, DTensor):
+        raise TypeError("ampfuse.dequantize_blocks: absmax must be the rank's own plain tensor (as quantize_blocks "
+                        "of a DTensor returns it), got a DTensor.")
+    values = op(codes._local_tensor, absmax, nonnegative=a["nonnegative"])
+    return DTensor.from_local(values, codes.device_mesh, codes.placements, run_check=False,
+                              shape=codes.shape, stride=codes.stride())
