@@ -376,10 +376,8 @@ void optim_chunk_quantized(const OptimArgs& a, const CallScalars& cs, const type
     const int64_t block = b0 / kQuantBlock;
     if (read) {
       for (int k = 0; k < NS; ++k) {
-        const auto* codes = static_cast<const uint8_t*>(o.state[k]) + b0;
-        const float absmax = o.absmax[k][block];
-        const float* entries = table[k]->entries;
-        for (int64_t e = 0; e < n; ++e) staging[k][e] = quant_decode(codes[e], absmax, entries, a.state_format[k]);
+        decode_block_cpu(static_cast<const uint8_t*>(o.state[k]) + b0, n, o.absmax[k][block], *table[k],
+                         a.state_format[k], staging[k]);
       }
     }
     T* p = param + b0;
@@ -390,14 +388,10 @@ void optim_chunk_quantized(const OptimArgs& a, const CallScalars& cs, const type
     if (i < n) optim_lanes<Kind, T, G, MK, float>(p, g, m, rows, i, n - i, cs, s, read, write);
     if (!write) continue;
     for (int k = 0; k < NS; ++k) {
-      float mag = 0.0f;
-      for (int64_t e = 0; e < n; ++e) mag = absmax_combine(mag, std::fabs(staging[k][e]));
-      const float absmax = quant_block_absmax(mag);
+      const float absmax = block_absmax_cpu(staging[k], n);
       o.absmax[k][block] = absmax;
-      auto* codes = static_cast<uint8_t*>(o.state[k]) + b0;
-      for (int64_t e = 0; e < n; ++e) {
-        codes[e] = quant_encode_cpu(staging[k][e], absmax, *table[k], a.state_format[k], Kind::nonnegative(k));
-      }
+      encode_block_cpu(staging[k], n, absmax, *table[k], a.state_format[k], Kind::nonnegative(k),
+                       static_cast<uint8_t*>(o.state[k]) + b0);
     }
   }
 }

@@ -33,22 +33,17 @@ void parallel_blocks(int64_t numel, const Fn& fn) {
 int quantize(const QuantizeArgs& a, const LaunchContext&) {
   const QuantTable& table = quant_table(a.format);
   parallel_blocks(a.numel, [&](int64_t k, int64_t begin, int64_t end) {
-    float m = 0.0f;
-    for (int64_t i = begin; i < end; ++i) m = absmax_combine(m, std::fabs(a.values[i]));
-    const float absmax = quant_block_absmax(m);
+    const float absmax = block_absmax_cpu(a.values + begin, end - begin);
     a.absmax[k] = absmax;
-    for (int64_t i = begin; i < end; ++i) {
-      a.codes[i] = quant_encode_cpu(a.values[i], absmax, table, a.format, a.nonnegative);
-    }
+    encode_block_cpu(a.values + begin, end - begin, absmax, table, a.format, a.nonnegative, a.codes + begin);
   });
   return 0;
 }
 
 int dequantize(const DequantizeArgs& a, const LaunchContext&) {
-  const float* table = quant_table(a.format).entries;
+  const QuantTable& table = quant_table(a.format);
   parallel_blocks(a.numel, [&](int64_t k, int64_t begin, int64_t end) {
-    const float absmax = a.absmax[k];
-    for (int64_t i = begin; i < end; ++i) a.values[i] = quant_decode(a.codes[i], absmax, table, a.format);
+    decode_block_cpu(a.codes + begin, end - begin, a.absmax[k], table, a.format, a.values + begin);
   });
   return 0;
 }

@@ -146,18 +146,16 @@ inline bool any_lane_nonzero(const V& v) {
 // every positive entry of every format.
 struct QuantTable {
   static constexpr uint32_t kFirstBucket = 0x2F00;  // 2^-33
-  static constexpr uint32_t kBuckets = 0x3F80 - kFirstBucket + 1;  // up to 1.0
+  static constexpr int32_t kBuckets = 0x3F80 - kFirstBucket + 1;  // up to 1.0
   float entries[256];
-  uint8_t first[kBuckets];
-
-  // The first index whose entry is >= a, for a in [0, 1] or NaN (NaN: any, quant_encode_at
-  // gives it code 0).
-  int first_at_least(float a) const {
-    const uint32_t prefix = float_bits(a) >> 16;
-    const uint32_t b = prefix < kFirstBucket ? 0 : std::min(prefix - kFirstBucket, kBuckets - 1);
-    const int i = first[b];
-    return i + (entries[i] < a ? 1 : 0);
-  }
+  // The entry below each one (entries[0] for index 0), and 1 where the index is odd: the encoding
+  // loop looks both up at the same index as the entry, in float lanes, so that it vectorises.
+  float before[256];
+  float odd[256];
+  // Per bucket of magnitudes (the top 16 bits of a float in [2^-33, 1]; below: bucket 0, above
+  // or NaN: the last), the first index whose entry is >= the bucket's lowest value. int32 (not
+  // bytes) so that the encoding loop gathers it.
+  int32_t first[kBuckets];
 };
 
 inline const QuantTable& quant_table(QuantFormat f) {
@@ -168,11 +166,15 @@ inline const QuantTable& quant_table(QuantFormat f) {
       const int n = quant_table_size(format);
       QuantTable& q = t[k];
       for (int i = 0; i < 256; ++i) q.entries[i] = i < n ? quant_table_entry(format, i) : 0.0f;
-      for (uint32_t b = 0; b < QuantTable::kBuckets; ++b) {
-        const float lo = bits_float((b + QuantTable::kFirstBucket) << 16);
+      for (int i = 0; i < 256; ++i) {
+        q.before[i] = q.entries[std::max(i - 1, 0)];
+        q.odd[i] = static_cast<float>(i & 1);
+      }
+      for (int32_t b = 0; b < QuantTable::kBuckets; ++b) {
+        const float lo = bits_float((static_cast<uint32_t>(b) + QuantTable::kFirstBucket) << 16);
         int i = 0;  // entries < lo (inf/NaN entries never are)
         while (i < n && q.entries[i] < lo) ++i;
-        q.first[b] = static_cast<uint8_t>(std::min(i, n - 1));
+        q.first[b] = std::min(i, n - 1);
       }
     }
     return t;
@@ -180,10 +182,79 @@ inline const QuantTable& quant_table(QuantFormat f) {
   return tables[static_cast<int>(f)];
 }
 
-// quant_encode (ops/rules.h) with the bucketed search.
-inline uint8_t quant_encode_cpu(float x, float absmax, const QuantTable& t, QuantFormat f, bool nonnegative) {
-  const float a = quant_magnitude(x, absmax, nonnegative);
-  return quant_encode_at(x, a, t.first_at_least(a), t.entries, f, nonnegative);
+// The block absmax of x[0, n) (quant_block_absmax of the largest magnitude; NaN if any is NaN):
+// the largest magnitude's bits, as a magnitude's bits order as its value and a NaN's lie above
+// inf's. An integer max, so the loop vectorises.
+inline float block_absmax_cpu(const float* x, int64_t n) {
+  uint32_t m = 0;
+  for (int64_t e = 0; e < n; ++e) {
+    uint32_t b;
+    std::memcpy(&b, x + e, sizeof b);
+    m = std::max(m, b & 0x7FFFFFFFu);
+  }
+  return quant_block_absmax(bits_float(m));
+}
+
+// quant_decode (ops/rules.h) of n bytes of a block, written as a loop the compiler vectorises
+// (a gather per value; the sign applied as a bit).
+template <bool kSigned>
+void decode_block_as(const uint8_t* codes, int64_t n, float absmax, const float* entries, float* out) {
+  for (int64_t e = 0; e < n; ++e) {
+    const uint32_t c = codes[e];
+    const float v = entries[kSigned ? (c & 0x7Fu) : c] * absmax;
+    uint32_t b;
+    std::memcpy(&b, &v, sizeof b);
+    b ^= kSigned ? (c & 0x80u) << 24 : 0u;
+    std::memcpy(out + e, &b, sizeof b);
+  }
+}
+
+inline void decode_block_cpu(const uint8_t* codes, int64_t n, float absmax, const QuantTable& t, QuantFormat f,
+                             float* out) {
+  if (f == QuantFormat::Dynamic8Unsigned) return decode_block_as<false>(codes, n, absmax, t.entries, out);
+  decode_block_as<true>(codes, n, absmax, t.entries, out);
+}
+
+// quant_encode (ops/rules.h) of n values of a block of absmax `absmax`: the first index at least
+// the magnitude from the bucket table, then quant_encode_at's rule, written out with selects in
+// one loop the compiler vectorises (gathers from the bucket and entry tables).
+template <bool kSigned, bool kNonnegative>
+void encode_block_as(const float* __restrict x, int64_t n, float absmax, const QuantTable& __restrict t,
+                     uint8_t* __restrict out) {
+  // Branch-free, and the rounding decided in float lanes only (an index's parity and the entry
+  // below it come from the tables): the form GCC vectorises, with gathers. Index 0 needs no
+  // case of its own: its entry and the one "below" are both 0, so it never rounds down.
+  // 32-bit lanes throughout, the bytes narrowed after.
+  int32_t code[kQuantBlock];
+  n = std::min<int64_t>(n, kQuantBlock);
+  for (int64_t e = 0; e < n; ++e) {
+    const float v = x[e];
+    const float q = std::fabs(v) / absmax;
+    const float a = (kNonnegative && v < 0.0f) ? 0.0f : q;
+    uint32_t bits;
+    std::memcpy(&bits, &a, sizeof bits);
+    const int32_t b = std::min(std::max(static_cast<int32_t>(bits >> 16) - static_cast<int32_t>(QuantTable::kFirstBucket), 0),
+                               QuantTable::kBuckets - 1);
+    const int32_t guess = t.first[b];
+    const int32_t first = guess + static_cast<int32_t>(t.entries[guess] < a);
+    const float below = a - t.before[first], above = t.entries[first] - a;
+    const bool down = (below < above) | ((below == above) & (t.odd[first] > 0.0f));
+    const bool positive = a > 0.0f;  // not 0, not NaN
+    int32_t idx = positive ? first - static_cast<int32_t>(down) : 0;
+    idx = (kNonnegative && idx == 0 && positive) ? 1 : idx;
+    code[e] = idx | ((kSigned && v < 0.0f && idx != 0) ? 0x80 : 0);
+  }
+  for (int64_t e = 0; e < n; ++e) out[e] = static_cast<uint8_t>(code[e]);
+}
+
+inline void encode_block_cpu(const float* x, int64_t n, float absmax, const QuantTable& t, QuantFormat f,
+                             bool nonnegative, uint8_t* out) {
+  if (f == QuantFormat::Dynamic8Unsigned) {
+    return nonnegative ? encode_block_as<false, true>(x, n, absmax, t, out)
+                       : encode_block_as<false, false>(x, n, absmax, t, out);
+  }
+  return nonnegative ? encode_block_as<true, true>(x, n, absmax, t, out)
+                     : encode_block_as<true, false>(x, n, absmax, t, out);
 }
 
 }  // namespace CPU_CAPABILITY
