@@ -29,6 +29,17 @@ Candidates (per case; the headline ratio is against the fastest torch candidate 
   torch-B*    fp32 params, expert: one _foreach_norm of the scaled grads, fused step with
               grad_scale = scale / clip_coef and found_inf, _amp_update_scale_
 
+  8-bit moments (step_adamw_8bit, CPU): the optimizer step alone (no scaler: the peers have no
+  found_inf), bf16 params and grads, the same tensors for every candidate:
+    ampfuse        AdamW, uint8 moments (dynamic map, blocks of 256), 16-bit remainders
+    ampfuse-fp8    AdamW, e4m3 first and e5m2 second moment, 16-bit remainders
+    bnb-8bit       bitsandbytes.optim.AdamW8bit (updates the bf16 params directly)
+    torchao-8bit   torchao.optim.AdamW8bit, torchao-fp8: torchao.optim.AdamWFp8 (likewise)
+    torch          torch.optim.AdamW(fused=True) on the bf16 params (bf16 moments: the least
+                   state a torch optimizer keeps)
+  The peers come from benchmarks/requirements-peers.txt (`make bench` installs them); a peer
+  that is not installed is left out and the row says so.
+
 Byte model (useful bytes per parameter element that the job must move; lp = 2 for fp16/bf16):
   step, AdamW, fp32 masters     check: grad lp; step: read grad lp, param lp (it tells an edited
                                 param), master 4, m 4, v 4; write param lp, master, m, v  = 32 B
@@ -36,6 +47,8 @@ Byte model (useful bytes per parameter element that the job must move; lp = 2 fo
     bf16 state                  param, remainder, m, v                                  = 20 B
   step, AdamW, fp32 params      4 + (4 + 4 + 4 + 4) + 3*4                               = 32 B
   step, SGD-momentum, masters   lp + (lp + lp + 4 + 4) + (lp + 4 + 4)                   = 24 B
+  step, AdamW, remainders +     read grad, param, remainder (2 each), m, v (1 each); write param,
+    8-bit moments               remainder, m, v (block absmax: 8 B per 256 elements)   = 14 B
   skipped step (overflow)       the check pass only                                     lp
   unscale+check (+norm)         read + write the grad                                   2*g
   accumulate                    read grad (g), read + write the fp32 buffer             g + 8
@@ -344,6 +357,48 @@ def case_precision(shapes, dtype, device) -> tuple[dict[str, Candidate], float]:
     }, bytes_per_param("adamw", dtype, False, "remainder-bf16")
 
 
+PEERS_8BIT = {  # candidate: (module, optimizer class)
+    "bnb-8bit": ("bitsandbytes.optim", "AdamW8bit"),
+    "torchao-8bit": ("torchao.optim", "AdamW8bit"),
+    "torchao-fp8": ("torchao.optim", "AdamWFp8"),
+}
+
+
+def case_8bit(shapes, dtype, device, quick: bool) -> tuple[dict[str, Candidate], float, list[str]]:
+    """The AdamW step with 8-bit moments against bitsandbytes' and torchao's (see the top of this
+    file). Returns the candidates, the byte model and the peers left out (not installed; all of
+    them in a quick run, whose rounds are too few for torchao's per-shape compilation)."""
+    import importlib
+
+    src = GradSource(make_params(shapes, dtype, device), False)
+
+    def opt_cand(make) -> Candidate:
+        params = make_params(shapes, dtype, device)
+        opt = make(params)
+        write = src.writer([p.grad for p in params])
+        return Candidate(opt.step, write)
+
+    cands = {
+        "ampfuse": opt_cand(lambda ps: ampfuse.optim.AdamW(ps, lr=1e-4, master_weights="remainder",
+                                                            state_dtype=torch.uint8)),
+        "ampfuse-fp8": opt_cand(lambda ps: ampfuse.optim.AdamW(ps, lr=1e-4, master_weights="remainder",
+                                                                state_dtype=torch.float8_e4m3fn,
+                                                                exp_avg_sq_dtype=torch.float8_e5m2)),
+        "torch": opt_cand(lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)),
+    }
+    missing = []
+    for name, (module, cls) in PEERS_8BIT.items():
+        try:
+            if quick:
+                raise ImportError("quick run")
+            peer = getattr(importlib.import_module(module), cls)
+        except ImportError:
+            missing.append(name)
+            continue
+        cands[name] = opt_cand(lambda ps, peer=peer: peer(ps, lr=1e-4))
+    return cands, 14.0, missing
+
+
 def case_unscale(shapes, dtype, device, with_norm: bool):
     def cand(fn_kind: str) -> Candidate:
         params = make_params(shapes, dtype, device)
@@ -435,6 +490,8 @@ def plan(device: str, quick: bool, max_params: int | None = None) -> list[tuple]
     for n in sizes:
         rows.append(("step_adamw_fp32", "gpt2", n, fp32, {}))
     rows.append(("step_adamw_master", "10k", big, lp, {}))
+    if device == "cpu":  # one shape: torchao compiles its step once per shape
+        rows.append(("step_adamw_8bit", "40x", 10**5 if quick else 10**7, bf16, {}))
     other = fp16 if lp == bf16 else bf16
     rows += [
         ("step_adamw_master", "gpt2", big, other, {}),
@@ -468,16 +525,24 @@ def build(case: str, shapes, dtype, device):
 
 
 def state_bytes_per_param(case: str, dtype: torch.dtype) -> dict[str, float] | None:
-    """Training state per parameter (param + grad + master + optimizer state), for the AdamW rows."""
+    """Training state per parameter (param + grad + master + optimizer state), for the AdamW rows
+    (8-bit moments: the block absmax adds 8 B per 256 elements, 0.03 B)."""
     if case == "step_adamw_precision":
         return {"ampfuse": 2 + 2 + 2 + 4, "ampfuse-fp32-masters": 2 + 2 + 4 + 8, "torch (fp32 params, AMP)": 4 + 4 + 8}
+    if case == "step_adamw_8bit":
+        return {"ampfuse": 2 + 2 + 2 + 2, "ampfuse-fp8": 2 + 2 + 2 + 2, "bnb-8bit": 2 + 2 + 2,
+                "torchao-8bit": 2 + 2 + 2, "torchao-fp8": 2 + 2 + 2, "torch": 2 + 2 + 4}
     return None
 
 
 def measure_case(device, case, layout, n, dtype, quick, rng) -> dict:
     shapes = layout_shapes(layout, n)
     params = sum(math.prod(s) for s in shapes)
-    cands, bpp = build(case, shapes, dtype, device)
+    missing: list[str] = []
+    if case == "step_adamw_8bit":
+        cands, bpp, missing = case_8bit(shapes, dtype, device, quick)
+    else:
+        cands, bpp = build(case, shapes, dtype, device)
     nbytes = params * bpp
     cands.update(roof_candidates(device, nbytes))
     budget = 0.3 if quick else (20.0 if nbytes > (256 << 20) else 8.0)
@@ -504,7 +569,14 @@ def measure_case(device, case, layout, n, dtype, quick, rng) -> dict:
     for name, c in row["candidates"].items():
         c["gbps"] = nbytes / (c["ms"] / 1e3) / 1e9
         c["frac_inplace"] = c["gbps"] / inplace
-    torch_names = [k for k in row["candidates"] if k.startswith("torch")]
+    if case == "step_adamw_8bit":  # the headline: against the fastest 8-bit peer measured
+        row["peers_missing"] = missing
+        peers = [k for k in row["candidates"] if k in PEERS_8BIT]
+        if peers:
+            best_peer = min(peers, key=lambda k: row["candidates"][k]["ms"])
+            row["best_peer"] = best_peer
+            row["speedup_vs_best_peer"] = summary([t / a for a, t in zip(samples["ampfuse"], samples[best_peer])])
+    torch_names = [k for k in row["candidates"] if k.startswith("torch") and k not in PEERS_8BIT]
     best = min(torch_names, key=lambda k: row["candidates"][k]["ms"])
     row["best_torch"] = best
     row["speedup_vs_best_torch"] = summary([t / a for a, t in zip(samples["ampfuse"], samples[best])])

@@ -144,18 +144,20 @@ inline bool any_lane_nonzero(const V& v) {
 // bucket's plus one where the entry there is still < a. Replaces the binary search's eight
 // dependent, unpredictable branches with two loads. Magnitudes below the first bucket lie below
 // every positive entry of every format.
+// A format's table for the CPU loops: the entries (decoding), and for encoding, per bucket of
+// magnitudes a in [0, 1] (the top kBucketBits of a's float bits, from 2^-33; smaller magnitudes
+// fall in bucket 0, 1.0 and NaN in the last), the index quant_encode gives the bucket's smallest
+// value and the largest value that still gets it: the index is monotone in a, and every bucket
+// holds at most one point where it steps up (checked when the table is built), so
+// index(a) = low[b] + (a > up_after[b]). Both come from quant_encode (ops/rules.h), the rule the
+// CUDA kernels use, so the two agree bit for bit; the loop is two lookups per value.
 struct QuantTable {
-  static constexpr uint32_t kFirstBucket = 0x2F00;  // 2^-33
-  static constexpr int32_t kBuckets = 0x3F80 - kFirstBucket + 1;  // up to 1.0
+  static constexpr int kBucketShift = 16;  // buckets of 2^-7 relative width
+  static constexpr uint32_t kFirstBucket = 0x2F000000u >> kBucketShift;  // 2^-33
+  static constexpr int32_t kBuckets = (0x3F800000u >> kBucketShift) - kFirstBucket + 1;  // up to 1.0
   float entries[256];
-  // The entry below each one (entries[0] for index 0), and 1 where the index is odd: the encoding
-  // loop looks both up at the same index as the entry, in float lanes, so that it vectorises.
-  float before[256];
-  float odd[256];
-  // Per bucket of magnitudes (the top 16 bits of a float in [2^-33, 1]; below: bucket 0, above
-  // or NaN: the last), the first index whose entry is >= the bucket's lowest value. int32 (not
-  // bytes) so that the encoding loop gathers it.
-  int32_t first[kBuckets];
+  int32_t low[kBuckets];
+  float up_after[kBuckets];
 };
 
 inline const QuantTable& quant_table(QuantFormat f) {
@@ -166,15 +168,28 @@ inline const QuantTable& quant_table(QuantFormat f) {
       const int n = quant_table_size(format);
       QuantTable& q = t[k];
       for (int i = 0; i < 256; ++i) q.entries[i] = i < n ? quant_table_entry(format, i) : 0.0f;
-      for (int i = 0; i < 256; ++i) {
-        q.before[i] = q.entries[std::max(i - 1, 0)];
-        q.odd[i] = static_cast<float>(i & 1);
-      }
+      // the index quant_encode gives magnitude bits `u` (without the sign bit of a signed map)
+      auto index_of = [&](uint32_t u) {
+        const int c = quant_encode(bits_float(u), 1.0f, q.entries, format, false);
+        return format == QuantFormat::Dynamic8Unsigned ? c : c & 0x7F;
+      };
       for (int32_t b = 0; b < QuantTable::kBuckets; ++b) {
-        const float lo = bits_float((static_cast<uint32_t>(b) + QuantTable::kFirstBucket) << 16);
-        int i = 0;  // entries < lo (inf/NaN entries never are)
-        while (i < n && q.entries[i] < lo) ++i;
-        q.first[b] = std::min(i, n - 1);
+        const uint32_t first = b == 0 ? 1u : (static_cast<uint32_t>(b) + QuantTable::kFirstBucket) << QuantTable::kBucketShift;
+        const uint32_t last = b == QuantTable::kBuckets - 1 ? 0x3F800000u
+                                                            : ((static_cast<uint32_t>(b) + QuantTable::kFirstBucket + 1) << QuantTable::kBucketShift) - 1;
+        const int lo = index_of(first), hi = index_of(last);
+        TORCH_CHECK(hi - lo <= 1, "ampfuse: an 8-bit encoding bucket holds more than one step of format ", k, ".");
+        q.low[b] = lo;
+        if (hi == lo) {
+          q.up_after[b] = bits_float(last);
+          continue;
+        }
+        uint32_t good = first, bad = last;  // index(good) == lo, index(bad) == hi
+        while (bad - good > 1) {
+          const uint32_t mid = good + (bad - good) / 2;
+          (index_of(mid) == lo ? good : bad) = mid;
+        }
+        q.up_after[b] = bits_float(good);
       }
     }
     return t;
@@ -215,16 +230,11 @@ inline void decode_block_cpu(const uint8_t* codes, int64_t n, float absmax, cons
   decode_block_as<true>(codes, n, absmax, t.entries, out);
 }
 
-// quant_encode (ops/rules.h) of n values of a block of absmax `absmax`: the first index at least
-// the magnitude from the bucket table, then quant_encode_at's rule, written out with selects in
-// one loop the compiler vectorises (gathers from the bucket and entry tables).
+// quant_encode (ops/rules.h) of n values of a block of absmax `absmax`, by the bucket table:
+// branch-free, 32-bit lanes throughout (the bytes narrowed after), so that GCC vectorises it.
 template <bool kSigned, bool kNonnegative>
 void encode_block_as(const float* __restrict x, int64_t n, float absmax, const QuantTable& __restrict t,
                      uint8_t* __restrict out) {
-  // Branch-free, and the rounding decided in float lanes only (an index's parity and the entry
-  // below it come from the tables): the form GCC vectorises, with gathers. Index 0 needs no
-  // case of its own: its entry and the one "below" are both 0, so it never rounds down.
-  // 32-bit lanes throughout, the bytes narrowed after.
   int32_t code[kQuantBlock];
   n = std::min<int64_t>(n, kQuantBlock);
   for (int64_t e = 0; e < n; ++e) {
@@ -233,14 +243,11 @@ void encode_block_as(const float* __restrict x, int64_t n, float absmax, const Q
     const float a = (kNonnegative && v < 0.0f) ? 0.0f : q;
     uint32_t bits;
     std::memcpy(&bits, &a, sizeof bits);
-    const int32_t b = std::min(std::max(static_cast<int32_t>(bits >> 16) - static_cast<int32_t>(QuantTable::kFirstBucket), 0),
+    const int32_t b = std::min(std::max(static_cast<int32_t>(bits >> QuantTable::kBucketShift) -
+                                            static_cast<int32_t>(QuantTable::kFirstBucket), 0),
                                QuantTable::kBuckets - 1);
-    const int32_t guess = t.first[b];
-    const int32_t first = guess + static_cast<int32_t>(t.entries[guess] < a);
-    const float below = a - t.before[first], above = t.entries[first] - a;
-    const bool down = (below < above) | ((below == above) & (t.odd[first] > 0.0f));
     const bool positive = a > 0.0f;  // not 0, not NaN
-    int32_t idx = positive ? first - static_cast<int32_t>(down) : 0;
+    int32_t idx = positive ? t.low[b] + static_cast<int32_t>(a > t.up_after[b]) : 0;
     idx = (kNonnegative && idx == 0 && positive) ? 1 : idx;
     code[e] = idx | ((kSigned && v < 0.0f && idx != 0) ? 0x80 : 0);
   }
