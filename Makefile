@@ -197,6 +197,7 @@ demo: build
 	PYTHONPATH=python $(PY) -m ampfuse.demo $(ARGS)
 
 bench: build
+	$(PY) -m pip install -q --no-deps -r benchmarks/requirements-peers.txt
 	PYTHONPATH=python $(PY) benchmarks/run.py $(ARGS)
 	PYTHONPATH=python $(PY) benchmarks/host_overhead.py
 

@@ -1,57 +1,143 @@
-"""Training quality of ampfuse's precision options: the demo's model trained with fp32 masters and
-fp32 moments, and again with 16-bit master remainders and bf16 moments, same weights and batches.
+"""Training quality of every precision choice: the demo's character transformer (bf16 weights),
+trained once per choice from the same weights on the same batches, against the reference of fp32
+moments with fp32 masters.
 
-    python benchmarks/precision_quality.py                       # both runs, then the comparison
-    python benchmarks/precision_quality.py --reuse A/demo.json B/demo.json   # compare saved runs
+    python benchmarks/precision_quality.py                   # every choice, both models
+    python benchmarks/precision_quality.py --models demo     # the demo model only
+    python benchmarks/precision_quality.py --only fp32/fp32,uint8/remainder
 
-Writes ``precision-quality-<date>.json`` (both validation curves, the relative difference at each
-evaluation) and a plot of the curves into ``--out``, and prints the final validation losses and
-the largest relative difference. The default configuration is a small model (0.12M params, 1,000
-steps of 16x64 tokens) so that it finishes in minutes on CPUs whose bf16 matmuls are slow; any
-demo option can be passed after ``--``.
+The choices: AdamW moments in fp32, bf16, uint8 (the dynamic map) or fp8 (e4m3 first moment, e5m2
+second), each with fp32 masters, 16-bit remainders (the same fp32 master, bit for bit) or no
+master (the bf16 weights updated directly); and the 8-bit peers on the same model and batches:
+bitsandbytes' AdamW8bit, torchao's AdamW8bit and AdamWFp8 (no masters; left out when not
+installed, see benchmarks/requirements-peers.txt). Every run: bf16 weights, no loss scaling (bf16
+needs none), gradient clipping at 1.0, AdamW lr 3e-3, weight decay 0.01.
+
+Per choice: the validation loss at every evaluation and at the end, its gap to the reference in
+nats (final, and the largest at the same steps), the training state per parameter (weights +
+gradients + optimizer state, by storage) and the median step time. Writes
+``precision-quality-<date>.json`` and a plot into ``--out``, prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib
 import json
 import os
+import platform
+import statistics
 import sys
-import tempfile
+import time
+from typing import Callable
 
-DEFAULT_DEMO_ARGS = ["--steps", "1000", "--accum", "1", "--batch", "16", "--context", "64", "--d-model", "64",
-                     "--layers", "2", "--val-every", "50"]
-VARIANTS = {"fp32-state": ["--master-weights", "true", "--state-dtype", "fp32"],
-            "remainder+bf16-state": ["--master-weights", "remainder", "--state-dtype", "bf16"]}
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
+
+import ampfuse  # noqa: E402
+from ampfuse import demo  # noqa: E402
+
+MODELS = {  # name: demo configuration
+    "demo": dict(d_model=64, layers=2, context=64, batch=16, steps=1000, val_every=50),
+    "larger": dict(d_model=128, layers=4, context=64, batch=16, steps=1000, val_every=50),
+}
+LR, WEIGHT_DECAY, MAX_NORM = 3e-3, 0.01, 1.0
+REFERENCE = "fp32/fp32"
+GOAL_NATS = 0.01
+
+_MOMENTS = {"fp32": dict(state_dtype=torch.float32), "bf16": dict(state_dtype=torch.bfloat16),
+            "uint8": dict(state_dtype=torch.uint8),
+            "fp8": dict(state_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e5m2)}
+_MASTERS = {"fp32": True, "remainder": "remainder", "none": False}
+PEERS = {  # name: (module, class)
+    "bnb-8bit": ("bitsandbytes.optim", "AdamW8bit"),
+    "torchao-8bit": ("torchao.optim", "AdamW8bit"),
+    "torchao-fp8": ("torchao.optim", "AdamWFp8"),
+}
 
 
-def _run(demo_args: list[str], extra: list[str], out: str) -> dict:
-    from ampfuse import demo
+def choices() -> dict[str, Callable | tuple[str, str]]:
+    """Every choice by name ("<moments>/<masters>", or a peer's name): a maker of its optimizer."""
+    out: dict = {}
+    for m, mo in _MOMENTS.items():
+        for w, mw in _MASTERS.items():
+            out[f"{m}/{w}"] = lambda ps, mo=mo, mw=mw: ampfuse.optim.AdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY,
+                                                                         master_weights=mw, **mo)
+    for name, (module, cls) in PEERS.items():
+        out[name] = (module, cls)
+    return out
 
-    return demo.main([*demo_args, *extra, "--no-progress", "--out", out])
+
+def _peer(module: str, cls: str) -> Callable | None:
+    try:
+        opt = getattr(importlib.import_module(module), cls)
+    except ImportError:
+        return None
+    return lambda ps: opt(ps, lr=LR, weight_decay=WEIGHT_DECAY)
 
 
-def compare(runs: dict[str, dict]) -> dict:
-    """The two ampfuse validation curves and their relative difference (bf16 state vs fp32)."""
-    (ref_name, ref), (name, other) = runs.items()
-    ref_curve = dict((int(s), v) for s, v in ref["ampfuse"]["val_curve"])
-    curve = dict((int(s), v) for s, v in other["ampfuse"]["val_curve"])
-    common = sorted(set(ref_curve) & set(curve))
-    if not common:
-        raise ValueError("the runs have no validation step in common (run the demo with --val-every)")
-    rel = [(s, (curve[s] - ref_curve[s]) / ref_curve[s]) for s in common]
-    return {
-        "reference": ref_name,
-        "variant": name,
-        "config": ref["config"],
-        "val_curve": {ref_name: [[s, ref_curve[s]] for s in common], name: [[s, curve[s]] for s in common]},
-        "final_val_loss": {ref_name: ref["ampfuse"]["val_loss"], name: other["ampfuse"]["val_loss"]},
-        "final_rel_diff": (other["ampfuse"]["val_loss"] - ref["ampfuse"]["val_loss"]) / ref["ampfuse"]["val_loss"],
-        "rel_diff_per_eval": rel,
-        "max_abs_rel_diff": max(abs(r) for _, r in rel),
-        "state_bytes": {ref_name: ref["ampfuse"]["state_bytes"], name: other["ampfuse"]["state_bytes"]},
-    }
+def _plain(states) -> list[torch.Tensor]:
+    """Every plain tensor of the optimizer's per-param states; a tensor subclass (torchao's 8-bit
+    state) by the tensors it holds."""
+    out: list[torch.Tensor] = []
+
+    def add(t) -> None:
+        if hasattr(t, "__tensor_flatten__"):
+            for name in t.__tensor_flatten__()[0]:
+                add(getattr(t, name))
+        elif isinstance(t, torch.Tensor):
+            out.append(t)
+
+    for st in states:
+        for v in st.values():
+            add(v)
+    return out
+
+
+def train(make_opt: Callable, cfg: demo.Config, data: demo.CharData, init: dict) -> dict:
+    """One run: bf16 weights from `init`, the batches of cfg.seed, clipping, `make_opt`'s step."""
+    model = demo.TinyGPT(data.vocab, cfg.context, cfg.d_model, cfg.layers, cfg.heads, cfg.embed_rows)
+    model.load_state_dict(init)
+    model.to(torch.bfloat16)
+    opt = make_opt(list(model.parameters()))
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    curve, times = [], []
+    for step in range(1, cfg.steps + 1):
+        x, y = data.batch("train", cfg.batch, gen)
+        t0 = time.perf_counter()
+        logits = model(x)
+        F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        t1 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t1)
+        if step == 1:  # gradients exist: the training state is complete
+            params = list(model.parameters())
+            n = sum(p.numel() for p in params)
+            state_bytes = demo.tensor_bytes(params + [p.grad for p in params] + _plain(opt.state.values()))
+        opt.zero_grad(set_to_none=False)
+        if step % cfg.val_every == 0:
+            curve.append([step, demo.evaluate(model, data, cfg, torch.bfloat16)])
+    final = demo.evaluate(model, data, cfg, torch.bfloat16)
+    return {"val_curve": curve, "final_val_loss": final, "state_bytes_per_param": state_bytes / n,
+            "optimizer_step_ms": 1e3 * statistics.median(times), "params": n}
+
+
+def gaps(runs: dict[str, dict], reference: str) -> None:
+    """Each run's gap to the reference (nats): final, and the largest at the evaluations both have."""
+    ref = runs[reference]
+    ref_curve = dict((int(s), v) for s, v in ref["val_curve"])
+    for r in runs.values():
+        curve = dict((int(s), v) for s, v in r["val_curve"])
+        common = sorted(set(ref_curve) & set(curve))
+        if not common:
+            raise ValueError("the runs have no validation step in common")
+        r["gap_final"] = r["final_val_loss"] - ref["final_val_loss"]
+        r["gap_max_matched"] = max((curve[s] - ref_curve[s] for s in common), key=abs)
 
 
 def plot(result: dict, path: str) -> None:
@@ -60,13 +146,19 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, curve in result["val_curve"].items():
-        ax.plot([s for s, _ in curve], [v for _, v in curve], marker=".", label=name)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("validation loss")
-    ax.set_title(f"ampfuse AdamW, bf16 params: max |relative difference| {result['max_abs_rel_diff']:.2%}")
-    ax.legend()
+    models = list(result["models"])
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        runs = result["models"][model]["runs"]
+        ref = dict((int(s), v) for s, v in runs[REFERENCE]["val_curve"])
+        for name, r in runs.items():
+            pts = [(s, v - ref[int(s)]) for s, v in r["val_curve"] if int(s) in ref]
+            ax.plot([s for s, _ in pts], [g for _, g in pts], marker=".", label=name, lw=1)
+        ax.axhspan(-GOAL_NATS, GOAL_NATS, color="0.9")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(f"validation loss - {REFERENCE} (nats)")
+        ax.set_title(model)
+        ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -74,35 +166,59 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--reuse", nargs=2, metavar=("FP32_STATE_JSON", "BF16_STATE_JSON"),
-                   help="compare two saved demo.json files instead of training")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    p.add_argument("demo_args", nargs="*", help="demo options (after --); default: a 0.12M-param, 1,000-step run")
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
+    p.add_argument("--only", default=None, help="comma-separated choices (the reference always runs)")
+    p.add_argument("--steps", type=int, default=None, help="override every model's steps (a smoke run)")
+    p.add_argument("--tiny", action="store_true", help="a tiny model and corpus (a smoke run, tests)")
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
-    if a.reuse:
-        runs = {}
-        for name, path in zip(VARIANTS, a.reuse):
-            with open(path, encoding="utf-8") as f:
-                runs[name] = json.load(f)
-        if runs["remainder+bf16-state"]["config"].get("state_dtype") != "bf16":
-            p.error(f"{a.reuse[1]} is not a run with --state-dtype bf16")
-    else:
-        demo_args = a.demo_args or DEFAULT_DEMO_ARGS
-        with tempfile.TemporaryDirectory() as d:
-            runs = {name: _run(demo_args, extra, os.path.join(d, str(i))) for i, (name, extra) in enumerate(VARIANTS.items())}
-    result = compare(runs)
+    torch.manual_seed(0)
+    todo = choices()
+    if a.only:
+        keep = set(a.only.split(",")) | {REFERENCE}
+        unknown = keep - set(todo)
+        if unknown:
+            raise SystemExit(f"unknown choices: {', '.join(sorted(unknown))}")
+        todo = {k: v for k, v in todo.items() if k in keep}
+    result: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                                "torch": torch.__version__, "date": _dt.date.today().isoformat()},
+                    "reference": REFERENCE, "goal_nats": GOAL_NATS, "models": {}}
+    for model in a.models.split(","):
+        spec = dict(MODELS[model])
+        if a.tiny:
+            spec.update(d_model=32, layers=1, context=32, batch=4, steps=4, val_every=2)
+        if a.steps is not None:
+            spec.update(steps=a.steps, val_every=max(1, min(spec["val_every"], a.steps)))
+        cfg = demo.Config(device="cpu", dtype="bf16", eval_batches=8, corpus_bytes=200_000 if a.tiny else 2_000_000,
+                          **spec)
+        data = demo.CharData(demo.load_corpus(cfg.corpus_bytes), cfg.context)
+        torch.manual_seed(cfg.seed)
+        init = demo.TinyGPT(data.vocab, cfg.context, cfg.d_model, cfg.layers, cfg.heads, cfg.embed_rows).state_dict()
+        runs, left_out = {}, []
+        for name, maker in todo.items():
+            make = _peer(*maker) if isinstance(maker, tuple) else maker
+            if make is None:
+                left_out.append(name)
+                continue
+            t0 = time.perf_counter()
+            runs[name] = train(make, cfg, data, init)
+            print(f"{model} {name}: val {runs[name]['final_val_loss']:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        gaps(runs, REFERENCE)
+        result["models"][model] = {"config": spec, "params": runs[REFERENCE]["params"], "runs": runs,
+                                   "left_out": left_out}
     os.makedirs(a.out, exist_ok=True)
-    stem = os.path.join(a.out, f"precision-quality-{_dt.date.today().isoformat()}")
+    stem = os.path.join(a.out, f"precision-quality-{result['machine']['date']}")
     with open(stem + ".json", "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
-    plot(result, stem + ".png")
-    fl = result["final_val_loss"]
-    print(f"final validation loss: fp32 state {fl['fp32-state']:.4f}, remainder masters + bf16 state "
-          f"{fl['remainder+bf16-state']:.4f} ({result['final_rel_diff']:+.2%}); largest relative difference over "
-          f"{len(result['rel_diff_per_eval'])} evaluations {result['max_abs_rel_diff']:.2%}")
-    print(f"wrote {stem}.json and {stem}.png")
+    if not a.no_plot:
+        plot(result, stem + ".png")
+    import report
+
+    print(report.precision_quality_text(result, result["machine"]["date"]))
+    print(f"wrote {stem}.json")
     return result
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    main()

@@ -61,25 +61,34 @@ def test_targets_evaluate_pass_and_fail():
     assert status["adamw-masters-vs-best-torch"] == "not measured"
 
 
-def test_precision_quality_comparison(tmp_path):
-    """benchmarks/precision_quality.py: both precision variants trained from the same start, their
-    validation curves compared at the same steps, the result written as JSON and a plot."""
+def test_precision_quality_runs_every_choice_against_the_reference(tmp_path):
+    """benchmarks/precision_quality.py: the choices trained from the same start on the same
+    batches, each one's gap to the reference at the same steps, the state per parameter; the
+    result written as JSON and a plot, and rendered by the report."""
     import pytest
 
     import precision_quality
+    import report
 
-    tiny = ["--steps", "4", "--accum", "1", "--batch", "4", "--context", "32", "--d-model", "32", "--layers", "1",
-            "--corpus-bytes", "200000", "--eval-batches", "2", "--val-every", "2"]
-    res = precision_quality.main(["--out", str(tmp_path), "--", *tiny])
-    assert [s for s, _ in res["val_curve"]["fp32-state"]] == [2, 4]
-    assert res["state_bytes"]["remainder+bf16-state"] < res["state_bytes"]["fp32-state"]
-    assert res["max_abs_rel_diff"] == max(abs(r) for _, r in res["rel_diff_per_eval"]) < 0.05
+    only = "fp32/remainder,uint8/remainder,fp8/none"
+    res = precision_quality.main(["--models", "demo", "--tiny", "--only", only, "--out", str(tmp_path)])
+    runs = res["models"]["demo"]["runs"]
+    assert list(runs) == ["fp32/fp32", "fp32/remainder", "uint8/remainder", "fp8/none"]
+    assert [s for s, _ in runs["fp32/fp32"]["val_curve"]] == [2, 4]
+    assert runs["fp32/fp32"]["gap_final"] == 0.0 and runs["fp32/fp32"]["gap_max_matched"] == 0.0
+    assert abs(runs["fp32/remainder"]["gap_final"]) < 0.05
+    assert runs["uint8/remainder"]["state_bytes_per_param"] < runs["fp32/remainder"]["state_bytes_per_param"]
+    assert runs["uint8/remainder"]["gap_final"] == runs["uint8/remainder"]["final_val_loss"] - runs["fp32/fp32"]["final_val_loss"]
     saved = [f for f in os.listdir(tmp_path) if f.startswith("precision-quality-")]
     assert sorted(os.path.splitext(f)[1] for f in saved) == [".json", ".png"]
+    text = report.precision_quality_text(res, "today")
+    assert "| uint8/remainder |" in text and "fp32/fp32" in text
+    with pytest.raises(SystemExit, match="unknown choices: nope"):
+        precision_quality.main(["--tiny", "--only", "nope", "--out", str(tmp_path)])
     # runs without a common validation step cannot be compared
-    bad = {"a": {"ampfuse": {"val_curve": [[1, 1.0]]}}, "b": {"ampfuse": {"val_curve": [[2, 1.0]]}}}
     with pytest.raises(ValueError, match="no validation step in common"):
-        precision_quality.compare(bad)
+        precision_quality.gaps({"a": {"val_curve": [[1, 1.0]], "final_val_loss": 1.0},
+                                "b": {"val_curve": [[2, 1.0]], "final_val_loss": 1.0}}, "a")
 
 
 def test_quick_host_overhead_run(tmp_path):

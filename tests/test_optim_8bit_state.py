@@ -316,3 +316,19 @@ def test_the_scaler_path_steps_8bit_state():
             assert torch.equal(opt.state[params[0]]["exp_avg"], before)
     assert opt.state[params[0]]["exp_avg"].dtype == torch.uint8
     assert float(opt.state[params[0]]["step"]) == 2.0
+
+
+def test_a_compiled_step_gives_the_bits_of_the_eager_one():
+    """torch.compile (aot_eager) traces the 8-bit step through the ops' fake kernels and gives
+    the eager step's codes, absmax and params."""
+    runs = []
+    for compiled in (False, True):
+        params = _params(shapes=(BIG, SMALL))
+        opt = _make("adamw-e4m3-e5m2", params, master_weights="remainder")
+        step = torch.compile(opt.step, backend="aot_eager") if compiled else opt.step
+        for k in range(3):
+            for p, g in zip(params, _grads(params, k)):
+                p.grad = g
+            step()
+        runs.append((params, opt))
+    _assert_same_state(runs[0][1], runs[1][1], runs[0][0], runs[1][0])
