@@ -5,6 +5,8 @@ moments with fp32 masters.
     python benchmarks/precision_quality.py                   # every choice, both models
     python benchmarks/precision_quality.py --models demo     # the demo model only
     python benchmarks/precision_quality.py --only fp32/fp32,uint8/remainder
+    python benchmarks/precision_quality.py --into results/precision-quality-DATE.json --seeds 1,2 \
+        --only fp32/remainder,uint8/remainder     # the same choices again from other seeds
 
 The choices: AdamW moments in fp32, bf16, uint8 (the dynamic map) or fp8 (e4m3 first moment, e5m2
 second), each with fp32 masters, 16-bit remainders (the same fp32 master, bit for bit) or no
@@ -16,7 +18,9 @@ needs none), gradient clipping at 1.0, AdamW lr 3e-3, weight decay 0.01.
 Per choice: the validation loss at every evaluation and at the end, its gap to the reference in
 nats (final, and the largest at the same steps), the training state per parameter (weights +
 gradients + optimizer state, by storage) and the median step time. Writes
-``precision-quality-<date>.json`` and a plot into ``--out``, prints the table.
+``precision-quality-<date>.json`` and a plot into ``--out``, prints the table. ``--seeds`` with
+``--into`` trains the chosen choices and the reference again from other initial weights and
+batches and adds their gaps to that result, so that a gap can be told from the run-to-run spread.
 """
 
 from __future__ import annotations
@@ -164,6 +168,48 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+def run_choices(model: str, spec: dict, todo: dict, corpus_bytes: int = 2_000_000,
+                seed: int = 0) -> tuple[dict[str, dict], list[str]]:
+    """Every choice of `todo` on `model` (its configuration `spec`) from the weights and batches
+    of `seed`, with each one's gaps to the reference; and the choices left out (not installed)."""
+    cfg = demo.Config(device="cpu", dtype="bf16", eval_batches=8, corpus_bytes=corpus_bytes, seed=seed, **spec)
+    data = demo.CharData(demo.load_corpus(cfg.corpus_bytes), cfg.context)
+    torch.manual_seed(cfg.seed)
+    init = demo.TinyGPT(data.vocab, cfg.context, cfg.d_model, cfg.layers, cfg.heads, cfg.embed_rows).state_dict()
+    runs, left_out = {}, []
+    for name, maker in todo.items():
+        make = _peer(*maker) if isinstance(maker, tuple) else maker
+        if make is None:
+            left_out.append(name)
+            continue
+        t0 = time.perf_counter()
+        runs[name] = train(make, cfg, data, init)
+        print(f"{model} seed {seed} {name}: val {runs[name]['final_val_loss']:.4f} ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
+    gaps(runs, REFERENCE)
+    return runs, left_out
+
+
+def add_seeds(path: str, seeds: list[int], todo: dict) -> dict:
+    """The choices of `todo` (and the reference) again on each model of the result at `path`,
+    from each of `seeds`; their gaps are added under the model's "repeats", the file rewritten."""
+    with open(path, encoding="utf-8") as f:
+        result = json.load(f)
+    for model, res in result["models"].items():
+        repeats = res.setdefault("repeats", {})
+        for seed in seeds:
+            runs, _ = run_choices(model, res["config"], todo, corpus_bytes=res.get("corpus_bytes", 2_000_000), seed=seed)
+            repeats[str(seed)] = {name: {k: r[k] for k in ("final_val_loss", "gap_final", "gap_max_matched")}
+                                  for name, r in runs.items()}
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
+    import report
+
+    print(report.precision_quality_text(result, result["machine"]["date"]))
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
@@ -172,7 +218,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tiny", action="store_true", help="a tiny model and corpus (a smoke run, tests)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--seeds", default=None, help="with --into: comma-separated seeds to run again")
+    p.add_argument("--into", default=None, help="a result JSON the --seeds runs are added to")
     a = p.parse_args(argv)
+    if (a.seeds is None) != (a.into is None):
+        raise SystemExit("--seeds and --into go together")
     torch.manual_seed(0)
     todo = choices()
     if a.only:
@@ -184,29 +234,18 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                                 "torch": torch.__version__, "date": _dt.date.today().isoformat()},
                     "reference": REFERENCE, "goal_nats": GOAL_NATS, "models": {}}
+    if a.into is not None:
+        return add_seeds(a.into, [int(x) for x in a.seeds.split(",")], todo)
     for model in a.models.split(","):
         spec = dict(MODELS[model])
         if a.tiny:
             spec.update(d_model=32, layers=1, context=32, batch=4, steps=4, val_every=2)
         if a.steps is not None:
             spec.update(steps=a.steps, val_every=max(1, min(spec["val_every"], a.steps)))
-        cfg = demo.Config(device="cpu", dtype="bf16", eval_batches=8, corpus_bytes=200_000 if a.tiny else 2_000_000,
-                          **spec)
-        data = demo.CharData(demo.load_corpus(cfg.corpus_bytes), cfg.context)
-        torch.manual_seed(cfg.seed)
-        init = demo.TinyGPT(data.vocab, cfg.context, cfg.d_model, cfg.layers, cfg.heads, cfg.embed_rows).state_dict()
-        runs, left_out = {}, []
-        for name, maker in todo.items():
-            make = _peer(*maker) if isinstance(maker, tuple) else maker
-            if make is None:
-                left_out.append(name)
-                continue
-            t0 = time.perf_counter()
-            runs[name] = train(make, cfg, data, init)
-            print(f"{model} {name}: val {runs[name]['final_val_loss']:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        gaps(runs, REFERENCE)
-        result["models"][model] = {"config": spec, "params": runs[REFERENCE]["params"], "runs": runs,
-                                   "left_out": left_out}
+        corpus = 200_000 if a.tiny else 2_000_000
+        runs, left_out = run_choices(model, spec, todo, corpus_bytes=corpus)
+        result["models"][model] = {"config": spec, "corpus_bytes": corpus, "params": runs[REFERENCE]["params"],
+                                   "runs": runs, "left_out": left_out}
     os.makedirs(a.out, exist_ok=True)
     stem = os.path.join(a.out, f"precision-quality-{result['machine']['date']}")
     with open(stem + ".json", "w", encoding="utf-8") as f:

@@ -373,6 +373,18 @@ def precision_quality_text(result: dict, date: str) -> str:
             ok = max(abs(r["gap_final"]), abs(r["gap_max_matched"])) <= goal
             lines.append(f"| {name} | {r['final_val_loss']:.4f} | {r['gap_final']:+.4f} | {r['gap_max_matched']:+.4f} | "
                          f"{r['state_bytes_per_param']:.2f} | {r['optimizer_step_ms']:.2f} | {'met' if ok else 'missed'} |")
+        repeats = res.get("repeats") or {}
+        if repeats:
+            seeds = ["0", *sorted(repeats, key=int)]
+            names = [n for n in res["runs"] if all(n in repeats[k] for k in repeats)]
+            lines += ["", f"The gap at the end from {len(seeds)} seeds (initial weights and batches) for the choices run "
+                      "again: seed 0 as above, mean and range over the seeds.", "",
+                      "| choice | " + " | ".join(f"seed {k}" for k in seeds) + " | mean [min–max] |",
+                      "|---|" + "---|" * (len(seeds) + 1)]
+            for n in names:
+                g = [res["runs"][n]["gap_final"]] + [repeats[k][n]["gap_final"] for k in seeds[1:]]
+                lines.append(f"| {n} | " + " | ".join(f"{v:+.4f}" for v in g)
+                             + f" | {sum(g) / len(g):+.4f} [{min(g):+.4f} – {max(g):+.4f}] |")
         floor = res["runs"].get(ref.split("/")[0] + "/remainder")
         if floor is not None:
             lines += ["", f"{ref.split('/')[0]}/remainder runs the reference's arithmetic but for exact ties (one master "

@@ -83,6 +83,12 @@ def test_precision_quality_runs_every_choice_against_the_reference(tmp_path):
     assert sorted(os.path.splitext(f)[1] for f in saved) == [".json", ".png"]
     text = report.precision_quality_text(res, "today")
     assert "| uint8/remainder |" in text and "fp32/fp32" in text
+    # other seeds added to the result: the chosen choices and the reference, gaps per seed
+    path = os.path.join(tmp_path, [f for f in saved if f.endswith(".json")][0])
+    again = precision_quality.main(["--into", path, "--seeds", "1", "--only", "uint8/remainder"])
+    repeat = again["models"]["demo"]["repeats"]["1"]
+    assert sorted(repeat) == ["fp32/fp32", "uint8/remainder"] and repeat["fp32/fp32"]["gap_final"] == 0.0
+    assert "| uint8/remainder | " in report.precision_quality_text(again, "today").split("mean [min")[1]
     with pytest.raises(SystemExit, match="unknown choices: nope"):
         precision_quality.main(["--tiny", "--only", "nope", "--out", str(tmp_path)])
     # runs without a common validation step cannot be compared
