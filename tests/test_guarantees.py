@@ -158,6 +158,25 @@ def test_compiled_training_step_equals_eager():
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
 
 
+def test_compiled_steps_of_optimizers_with_other_hyper_parameters_equal_eager():
+    """Compiling the step of optimizers whose groups hold other numbers (here each its own lr)
+    one after the other: torch.compile makes such numbers symbolic on the second one, and the
+    group's checks still run on their values; every compiled run equals its eager run bitwise."""
+    for lr, state_dtype in ((0.1, torch.float32), (0.2, torch.float32), (0.3, torch.uint8)):
+        runs = []
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            p = torch.randn(64, 96, requires_grad=True)
+            opt = ampfuse.optim.AdamW([p], lr=lr, state_dtype=state_dtype)
+            step = torch.compile(opt.step, backend="aot_eager") if compiled else opt.step
+            for k in range(2):
+                p.grad = torch.randn(64, 96, generator=torch.Generator().manual_seed(k))
+                step()
+            runs.append((p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}))
+        assert torch.equal(runs[0][0], runs[1][0])
+        assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+
+
 # ------------------------------------------------------------------------------------------------
 # CUDA graphs: what update() does while a capture is under way
 # ------------------------------------------------------------------------------------------------

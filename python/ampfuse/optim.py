@@ -409,7 +409,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if "exp_avg_sq_dtype" in group:
             sq = group["exp_avg_sq_dtype"]
             values["exp_avg_sq_dtype"] = None if sq is None else repr(sq)
-        torch.ops.ampfuse.group_hyper_check(self._engine_name, values, f"param_groups[{gi}]", True)
+        _group_hyper_check(self._engine_name, values, f"param_groups[{gi}]")
 
     @staticmethod
     def _master_kind(p: torch.Tensor, group: dict[str, Any]) -> str | None:
@@ -940,6 +940,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
+
+
+@torch._dynamo.disable
+def _group_hyper_check(optimizer: str, values: dict[str, Any], group: str) -> None:
+    """The engine's check of a group's options. Run eagerly, outside a compiled step: its values
+    are the group's Python numbers, which torch.compile turns into symbols once a second
+    optimizer (or a changed group) has other values, and the op takes concrete values."""
+    torch.ops.ampfuse.group_hyper_check(optimizer, values, group, True)
 
 
 def _slot_names(keys: Sequence[str]) -> tuple[str, ...]:
