@@ -332,3 +332,24 @@ def test_a_compiled_step_gives_the_bits_of_the_eager_one():
             step()
         runs.append((params, opt))
     _assert_same_state(runs[0][1], runs[1][1], runs[0][0], runs[1][0])
+
+
+def test_a_non_contiguous_param_keeps_its_blocks_in_element_order():
+    """A transposed param's 8-bit moments are cut in its element order (as the contiguous copy's)
+    and a state converted to 8-bit from its strided fp32 moments is that order's encoding."""
+    base = torch.randn(96, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    p = base.t().requires_grad_()
+    q = base.t().contiguous().requires_grad_()
+    assert not p.is_contiguous()
+    a, b = AdamW([p], lr=1e-2, state_dtype=torch.uint8), AdamW([q], lr=1e-2, state_dtype=torch.uint8)
+    _run(a, [p], 3)
+    _run(b, [q], 3)
+    _assert_same_state(a, b, [p], [q])
+    c = AdamW([p], lr=1e-2)
+    _run(c, [p], 1)
+    values = c.state[p]["exp_avg"].clone()
+    assert not values.is_contiguous()
+    c.param_groups[0]["state_dtype"] = torch.uint8
+    _run(c, [p], 1, skip_at=(0,))
+    codes, absmax = ops.quantize_blocks(values.contiguous(), torch.uint8)
+    assert torch.equal(c.state[p]["exp_avg"], codes) and torch.equal(c.state[p]["exp_avg_absmax"], absmax)
