@@ -225,14 +225,16 @@ def test_fsdp2_dcp_save_load_continue(load_world):
         _assert_close_runs(saved["final"], loaded["final"], atol=2e-2)
 
 
-def _ddp_train(rank: int, world: int, ddp, opt, scaler, start: int, steps: int) -> list:
+def _ddp_train(rank: int, world: int, ddp, opt, scaler, start: int, steps: int, batches=_batches,
+               max_norm: float = 0.5) -> list:
+    """`steps` steps of bf16 `ddp` (any module: DDP or FSDP2) on this rank's share of `batches`."""
     per = BATCH // world
     log = []
     for step in range(start, start + steps):
-        x, y = _batches(step)
+        x, y = batches(step)
         out = ddp(x[rank * per:(rank + 1) * per].to(torch.bfloat16))
         scaler.scale(torch.nn.functional.mse_loss(out.float(), y[rank * per:(rank + 1) * per])).backward()
-        scaler.unscale_and_clip_(opt, 0.5)
+        scaler.unscale_and_clip_(opt, max_norm)
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -479,18 +481,7 @@ def _batches_8bit(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train_8bit(rank: int, world: int, model, opt, scaler, start: int, steps: int) -> list:
-    per = BATCH // world
-    log = []
-    for step in range(start, start + steps):
-        x, y = _batches_8bit(step)
-        out = model(x[rank * per:(rank + 1) * per].to(torch.bfloat16))
-        scaler.scale(torch.nn.functional.mse_loss(out.float(), y[rank * per:(rank + 1) * per])).backward()
-        scaler.unscale_and_clip_(opt, 1.0)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        log.append({"scale": scaler.get_scale(), "skipped": float(scaler.last_found_inf)})
-    return log
+    return _ddp_train(rank, world, model, opt, scaler, start, steps, batches=_batches_8bit, max_norm=1.0)
 
 
 def _state_8bit(model, opt) -> dict:

@@ -35,6 +35,25 @@ at::Tensor loss_of(const std::vector<at::Tensor>& params, const std::vector<at::
   return loss;
 }
 
+// An object's checkpoint through its own save() (an optimizer's, an accumulator's), as bytes, and
+// back into another object through its load().
+template <typename T>
+std::string saved_bytes(T& object) {
+  std::ostringstream out;
+  torch::serialize::OutputArchive archive;
+  object.save(archive);
+  archive.save_to(out);
+  return out.str();
+}
+
+template <typename T>
+void load_bytes(T& object, const std::string& bytes) {
+  std::istringstream in(bytes);
+  torch::serialize::InputArchive archive;
+  archive.load_from(in);
+  object.load(archive);
+}
+
 // Each param and its AdamW state, under `prefix`: the master as "master" (fp32) or "remainder".
 void record_params(c10::Dict<std::string, at::Tensor>& out, const std::string& prefix,
                    const std::vector<at::Tensor>& params, const ampfuse::optim::AdamW& opt) {
@@ -144,12 +163,7 @@ int main(int argc, char** argv) {
       acc3->backward(loss_of(p3, xs));
       out.insert("scale3/" + std::to_string(k), scaler3->get_scale_async().clone());
       if (k == kResumeAfter3) {
-        std::ostringstream saved;
-        {
-          torch::serialize::OutputArchive archive;
-          acc3->save(archive);
-          archive.save_to(saved);
-        }
+        const std::string saved = saved_bytes(*acc3);
         acc3.reset();
         scaler3.reset();
         opt3.reset();
@@ -159,10 +173,7 @@ int main(int argc, char** argv) {
         opt3 = std::make_unique<ampfuse::optim::AdamW>(p3, options);
         scaler3 = std::make_unique<ampfuse::GradScaler>(scaler_options);
         acc3 = std::make_unique<ampfuse::GradAccumulator>(*opt3, scaler3.get(), acc_options);
-        std::istringstream in(saved.str());
-        torch::serialize::InputArchive archive;
-        archive.load_from(in);
-        acc3->load(archive);
+        load_bytes(*acc3, saved);
       }
     }
     record_params(out, "out3/", p3, *opt3);
@@ -202,20 +213,12 @@ int main(int argc, char** argv) {
       scaler4.update();
       opt4->zero_grad();
       if (step == 3) {
-        std::ostringstream saved;
-        {
-          torch::serialize::OutputArchive archive;
-          opt4->save(archive);
-          archive.save_to(saved);
-        }
+        const std::string saved = saved_bytes(*opt4);
         std::vector<at::Tensor> fresh;
         for (const auto& p : p4) fresh.push_back(p.detach().clone().set_requires_grad(true));
         p4 = fresh;
         opt4 = std::make_unique<ampfuse::optim::AdamW>(p4, options);
-        std::istringstream in(saved.str());
-        torch::serialize::InputArchive archive;
-        archive.load_from(in);
-        opt4->load(archive);
+        load_bytes(*opt4, saved);
       }
     }
     for (size_t i = 0; i < p4.size(); ++i) {
