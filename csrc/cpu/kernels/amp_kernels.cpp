@@ -50,7 +50,7 @@ ChunkResult unscale_span(T* data, int64_t n, float inv, const Ahead& ahead) {
   };
   int64_t i = 0;
   for (; i + L::kLanes <= n; i += L::kLanes) {
-    ahead(i);
+    if ((i & (64 / static_cast<int64_t>(sizeof(T)) - 1)) == 0) ahead(i);  // once per cache line
     FVec v[L::kVecs];
     L::load(data + i, v);
     lanes(v);
