@@ -166,6 +166,28 @@ def test_rank_with_empty_shards_takes_part():
 # ---- distributed checkpoints --------------------------------------------------------------------
 
 
+def _dcp_save(ckpt: str, rank: int, module, opt, scaler) -> None:
+    """A DCP checkpoint of `module` and `opt` (torch's state-dict helpers), the scaler beside it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(module, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    if rank == 0:
+        torch.save(scaler.state_dict(), os.path.join(ckpt, "scaler.pt"))
+
+
+def _dcp_load(ckpt: str, module, opt, scaler) -> None:
+    """The checkpoint of `_dcp_save` into `module`, `opt` and `scaler`, on any number of ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(module, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    set_state_dict(module, opt, model_state_dict=msd, optim_state_dict=osd)
+    scaler.load_state_dict(torch.load(os.path.join(ckpt, "scaler.pt")))
+
+
 def _dcp_worker(rank: int, world: int, ckpt: str, mode: str):
     """mode "save": train 3 steps, save, train 3 more; "load": load, check the state, train 3 more
     from the same point (a resharded load when world differs from the saving run's)."""
@@ -179,10 +201,7 @@ def _dcp_worker(rank: int, world: int, ckpt: str, mode: str):
     scaler = ampfuse.GradScaler("cpu", init_scale=2.0**12)
     if mode == "save":
         model, opt, scaler, _ = _train(rank, world, "bf16", 3, None, model, opt, scaler)
-        msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
-        if rank == 0:
-            torch.save(scaler.state_dict(), os.path.join(ckpt, "scaler.pt"))
+        _dcp_save(ckpt, rank, model, opt, scaler)
         at_save = _gathered(model, opt)
         at_save["steps"] = [float(opt.state[p]["step"]) for p in model.parameters()]
         model, opt, scaler, log = _train(rank, world, "bf16", 3, None, model, opt, scaler, start=3)
@@ -245,9 +264,6 @@ def _ddp_train(rank: int, world: int, ddp, opt, scaler, start: int, steps: int, 
 def _ddp_dcp_worker(rank: int, world: int, ckpt: str, mode: str):
     """DDP (replicated bf16 params, fp32 masters): "save" trains 3 steps, saves with DCP, trains 3
     more; "load" starts from fresh objects, loads and trains the same 3 more."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     import ampfuse
 
     model = _model("bf16")
@@ -256,16 +272,10 @@ def _ddp_dcp_worker(rank: int, world: int, ckpt: str, mode: str):
     scaler = ampfuse.GradScaler("cpu", init_scale=2.0**12)
     if mode == "save":
         _ddp_train(rank, world, ddp, opt, scaler, 0, 3)
-        msd, osd = get_state_dict(ddp, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
-        if rank == 0:
-            torch.save(scaler.state_dict(), os.path.join(ckpt, "scaler.pt"))
+        _dcp_save(ckpt, rank, ddp, opt, scaler)
         at_save = _gathered(model, opt)
     else:
-        msd, osd = get_state_dict(ddp, opt)
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt)
-        set_state_dict(ddp, opt, model_state_dict=msd, optim_state_dict=osd)
-        scaler.load_state_dict(torch.load(os.path.join(ckpt, "scaler.pt")))
+        _dcp_load(ckpt, ddp, opt, scaler)
         at_save = _gathered(model, opt)
     at_save["steps"] = [float(opt.state[p]["step"]) for p in model.parameters()]
     log = _ddp_train(rank, world, ddp, opt, scaler, 3, 3)
@@ -504,9 +514,6 @@ def _state_8bit(model, opt) -> dict:
 
 
 def _dcp_8bit_worker(rank: int, world: int, ckpt: str, mode: str):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     import ampfuse
 
     model = _shard(_model_8bit(), "bf16")
@@ -515,17 +522,11 @@ def _dcp_8bit_worker(rank: int, world: int, ckpt: str, mode: str):
     scaler = ampfuse.GradScaler("cpu", init_scale=2.0**12)
     if mode == "save":
         _train_8bit(rank, world, model, opt, scaler, 0, 3)
-        msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
-        if rank == 0:
-            torch.save(scaler.state_dict(), os.path.join(ckpt, "scaler.pt"))
+        _dcp_save(ckpt, rank, model, opt, scaler)
         at_save = _state_8bit(model, opt)
         log = _train_8bit(rank, world, model, opt, scaler, 3, 3)
         return {"at_save": at_save, "final": _state_8bit(model, opt), "log": log}
-    msd, osd = get_state_dict(model, opt)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt)
-    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-    scaler.load_state_dict(torch.load(os.path.join(ckpt, "scaler.pt")))
+    _dcp_load(ckpt, model, opt, scaler)
     # a skipped step (found_inf set) brings the loaded fp32 values to the 8-bit form, changing nothing else
     opt.step(scaling=ampfuse.optim.StepScaling(None, torch.ones(1), None))
     loaded = _state_8bit(model, opt)
