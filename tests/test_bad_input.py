@@ -321,7 +321,11 @@ _opt_ctor_case("adamw-wd", ValueError, "Invalid weight_decay value: -1", "AdamW"
 _opt_ctor_case("state_dtype", ValueError, r"\['state_dtype'\] must be torch.float32, torch.bfloat16, torch.uint8, torch.float8_e4m3fn or "
                "torch.float8_e5m2, got torch.float16", "AdamW",
                dict(state_dtype=torch.float16))
-_opt_ctor_case("master_weights", ValueError, "master_weights must be True, False, 'auto' or 'remainder', got 'yes'", "AdamW", dict(master_weights="yes"))
+_opt_ctor_case("master_weights", ValueError, "master_weights must be True, False, 'auto', 'remainder' or 'stochastic', got 'yes'", "AdamW", dict(master_weights="yes"))
+_opt_ctor_case("rounding_seed-negative", ValueError, r"param_groups\[0\]\['rounding_seed'\] must be an integer in \[0, 2\*\*53\), got -1",
+               "AdamW", dict(master_weights="stochastic", rounding_seed=-1))
+_opt_ctor_case("rounding_seed-float", ValueError, r"param_groups\[0\]\['rounding_seed'\] must be an integer in \[0, 2\*\*53\), got 1.5",
+               "SGD", dict(lr=0.1, master_weights="stochastic", rounding_seed=1.5))
 _opt_ctor_case("int64-param", ValueError, r"param_groups\[0\]\['params'\]\[0\] has dtype torch.int64", "SGD", dict(lr=0.1),
                lambda: [torch.zeros(2, dtype=torch.int64)])
 _opt_ctor_case("two-devices", ValueError, r"param_groups\[0\] has parameters on several devices", "AdamW", {},

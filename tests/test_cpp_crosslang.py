@@ -16,7 +16,9 @@ a ``GradAccumulator`` (2 micro-batches, clipping) over three windows, one of the
 a run with 16-bit remainders and bf16 moments, windows of 3 with overflows at seeded places, whose
 checkpoint taken inside an overflowed window is loaded into fresh objects by each surface's own
 checkpoint API; then 8-bit moments (uint8 and e5m2) with remainders, an overflow and an optimizer
-checkpoint. The C++ program writes its inputs too, so both sides start from the same bits.
+checkpoint; then SGD momentum on bf16 params rounded stochastically (no master), an overflow and a
+checkpoint loaded into an optimizer of another seed. The C++ program writes its inputs too, so both
+sides start from the same bits.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ def _run_python(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
     res.update(_run_python_resumed(d))
     res.update(_run_python_8bit(d))
+    res.update(_run_python_stochastic(d))
     _record_params(res, "out/", params, opt)
     res["out/scale"] = scaler._scale.clone()
     res["out/growth_tracker"] = torch.tensor(scaler._get_growth_tracker())
@@ -175,6 +178,34 @@ def _run_python_8bit(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return res
 
 
+def _run_python_stochastic(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Phase 5: SGD momentum, bf16 params rounded stochastically with seed 123, an overflow, and
+    an optimizer checkpoint loaded into an optimizer built with another seed."""
+    res: dict[str, torch.Tensor] = {}
+    params = [d[f"init5/{i}"].clone().requires_grad_(True) for i in range(2)]
+
+    def build(ps, seed):
+        return ampfuse.optim.SGD(ps, lr=1e-3, momentum=0.9, master_weights="stochastic", rounding_seed=seed)
+
+    opt = build(params, 123)
+    scaler = ampfuse.GradScaler("cpu", init_scale=256.0)
+    for step in range(5):
+        scaler.scale(_loss(params, [d[f"x5/{step}/{i}"] for i in range(2)])).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if step == 2:
+            saved = copy.deepcopy(opt.state_dict())
+            params = [p.detach().clone().requires_grad_(True) for p in params]
+            opt = build(params, 0)
+            opt.load_state_dict(saved)
+    for i, p in enumerate(params):
+        res[f"out5/param/{i}"] = p.detach().clone()
+        res[f"out5/momentum_buffer/{i}"] = opt.state[p]["momentum_buffer"].clone()
+        res[f"out5/step/{i}"] = opt.state[p]["step"].clone()
+    return res
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
@@ -219,6 +250,8 @@ def test_the_sequence_exercises_skips_growth_and_clipping(cpp_results):
     assert cpp_results["out4/exp_avg/0"].shape == (80, 64) and cpp_results["out4/exp_avg_absmax/0"].shape == (20,)
     assert "out4/exp_avg_absmax/1" not in cpp_results and cpp_results["out4/exp_avg/1"].numel() == 33 * 4
     assert float(cpp_results["out4/step/0"]) == 5
+    # phase 5: stochastic rounding, the overflowed step skipped
+    assert float(cpp_results["out5/step/0"]) == 4 and cpp_results["out5/param/0"].dtype == torch.bfloat16
     assert cpp_results["out/master/0"].dtype == torch.float32
     assert cpp_results["out/param/0"].dtype == torch.bfloat16
 

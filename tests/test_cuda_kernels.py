@@ -582,6 +582,19 @@ def test_adam_step_every_dtype_offset_and_option(variant, config):
     _compare_optim(a, b, _bitwise())
 
 
+@pytest.mark.parametrize(("kind", "config", "gdtype"), [
+    ("sgd", "nesterov", B16), ("adam", "adamw", B16), ("adam", "amsgrad", F32)], ids=["sgd", "adamw", "amsgrad-grad_fp32"])
+def test_stochastic_rounding_every_offset(kind, config, gdtype):
+    """bf16 params without masters rounded stochastically (rounding_seed): each element's draw
+    from its index in the tensor (chunks past the first included), the param's bits before the
+    update and the step count, on every offset and through the schedule's skipped step."""
+    hyper = dict((SGD_CONFIGS if kind == "sgd" else ADAM_CONFIGS)[config], rounding_seed=2**33 + 5)
+    nstates = {"nesterov": 1, "adamw": 2, "amsgrad": 3}[config]
+    a, b = both(lambda: _optim_inputs(kind, B16, gdtype, None, _sizes(), nstates, seed=71),
+                _optim_call(kind, hyper, SCHEDULE))
+    _compare_optim(a, b, _bitwise())
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adam", "amsgrad"])
 @pytest.mark.parametrize("num_sms", [1, 3])
 @pytest.mark.parametrize("capture", [False, True], ids=["resident-table", "capture-split"])
@@ -722,16 +735,18 @@ def test_quantize_every_size_and_format(dtype, nonnegative, num_sms):
         assert torch.equal(x.view(torch.int32), y.view(torch.int32)), QUANT_SIZES[k]
 
 
-@pytest.mark.parametrize(("kind", "formats"), [
-    ("adam", (torch.uint8, torch.uint8)), ("adam", (torch.float8_e4m3fn, torch.float8_e5m2)),
-    ("amsgrad", (torch.uint8, torch.float8_e5m2)), ("sgd", (torch.float8_e4m3fn,))],
-    ids=["adam-uint8", "adam-fp8", "amsgrad-mixed", "sgd-e4m3"])
+@pytest.mark.parametrize(("kind", "formats", "stochastic"), [
+    ("adam", (torch.uint8, torch.uint8), False), ("adam", (torch.float8_e4m3fn, torch.float8_e5m2), False),
+    ("amsgrad", (torch.uint8, torch.float8_e5m2), False), ("sgd", (torch.float8_e4m3fn,), False),
+    ("adam", (torch.uint8, torch.uint8), True)],
+    ids=["adam-uint8", "adam-fp8", "amsgrad-mixed", "sgd-e4m3", "adam-uint8-stochastic"])
 @pytest.mark.parametrize("num_sms", [1, 3])
-def test_8bit_state_steps(kind, formats, num_sms):
+def test_8bit_state_steps(kind, formats, stochastic, num_sms):
     """The fused steps with 8-bit state against the CPU kernels: bf16 params with remainders (the
-    widest master path), quantization blocks inside CUDA chunks and ragged at tensors' ends, more
-    tensors than one launch holds (the step counters' tickets across launches), the schedule's
-    scaled, skipped and tensor-lr steps; params, remainders, codes, absmax and steps bitwise."""
+    widest master path) or rounded stochastically, quantization blocks inside CUDA chunks and
+    ragged at tensors' ends, more tensors than one launch holds (the step counters' tickets across
+    launches), the schedule's scaled, skipped and tensor-lr steps; params, remainders, codes,
+    absmax and steps bitwise."""
     nstates = {"sgd": 1, "adam": 2, "amsgrad": 3}[kind]
     sizes = [1, 255, 257, CHUNK + 300] + [1 + i % 7 for i in range(600)]
 
@@ -740,7 +755,8 @@ def test_8bit_state_steps(kind, formats, num_sms):
         for k, n in enumerate(sizes):
             w = randn(n, 10 + k).float()
             params.append(w.to(torch.bfloat16))
-            masters.append(ops.split_master(w)[1])
+            if not stochastic:
+                masters.append(ops.split_master(w)[1])
             grads.append((randn(n, 5000 + k) * 8).to(torch.bfloat16))
             for j in range(nstates):
                 x = randn(n, 9000 + 7 * k + j).float() * 1e-2
@@ -755,7 +771,8 @@ def test_8bit_state_steps(kind, formats, num_sms):
         for found, scale, clip, lr in SCHEDULE:
             sc = dict(found_inf=None if found is None else torch.full((1,), found),
                       grad_scale=None if scale is None else torch.full((1,), scale),
-                      clip_coef=None if clip is None else torch.full((1,), clip))
+                      clip_coef=None if clip is None else torch.full((1,), clip),
+                      rounding_seed=17 if stochastic else None)
             if kind == "sgd":
                 ops.sgd_step_(params, grads, masters, states[0], steps, lr=torch.full((1,), lr) if lr else 0.05,
                               momentum=0.9, weight_decay=0.01, momentum_absmax=absmax[0], **sc)

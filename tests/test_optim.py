@@ -491,7 +491,7 @@ def test_bad_params_rejected_at_construction():
         ampfuse.optim.Adam([torch.zeros(2, dtype=torch.float64, requires_grad=True)])
     with pytest.raises(ValueError, match=r"param_groups\[0\] has parameters on several devices"):
         ampfuse.optim.AdamW([torch.zeros(2, requires_grad=True), torch.zeros(2, device="meta", requires_grad=True)])
-    with pytest.raises(ValueError, match="master_weights must be True, False, 'auto' or 'remainder'"):
+    with pytest.raises(ValueError, match="master_weights must be True, False, 'auto', 'remainder' or 'stochastic'"):
         ampfuse.optim.AdamW([torch.zeros(2, requires_grad=True)], master_weights="yes")
     with pytest.raises(ValueError, match="Invalid learning rate"):
         ampfuse.optim.AdamW([torch.zeros(2, requires_grad=True)], lr=-1.0)

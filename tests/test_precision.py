@@ -290,7 +290,7 @@ def test_switching_options_converts_state():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(master_weights="half"), "master_weights must be True, False, 'auto' or 'remainder'"),
+    (dict(master_weights="half"), "master_weights must be True, False, 'auto', 'remainder' or 'stochastic'"),
     (dict(state_dtype=torch.float16), r"\['state_dtype'\] must be torch.float32, torch.bfloat16, torch.uint8"),
     (dict(exp_avg_sq_dtype=torch.float16), r"\['exp_avg_sq_dtype'\] must be torch.float32, .* or None"),
     (dict(state_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.uint8),

@@ -423,7 +423,8 @@ def test_plan_hyper_parameters_are_taken_by_name_each_exactly_once(kind):
     plan = torch.classes.ampfuse.StepPlan(kind)
     names = plan.hyper_names()
     assert names == (["lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"] if kind == "sgd" else
-                     ["lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay"])
+                     ["lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay"]
+                     ) + ["stochastic_rounding", "rounding_seed"]
     good = dict.fromkeys(names, 0.0)
     with pytest.raises(RuntimeError, match=r"unknown hyper-parameter 'betas'; a .* plan takes lr, "):
         plan.set_hyper(0, {**good, "betas": 0.9}, None)
@@ -431,6 +432,8 @@ def test_plan_hyper_parameters_are_taken_by_name_each_exactly_once(kind):
         plan.set_hyper(0, {k: v for k, v in good.items() if k != "weight_decay"}, None)
     with pytest.raises(RuntimeError, match="'maximize' is a flag \\(0 or 1\\), got 0.5"):
         plan.set_hyper(0, {**good, "maximize": 0.5}, None)
+    with pytest.raises(RuntimeError, match=r"'rounding_seed' is an integer of at most 2\*\*53 in magnitude, got 0.5"):
+        plan.set_hyper(0, {**good, "rounding_seed": 0.5}, None)
     with pytest.raises(RuntimeError, match="lr must be a 1-element tensor"):
         plan.set_hyper(0, good, torch.zeros(2))
     p = torch.zeros(3)

@@ -76,9 +76,16 @@ at::Tensor read_step(InputArchive& archive) {
 
 enum class MasterKind { None, Float, Remainder };
 
+// Whether bf16 params of a group with options o are rounded stochastically (no master).
+template <typename O>
+bool stochastic(const O& o) {
+  return o.master_weights() && !o.master_remainders() && o.stochastic_rounding();
+}
+
 template <typename O>
 std::string master_weights_of(const O& o) {
-  return !o.master_weights() ? "false" : (o.master_remainders() ? "remainder" : "true");
+  if (!o.master_weights()) return "false";
+  return o.master_remainders() ? "remainder" : (o.stochastic_rounding() ? "stochastic" : "true");
 }
 
 template <typename State>
@@ -250,7 +257,7 @@ std::vector<const void*> plan_key_of(const torch::optim::Optimizer& opt) {
     const auto& o = static_cast<const typename P::Options&>(group.options());
     key.push_back(as_key(static_cast<int64_t>(group.params().size())));
     key.push_back(as_key(P::num_states(o)));
-    key.push_back(as_key(o.master_weights() ? (o.master_remainders() ? 2 : 1) : 0));
+    key.push_back(as_key(o.master_weights() ? (o.master_remainders() ? 2 : (o.stochastic_rounding() ? 3 : 1)) : 0));
     for (const auto dtype : P::state_dtypes(o, P::num_states(o))) key.push_back(as_key(static_cast<int64_t>(dtype)));
     for (const auto& p : group.params()) {
       key.push_back(p.unsafeGetTensorImpl());
@@ -355,6 +362,7 @@ void fused_load(torch::optim::Optimizer& opt, InputArchive& archive,
     o.serialize(options_archive);
     // The optimizer's own precision options win; the loaded state is converted to them.
     o.master_weights(own.master_weights()).master_remainders(own.master_remainders()).state_dtype(own.state_dtype());
+    o.stochastic_rounding(own.stochastic_rounding());  // the master form; the seed is the checkpoint's
     if constexpr (!std::is_same_v<Options, SGDOptions>) o.exp_avg_sq_dtype(own.exp_avg_sq_dtype());
     options.push_back(std::move(o));
   }
@@ -399,6 +407,10 @@ c10::Dict<std::string, c10::IValue> common_hyper(const O& o) {
   values.insert("lr", o.lr());
   values.insert("weight_decay", o.weight_decay());
   values.insert("state_dtype", detail::dtype_name(o.state_dtype()));
+  values.insert("rounding_seed", o.rounding_seed());
+  TORCH_CHECK_VALUE(!(o.master_remainders() && o.stochastic_rounding()),
+                    "master_remainders and stochastic_rounding exclude each other: a bf16 param keeps a remainder "
+                    "or is rounded stochastically; set one of them.");
   return values;
 }
 
@@ -791,8 +803,9 @@ struct SgdPolicy {
     engine::check_group_hyper(kName, values, kName, false);
   }
   static void set_hyper(ops::StepPlan& plan, int64_t group, const Options& o) {
-    plan.set_sgd_hyper(group, SgdHyper{o.lr(), o.momentum(), o.dampening(), o.weight_decay(),
-                                       o.nesterov(), o.maximize()}, std::nullopt);
+    plan.set_sgd_hyper(group, SgdHyper{o.lr(), o.momentum(), o.dampening(), o.weight_decay(), o.nesterov(),
+                                       o.maximize(), stochastic(o), o.rounding_seed()},
+                       std::nullopt);
   }
   static void run(const Options& o, Bucket& b, const StepScaling& sc) {
     SgdStepOptions so;
@@ -802,6 +815,7 @@ struct SgdPolicy {
     so.weight_decay = o.weight_decay();
     so.nesterov = o.nesterov();
     so.maximize = o.maximize();
+    if (stochastic(o)) so.rounding_seed = o.rounding_seed();
     sgd_step_(b.params, b.grads, b.masters, b.states[0], b.steps, so, sc, b.absmaxes[0]);
   }
 };
@@ -841,7 +855,7 @@ struct AdamPolicyT {
   static void set_hyper(ops::StepPlan& plan, int64_t group, const Options& o) {
     plan.set_adam_hyper(group, AdamHyper{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()),
                                          o.eps(), o.weight_decay(), o.amsgrad(), o.maximize(),
-                                         kDecoupled}, std::nullopt);
+                                         kDecoupled, stochastic(o), o.rounding_seed()}, std::nullopt);
   }
   static void run(const Options& o, Bucket& b, const StepScaling& sc) {
     AdamStepOptions ao;
@@ -853,6 +867,7 @@ struct AdamPolicyT {
     ao.amsgrad = o.amsgrad();
     ao.maximize = o.maximize();
     ao.decoupled_weight_decay = kDecoupled;
+    if (stochastic(o)) ao.rounding_seed = o.rounding_seed();
     adam_step_(b.params, b.grads, b.masters, b.states[0], b.states[1], b.states[2], b.steps, ao,
                sc, AdamStateAbsmax{b.absmaxes[0], b.absmaxes[1], b.absmaxes[2]});
   }

@@ -6,7 +6,8 @@
 // the CPU kernels (ops/rules.h).
 //
 // Supported (param, grad) dtypes: (fp32, fp32), and for fp16/bf16 params grads of the param's
-// dtype or fp32 (an accumulator's sums); masters for fp16/bf16 params, remainders for bf16 params.
+// dtype or fp32 (an accumulator's sums); masters for fp16/bf16 params, remainders or stochastic
+// rounding (no master) for bf16 params.
 #include <type_traits>
 
 #include "cuda/kernels.cuh"
@@ -103,7 +104,7 @@ struct Master {
   using Storage = std::conditional_t<MK == MasterKind::Remainder, int16_t, float>;
   // The value the update starts from.
   static __device__ __forceinline__ float load(T param, Storage master) {
-    if constexpr (MK == MasterKind::None) {
+    if constexpr (MK == MasterKind::None || MK == MasterKind::Stochastic) {
       return to_float(param);
     } else if constexpr (MK == MasterKind::Float) {
       return synced_master(master, to_float(from_float<T>(master)), to_float(param));
@@ -112,10 +113,14 @@ struct Master {
       return join_master(__bfloat16_as_ushort(param), master);
     }
   }
-  // The param (and master) of updated value p.
-  static __device__ __forceinline__ T store(float p, Storage& master) {
+  // The param (and master) of updated value p; element `i` of its tensor, whose param held `old`
+  // (stochastic rounding draws with `key`, the rounding_key of the tensor's step).
+  static __device__ __forceinline__ T store(float p, Storage& master, uint32_t key, int64_t i, T old) {
     if constexpr (MK == MasterKind::None) {
       return from_float<T>(p);
+    } else if constexpr (MK == MasterKind::Stochastic) {
+      static_assert(std::is_same_v<T, __nv_bfloat16>, "stochastic rounding is for bf16 params");
+      return __ushort_as_bfloat16(round_bf16_stochastic(p, rounding_bits(key, i, __bfloat16_as_ushort(old))));
     } else if constexpr (MK == MasterKind::Float) {
       master = p;
       return from_float<T>(p);
@@ -134,7 +139,7 @@ __device__ AMPFUSE_PASS_BODY void process_chunk(T* param, const G* grad,
                                            typename Master<MK, T>::Storage* master,
                                            S* const* state, int64_t begin, int64_t end,
                                            const typename Kind::Scalars& s, bool divide,
-                                           float grad_scale, float clip) {
+                                           float grad_scale, float clip, uint32_t key) {
   constexpr int NS = Kind::kStates;
   using M = Master<MK, T>;
   using MS = typename M::Storage;
@@ -176,7 +181,7 @@ __device__ AMPFUSE_PASS_BODY void process_chunk(T* param, const G* grad,
       }
       Quad<T> out;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) out.v[e] = M::store(p[e], mq.v[e]);
+      for (int e = 0; e < 4; ++e) out.v[e] = M::store(p[e], mq.v[e], key, i + e, pq.v[e]);
       *reinterpret_cast<Quad<T>*>(param + i) = out;
       if (master) *reinterpret_cast<Quad<MS>*>(master + i) = mq;
 #pragma unroll
@@ -193,7 +198,8 @@ __device__ AMPFUSE_PASS_BODY void process_chunk(T* param, const G* grad,
   }
   for (int64_t i = i0 + threadIdx.x; i < end; i += blockDim.x) {
     MS m = master ? master[i] : MS{};
-    float p = M::load(param[i], m);
+    const T old = param[i];
+    float p = M::load(old, m);
     float g = to_float(grad[i]);
     if (divide) g = g / grad_scale;
     if (clip != 1.0f) g = g * clip;
@@ -203,7 +209,7 @@ __device__ AMPFUSE_PASS_BODY void process_chunk(T* param, const G* grad,
       se[k] = (state[k] != nullptr && Kind::uses_state(s, k)) ? to_float(state[k][i]) : 0.0f;
     }
     p = Kind::update(p, g, se, s);
-    param[i] = M::store(p, m);
+    param[i] = M::store(p, m, key, i, old);
     if (master) master[i] = m;
 #pragma unroll
     for (int k = 0; k < NS; ++k) {
@@ -242,8 +248,8 @@ struct GradPrep {
 };
 
 // The grid-stride walk every optimizer pass shares: nothing at all when found_inf is set; else
-// for each chunk of the launch body(t, begin, end, scalars of the tensor's step, grad prep), then
-// chunk_done. `meta` is a TableMeta view (of a table in device memory, or of the by-value
+// for each chunk of the launch body(t, begin, end, scalars of the tensor's step, grad prep, the
+// stochastic rounding key of the step), then chunk_done. `meta` is a TableMeta view (of a table in device memory, or of the by-value
 // metadata); the step is the last list.
 template <class Kind, int N, typename Body>
 __device__ __forceinline__ void for_each_chunk(const TableMeta<N>& meta, const ScaleArgs& sa,
@@ -261,7 +267,9 @@ __device__ __forceinline__ void for_each_chunk(const TableMeta<N>& meta, const S
     float* step = static_cast<float*>(meta.ptr[N - 1][t]);
     // __ldcg: the step is read through L2, where the tensor's last block advances it (after the
     // fence and ticket of chunk_done, which order this read before that write).
-    body(t, begin, end, Kind::scalars(hyper, lr, __ldcg(step)), prep);
+    const float step_before = __ldcg(step);
+    body(t, begin, end, Kind::scalars(hyper, lr, step_before), prep,
+         hyper.stochastic_rounding ? rounding_key(hyper.rounding_seed, step_before) : 0u);
     chunk_done(meta, sa, t, step);
   }
 }
@@ -272,14 +280,15 @@ __device__ AMPFUSE_PASS_BODY void optim_pass(const TableMeta<kLists<Kind>>& meta
   constexpr int NS = Kind::kStates;
   using MS = typename Master<MK, T>::Storage;
   for_each_chunk<Kind>(meta, sa, hyper, [&](int t, int64_t begin, int64_t end,
-                                            const typename Kind::Scalars& s, const GradPrep& prep) {
+                                            const typename Kind::Scalars& s, const GradPrep& prep,
+                                            uint32_t key) {
     S* state[NS];
 #pragma unroll
     for (int k = 0; k < NS; ++k) state[k] = static_cast<S*>(meta.ptr[3 + k][t]);
     process_chunk<T, G, Kind, MK, S>(static_cast<T*>(meta.ptr[0][t]),
                                      static_cast<const G*>(meta.ptr[1][t]),
                                      static_cast<MS*>(meta.ptr[2][t]), state, begin, end, s,
-                                     prep.divide, prep.grad_scale, prep.clip);
+                                     prep.divide, prep.grad_scale, prep.clip, key);
   });
 }
 
@@ -319,7 +328,8 @@ __device__ AMPFUSE_PASS_BODY void optim_quant_pass(const TableMeta<kQuantLists<K
   AMPFUSE_SHARED(float, block_absmax, [1]);
   fill_tables<NS>(tables, formats);
   for_each_chunk<Kind>(meta, sa, hyper, [&](int t, int64_t begin, int64_t end,
-                                            const typename Kind::Scalars& s, const GradPrep& prep) {
+                                            const typename Kind::Scalars& s, const GradPrep& prep,
+                                            uint32_t key) {
     T* param = static_cast<T*>(meta.ptr[0][t]);
     const G* grad = static_cast<const G*>(meta.ptr[1][t]);
     MS* master = static_cast<MS*>(meta.ptr[2][t]);
@@ -336,8 +346,9 @@ __device__ AMPFUSE_PASS_BODY void optim_quant_pass(const TableMeta<kQuantLists<K
       }
       if (live) {
         MS m = master ? master[i] : MS{};
-        const float p = Kind::update(M::load(param[i], m), prep(to_float(grad[i])), se, s);
-        param[i] = M::store(p, m);
+        const T old = param[i];
+        const float p = Kind::update(M::load(old, m), prep(to_float(grad[i])), se, s);
+        param[i] = M::store(p, m, key, i, old);
         if (master) master[i] = m;
       }
 #pragma unroll
@@ -463,6 +474,9 @@ int with_master(const OptimArgs& a, const typename Kind::Hyper& h, void* ws, con
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
       if (a.master == MasterKind::Remainder) {
         return with_state<Kind, T, G, MasterKind::Remainder>(a, h, ws, ctx);
+      }
+      if (a.master == MasterKind::Stochastic) {
+        return with_state<Kind, T, G, MasterKind::Stochastic>(a, h, ws, ctx);
       }
     }
     return with_state<Kind, T, G, MasterKind::None>(a, h, ws, ctx);

@@ -76,6 +76,11 @@ void check_group_hyper(const std::string& optimizer, const c10::Dict<std::string
       check_at_least_zero(number(lr), name("lr"));
     }
   }
+  if (has("rounding_seed")) {
+    const c10::IValue& seed = values.at("rounding_seed");
+    TORCH_CHECK_VALUE(seed.isInt() && seed.toInt() >= 0 && seed.toInt() < (int64_t{1} << 53), name("rounding_seed"),
+                      " must be an integer in [0, 2**53), got ", repr(seed), ".");
+  }
   if (sgd) {
     if (!has("momentum")) return;
     const double momentum = number_option(values.at("momentum"), name("momentum"));

@@ -76,10 +76,13 @@ at::ScalarType stored_state_dtype(const at::Tensor& param, at::ScalarType reques
 
 std::string master_kind(const at::Tensor& param, const std::string& master_weights) {
   TORCH_CHECK(master_weights == "true" || master_weights == "auto" || master_weights == "false" ||
-                  master_weights == "remainder",
-              "master_weights must be 'true', 'auto', 'false' or 'remainder', got '", master_weights, "'.");
+                  master_weights == "remainder" || master_weights == "stochastic",
+              "master_weights must be 'true', 'auto', 'false', 'remainder' or 'stochastic', got '", master_weights,
+              "'.");
   const auto t = param.scalar_type();
   if (master_weights == "false" || (t != at::kHalf && t != at::kBFloat16)) return "none";
+  // stochastic rounding keeps no master for bf16 params (the step rounds into the param itself)
+  if (master_weights == "stochastic" && t == at::kBFloat16) return "none";
   return master_weights == "remainder" && t == at::kBFloat16 ? "remainder" : "float";
 }
 

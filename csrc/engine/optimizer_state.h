@@ -43,8 +43,9 @@ bool state_dtype_named(const std::string& name);
 bool quantized_state_dtype(at::ScalarType dtype);
 
 // How `param`'s fp32 master is kept under `master_weights` ("true", "auto", "false",
-// "remainder"): "none" (params that are not float16/bfloat16, or "false"), "remainder" (bfloat16
-// params under "remainder") or "float".
+// "remainder", "stochastic"): "none" (params that are not float16/bfloat16, "false", and bfloat16
+// params under "stochastic", which the step rounds stochastically), "remainder" (bfloat16 params
+// under "remainder") or "float".
 std::string master_kind(const at::Tensor& param, const std::string& master_weights);
 
 // The state of params[i] (slots[i * state_width(n) ...], n = state_names.size()) brought to the

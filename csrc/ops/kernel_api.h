@@ -98,6 +98,8 @@ enum class MasterKind : uint8_t {
   Float = 1,      // an fp32 master tensor
   Remainder = 2,  // bf16 params only: an int16 tensor holding the low 16 bits, so that (param,
                   // remainder) is the fp32 master bit for bit (ops/rules.h, join_master)
+  Stochastic = 3,  // bf16 params only, no master: the update is rounded stochastically into the
+                   // param with draws of the hyper-parameters' rounding_seed (ops/rules.h)
 };
 
 // One tensor of a fused optimizer call: param, grad, master (per MasterKind, or null), up to

@@ -141,11 +141,14 @@ void launch_optim(const Backend& b, const kernels::OptimTensor* rows, int64_t n,
                   const std::optional<at::Tensor>& clip_coef, const char* op) {
   if (n == 0 || b.table == nullptr) return;
   const c10::DeviceGuard guard(device);
+  // bf16 params without masters under a rounding seed are rounded stochastically.
+  const bool stochastic = h.stochastic_rounding && dt.param == kernels::DType::BFloat16 &&
+                          dt.master == kernels::MasterKind::None;
   kernels::OptimArgs args{rows,
                           n,
                           dt.param,
                           dt.grad,
-                          dt.master,
+                          stochastic ? kernels::MasterKind::Stochastic : dt.master,
                           dt.state,
                           dt.quantized,
                           {dt.formats[0], dt.formats[1], dt.formats[2]},
@@ -442,13 +445,15 @@ void sgd_step(const Backend& b, at::TensorList params, at::TensorList grads,
               double dampening, double weight_decay, bool nesterov, bool maximize,
               const std::optional<at::Tensor>& grad_scale,
               const std::optional<at::Tensor>& found_inf,
-              const std::optional<at::Tensor>& clip_coef, at::TensorList momentum_absmax) {
+              const std::optional<at::Tensor>& clip_coef, at::TensorList momentum_absmax,
+              std::optional<int64_t> rounding_seed) {
   const detail::OptimLists l{params, grads, master_params, {momentum_buffers},
                              {"momentum_buffers"}, steps, {momentum_absmax},
                              {"momentum_absmax"}, {false}};
   const c10::Device device =
       detail::check_optim_args(l, lr_tensor, grad_scale, found_inf, clip_coef);
-  const SgdHyper h{lr, momentum, dampening, weight_decay, nesterov, maximize};
+  const SgdHyper h{lr, momentum, dampening, weight_decay, nesterov, maximize,
+                   rounding_seed.has_value(), rounding_seed.value_or(0)};
   detail::check_sgd_hyper(h, l);
   check_optim_overlap(l, lr_tensor, grad_scale, found_inf, clip_coef);
   core::sgd_step(b, l, h, device, lr_tensor, grad_scale, found_inf, clip_coef);
@@ -462,7 +467,8 @@ void adam_step(const Backend& b, at::TensorList params, at::TensorList grads,
                const std::optional<at::Tensor>& grad_scale,
                const std::optional<at::Tensor>& found_inf,
                const std::optional<at::Tensor>& clip_coef, at::TensorList exp_avg_absmax,
-               at::TensorList exp_avg_sq_absmax, at::TensorList max_exp_avg_sq_absmax) {
+               at::TensorList exp_avg_sq_absmax, at::TensorList max_exp_avg_sq_absmax,
+               std::optional<int64_t> rounding_seed) {
   const detail::OptimLists l{params,
                              grads,
                              master_params,
@@ -474,7 +480,8 @@ void adam_step(const Backend& b, at::TensorList params, at::TensorList grads,
                              {false, true, true}};
   const c10::Device device =
       detail::check_optim_args(l, lr_tensor, grad_scale, found_inf, clip_coef);
-  const AdamHyper h{lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay};
+  const AdamHyper h{lr,      beta1,    beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay,
+                    rounding_seed.has_value(), rounding_seed.value_or(0)};
   detail::check_adam_hyper(h, l);
   check_optim_overlap(l, lr_tensor, grad_scale, found_inf, clip_coef);
   core::adam_step(b, l, h, device, lr_tensor, grad_scale, found_inf, clip_coef);

@@ -71,7 +71,8 @@ void sgd_step(const Backend& b, at::TensorList params, at::TensorList grads,
               double dampening, double weight_decay, bool nesterov, bool maximize,
               const std::optional<at::Tensor>& grad_scale,
               const std::optional<at::Tensor>& found_inf,
-              const std::optional<at::Tensor>& clip_coef, at::TensorList momentum_absmax);
+              const std::optional<at::Tensor>& clip_coef, at::TensorList momentum_absmax,
+              std::optional<int64_t> rounding_seed);
 
 void adam_step(const Backend& b, at::TensorList params, at::TensorList grads,
                at::TensorList master_params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
@@ -81,7 +82,8 @@ void adam_step(const Backend& b, at::TensorList params, at::TensorList grads,
                const std::optional<at::Tensor>& grad_scale,
                const std::optional<at::Tensor>& found_inf,
                const std::optional<at::Tensor>& clip_coef, at::TensorList exp_avg_absmax,
-               at::TensorList exp_avg_sq_absmax, at::TensorList max_exp_avg_sq_absmax);
+               at::TensorList exp_avg_sq_absmax, at::TensorList max_exp_avg_sq_absmax,
+               std::optional<int64_t> rounding_seed);
 
 // Registers every op of the schema block (ops/registration.cpp) for one dispatch key, running on
 // backend B. Used once per key in each backend's TORCH_LIBRARY_IMPL block.
@@ -140,10 +142,10 @@ void register_kernels(torch::Library& m) {
             const std::optional<at::Tensor>& grad_scale,
             const std::optional<at::Tensor>& found_inf,
             const std::optional<at::Tensor>& clip_coef,
-            std::optional<at::TensorList> momentum_absmax) {
+            std::optional<at::TensorList> momentum_absmax, std::optional<int64_t> rounding_seed) {
            sgd_step(B, params, grads, master_params, momentum_buffers, steps, lr, lr_tensor,
                     momentum, dampening, weight_decay, nesterov, maximize, grad_scale, found_inf,
-                    clip_coef, momentum_absmax.value_or(at::TensorList()));
+                    clip_coef, momentum_absmax.value_or(at::TensorList()), rounding_seed);
          });
   m.impl("adam_step_",
          [](at::TensorList params, at::TensorList grads, at::TensorList master_params,
@@ -156,13 +158,14 @@ void register_kernels(torch::Library& m) {
             const std::optional<at::Tensor>& clip_coef,
             std::optional<at::TensorList> exp_avg_absmax,
             std::optional<at::TensorList> exp_avg_sq_absmax,
-            std::optional<at::TensorList> max_exp_avg_sq_absmax) {
+            std::optional<at::TensorList> max_exp_avg_sq_absmax,
+            std::optional<int64_t> rounding_seed) {
            adam_step(B, params, grads, master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                      steps, lr, lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, maximize,
                      decoupled_weight_decay, grad_scale, found_inf, clip_coef,
                      exp_avg_absmax.value_or(at::TensorList()),
                      exp_avg_sq_absmax.value_or(at::TensorList()),
-                     max_exp_avg_sq_absmax.value_or(at::TensorList()));
+                     max_exp_avg_sq_absmax.value_or(at::TensorList()), rounding_seed);
          });
 }
 

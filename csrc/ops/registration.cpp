@@ -66,13 +66,16 @@ TORCH_LIBRARY(ampfuse, m) {
   // list torch.uint8 / float8_e4m3fn / float8_e5m2 codes, each with its *_absmax list: one
   // contiguous fp32 tensor per param of ceil(numel / 256) values; second moments use the
   // nonnegative form of quantize_blocks); momentum initialised on the first step actually taken.
-  // steps are per-param fp32 counters.
+  // steps are per-param fp32 counters. rounding_seed: bf16 params without masters are written
+  // rounded stochastically (unbiased; the draws a hash of the seed, the param's step count, the
+  // element's index and the param's bits before the update: reproducible on every backend), else
+  // to nearest.
   m.def(
       "sgd_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] master_params, "
       "Tensor(c!)[] momentum_buffers, Tensor(d!)[] steps, *, float lr, Tensor? lr_tensor=None, "
       "float momentum=0., float dampening=0., float weight_decay=0., bool nesterov=False, "
       "bool maximize=False, Tensor? grad_scale=None, Tensor? found_inf=None, "
-      "Tensor? clip_coef=None, Tensor(e!)[]? momentum_absmax=None) -> ()");
+      "Tensor? clip_coef=None, Tensor(e!)[]? momentum_absmax=None, int? rounding_seed=None) -> ()");
   // Fused Adam/AdamW step (torch.optim.Adam/AdamW semantics), same conventions as sgd_step_.
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] master_params, "
@@ -81,7 +84,8 @@ TORCH_LIBRARY(ampfuse, m) {
       "float beta2=0.999, float eps=1e-8, float weight_decay=0., bool amsgrad=False, "
       "bool maximize=False, bool decoupled_weight_decay=False, Tensor? grad_scale=None, "
       "Tensor? found_inf=None, Tensor? clip_coef=None, Tensor(g!)[]? exp_avg_absmax=None, "
-      "Tensor(h!)[]? exp_avg_sq_absmax=None, Tensor(i!)[]? max_exp_avg_sq_absmax=None) -> ()");
+      "Tensor(h!)[]? exp_avg_sq_absmax=None, Tensor(i!)[]? max_exp_avg_sq_absmax=None, "
+      "int? rounding_seed=None) -> ()");
   // The master forms of a bf16 param (csrc/engine/master_forms.h), composite ops of torch ops
   // (every device, Meta included): the fp32 master of a (param, int16 remainder) pair, its
   // inverse split, and the two moves of a form switch (exact both ways, exact ties included):

@@ -171,6 +171,48 @@ AMPFUSE_HOST_DEVICE void split_master(float m, uint16_t* p, int16_t* r) {
   *r = static_cast<int16_t>(static_cast<int32_t>(b - (hi << 16)));
 }
 
+// ---- stochastic rounding of bf16 params (master_weights="stochastic": no master) -------------
+// A bf16 param without a master is written as its fp32 update rounded stochastically: up in
+// magnitude with probability (the dropped 16 bits) / 65536, so the rounding is unbiased and small
+// updates survive on average instead of vanishing under round-to-nearest. The 16 random bits of an
+// element come from a counter-based hash of the call's seed, the param's step count (before the
+// update), the element's index in the param's flat element order and the param's bits before the
+// update: every backend, thread count and schedule gives the same bits, a resumed run the bits
+// of the uninterrupted one, and params with other values or indices independent draws.
+
+// A 32-bit integer mix with full avalanche (the "lowbias32" constants of Wellons' hash prospector).
+AMPFUSE_HOST_DEVICE uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// The key of one param's draws at one step: the seed's 64 bits and the step count's bits.
+AMPFUSE_HOST_DEVICE uint32_t rounding_key(int64_t seed, float step) {
+  const uint64_t s = static_cast<uint64_t>(seed);
+  return mix32(mix32(mix32(static_cast<uint32_t>(s) ^ 0x9E3779B9u) ^ static_cast<uint32_t>(s >> 32)) ^
+               float_bits(step));
+}
+
+// The 16 random bits of element `index` whose param held bits `param` before the update.
+AMPFUSE_HOST_DEVICE uint32_t rounding_bits(uint32_t key, int64_t index, uint16_t param) {
+  const uint64_t i = static_cast<uint64_t>(index);
+  return mix32(mix32(key ^ static_cast<uint32_t>(i)) ^
+               (static_cast<uint32_t>(param) | (static_cast<uint32_t>(i >> 32) << 16))) & 0xFFFFu;
+}
+
+// The bf16 bits of `x` rounded stochastically with random bits `r` (< 65536): the magnitude is
+// rounded up when r + (x's low 16 bits) carries. inf stays inf, NaN a quiet NaN; a finite value
+// past the largest bf16 may round to inf, as round-to-nearest does there.
+AMPFUSE_HOST_DEVICE uint16_t round_bf16_stochastic(float x, uint32_t r) {
+  const uint32_t b = float_bits(x);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((b >> 16) | 0x0040u);
+  return static_cast<uint16_t>((b + r) >> 16);
+}
+
 // ---- 8-bit block-scaled state --------------------------------------------------------------
 //
 // A state tensor in 8 bits is cut, in its flat element order, into blocks of kQuantBlock elements
@@ -296,6 +338,9 @@ struct SgdHyper {
   double weight_decay;
   bool nesterov;
   bool maximize;
+  // bf16 params without a master: rounded stochastically with draws of this seed (above).
+  bool stochastic_rounding = false;
+  int64_t rounding_seed = 0;
 };
 
 struct AdamHyper {
@@ -307,6 +352,9 @@ struct AdamHyper {
   bool amsgrad;
   bool maximize;
   bool decoupled_weight_decay;  // AdamW
+  // bf16 params without a master: rounded stochastically with draws of this seed (above).
+  bool stochastic_rounding = false;
+  int64_t rounding_seed = 0;
 };
 
 // Per-tensor scalars of one Adam step, from the step number the update produces (>= 1).

@@ -19,11 +19,15 @@
 namespace ampfuse::ops {
 namespace {
 
-// The hyper-parameters by name, as Python's param groups name them (the betas split in two).
-const std::vector<std::string> kSgdNames{"lr", "momentum", "dampening", "weight_decay",
-                                         "nesterov", "maximize"};
-const std::vector<std::string> kAdamNames{"lr", "beta1", "beta2", "eps", "weight_decay",
-                                          "amsgrad", "maximize", "decoupled_weight_decay"};
+// The hyper-parameters by name, as Python's param groups name them (the betas split in two;
+// stochastic_rounding: the group's master_weights is "stochastic").
+const std::vector<std::string> kSgdNames{"lr",       "momentum", "dampening",           "weight_decay",
+                                         "nesterov", "maximize", "stochastic_rounding", "rounding_seed"};
+const std::vector<std::string> kAdamNames{"lr",       "beta1",
+                                          "beta2",    "eps",
+                                          "weight_decay", "amsgrad",
+                                          "maximize", "decoupled_weight_decay",
+                                          "stochastic_rounding", "rounding_seed"};
 
 // A 1-element scaling tensor as the kernels read it: fp32 on `device` (copied without a sync
 // when it is elsewhere, as the Python optimizers do).
@@ -119,11 +123,19 @@ void StepPlan::set_hyper(int64_t group, const c10::Dict<std::string, double>& hy
                 "' is a flag (0 or 1), got ", v[k], ".");
     return v[k] != 0.0;
   };
+  // The seed, an integer a double holds exactly.
+  auto seed = [&](size_t k) {
+    TORCH_CHECK(v[k] == std::floor(v[k]) && std::fabs(v[k]) <= 9007199254740992.0, "StepPlan.set_hyper: '",
+                names[k], "' is an integer of at most 2**53 in magnitude, got ", v[k], ".");
+    return static_cast<int64_t>(v[k]);
+  };
   if (adam_) {
-    set_adam_hyper(group, AdamHyper{v[0], v[1], v[2], v[3], v[4], flag(5), flag(6), flag(7)},
+    set_adam_hyper(group,
+                   AdamHyper{v[0], v[1], v[2], v[3], v[4], flag(5), flag(6), flag(7), flag(8), seed(9)},
                    std::move(lr));
   } else {
-    set_sgd_hyper(group, SgdHyper{v[0], v[1], v[2], v[3], flag(4), flag(5)}, std::move(lr));
+    set_sgd_hyper(group, SgdHyper{v[0], v[1], v[2], v[3], flag(4), flag(5), flag(6), seed(7)},
+                  std::move(lr));
   }
 }
 

@@ -328,6 +328,7 @@ def sgd_step_(
     found_inf: torch.Tensor | None = None,
     clip_coef: torch.Tensor | None = None,
     momentum_absmax: Sequence[torch.Tensor] = (),
+    rounding_seed: int | None = None,
 ) -> None:
     """One fused ``torch.optim.SGD`` step over a list of tensors, in one pass.
 
@@ -346,6 +347,11 @@ def sgd_step_(
             ``torch.float8_e5m2`` codes of :func:`quantize_blocks`), each buffer's block absmax
             (updated in place); else ``()``. A block is dequantized, updated in fp32 and
             requantized with its new absmax in the same pass.
+        rounding_seed: given, bf16 params without masters are written rounded stochastically:
+            up in magnitude with probability (the fp32 update's dropped 16 bits) / 65536, so the
+            rounding is unbiased. The draws are a hash of the seed, the param's step count, the
+            element's index in the param and the param's bits before the update: the same on
+            every backend, and again after a checkpoint. None: rounded to nearest.
     """
     lr_tensor = lr if isinstance(lr, torch.Tensor) else None
     _dtensor_support()
@@ -354,7 +360,7 @@ def sgd_step_(
         lr=0.0 if lr_tensor is not None else float(lr), lr_tensor=lr_tensor, momentum=momentum,
         dampening=dampening, weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
         grad_scale=grad_scale, found_inf=found_inf, clip_coef=clip_coef,
-        momentum_absmax=list(momentum_absmax),
+        momentum_absmax=list(momentum_absmax), rounding_seed=rounding_seed,
     )
 
 
@@ -381,6 +387,7 @@ def adam_step_(
     exp_avg_absmax: Sequence[torch.Tensor] = (),
     exp_avg_sq_absmax: Sequence[torch.Tensor] = (),
     max_exp_avg_sq_absmax: Sequence[torch.Tensor] = (),
+    rounding_seed: int | None = None,
 ) -> None:
     """One fused ``torch.optim.Adam`` (``decoupled_weight_decay=True``: ``AdamW``) step.
 
@@ -398,6 +405,7 @@ def adam_step_(
         decoupled_weight_decay=decoupled_weight_decay, grad_scale=grad_scale,
         found_inf=found_inf, clip_coef=clip_coef, exp_avg_absmax=list(exp_avg_absmax),
         exp_avg_sq_absmax=list(exp_avg_sq_absmax), max_exp_avg_sq_absmax=list(max_exp_avg_sq_absmax),
+        rounding_seed=rounding_seed,
     )
 
 

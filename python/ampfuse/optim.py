@@ -32,8 +32,9 @@ from ampfuse.ops import join_master, split_master
 
 __all__ = ["SGD", "Adam", "AdamW", "StepScaling", "join_master", "split_master"]
 
-MasterWeights = Union[bool, Literal["auto", "remainder"]]
-_MASTER_WEIGHTS = (True, False, "auto", "remainder")
+MasterWeights = Union[bool, Literal["auto", "remainder", "stochastic"]]
+_MASTER_WEIGHTS = (True, False, "auto", "remainder", "stochastic")
+_MASTER_WEIGHTS_CHOICES = "True, False, 'auto', 'remainder' or 'stochastic'"
 _PRECISION_OPTIONS = ("master_weights", "state_dtype", "exp_avg_sq_dtype")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
@@ -308,7 +309,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
         mw = defaults.get("master_weights")
         if not any(mw is v or (isinstance(v, str) and mw == v) for v in _MASTER_WEIGHTS):
-            raise ValueError(f"master_weights must be True, False, 'auto' or 'remainder', got {mw!r}.")
+            raise ValueError(f"master_weights must be {_MASTER_WEIGHTS_CHOICES}, got {mw!r}.")
         self._param_dtypes: dict[int, torch.dtype] = {}
         self._plans: dict[int, _Plan] = {}
         self._native: _NativePlan | None = None
@@ -403,9 +404,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         values are this surface's own; the rest is the engine's ``group_hyper_check``."""
         mw = group.get("master_weights")
         if not any(mw is v or (isinstance(v, str) and mw == v) for v in _MASTER_WEIGHTS):
-            raise ValueError(f"param_groups[{gi}]['master_weights'] must be True, False, 'auto' or 'remainder', got {mw!r}.")
+            raise ValueError(f"param_groups[{gi}]['master_weights'] must be {_MASTER_WEIGHTS_CHOICES}, got {mw!r}.")
         values = self._hyper_values(group) if hyper else {}
         values["state_dtype"] = repr(group.get("state_dtype", torch.float32))
+        values["rounding_seed"] = group.get("rounding_seed", 0)
         if "exp_avg_sq_dtype" in group:
             sq = group["exp_avg_sq_dtype"]
             values["exp_avg_sq_dtype"] = None if sq is None else repr(sq)
@@ -415,13 +417,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _master_kind(p: torch.Tensor, group: dict[str, Any]) -> str | None:
         """How ``p``'s fp32 master is kept: None (``p`` is updated directly), ``"float"`` (an fp32
         tensor, ``state["master_param"]``) or ``"remainder"`` (bf16 params: an int16 tensor,
-        ``state["master_remainder"]``, that with ``p`` is the fp32 master bit for bit)."""
+        ``state["master_remainder"]``, that with ``p`` is the fp32 master bit for bit). bf16
+        params under ``"stochastic"`` keep none: the step rounds into them stochastically."""
         mw = group["master_weights"]
-        if mw is False or p.dtype not in _LOW_PRECISION:
+        if mw is False or p.dtype not in _LOW_PRECISION or (mw == "stochastic" and p.dtype == torch.bfloat16):
             return None
         if mw == "remainder" and p.dtype == torch.bfloat16:
             return "remainder"
-        return "float"  # True, "auto"; "remainder" for fp16 params (see the module docstring)
+        return "float"  # True, "auto"; "remainder"/"stochastic" for fp16 params (see the module docstring)
 
     @staticmethod
     def _grad(p: torch.Tensor, grads: Mapping | None) -> torch.Tensor | None:
@@ -950,6 +953,17 @@ def _group_hyper_check(optimizer: str, values: dict[str, Any], group: str) -> No
     torch.ops.ampfuse.group_hyper_check(optimizer, values, group, True)
 
 
+def _rounding_seed(group: dict[str, Any]) -> int | None:
+    """The step ops' ``rounding_seed``: the group's under ``master_weights="stochastic"``, else None."""
+    return int(group.get("rounding_seed", 0)) if group["master_weights"] == "stochastic" else None
+
+
+def _rounding_hyper(group: dict[str, Any]) -> dict[str, float]:
+    """The step plan's stochastic rounding entries of a group."""
+    seed = _rounding_seed(group)
+    return {"stochastic_rounding": float(seed is not None), "rounding_seed": float(seed or 0)}
+
+
 def _slot_names(keys: Sequence[str]) -> tuple[str, ...]:
     """The state keys of the engine's slots of a param (``csrc/engine/optimizer_state.h``) for
     the optimizer's state ``keys``: step, the masters, the states, each state's block absmax."""
@@ -1053,11 +1067,18 @@ class SGD(_FusedOptimizer):
         foreach, fused, capturable: torch's implementation switches; accepted, nothing changes
             (the step is always one fused, capturable pass with the for-loop numerics).
         differentiable (bool, default False): ``True`` is refused.
-        master_weights (bool, "auto" or "remainder", default "auto"): keep fp32 masters for
-            fp16/bf16 params (``True`` and ``"auto"`` alike; fp32 params never need one).
-            ``"remainder"``: bf16 params keep an int16 remainder instead (2 bytes, not 4; the same
-            fp32 master bit for bit; see the module docstring). ``False`` updates low-precision
-            params directly (fp32 math).
+        master_weights (bool, "auto", "remainder" or "stochastic", default "auto"): keep fp32
+            masters for fp16/bf16 params (``True`` and ``"auto"`` alike; fp32 params never need
+            one). ``"remainder"``: bf16 params keep an int16 remainder instead (2 bytes, not 4; the
+            same fp32 master bit for bit; see the module docstring). ``"stochastic"``: bf16 params
+            keep no master; each step's fp32 update is rounded into the param stochastically
+            (unbiased, so updates smaller than half a bf16 ulp survive on average), with draws
+            that depend only on ``rounding_seed``, the param's step count, the element's index
+            and the param's value: a run is reproducible, on every backend and across a
+            checkpoint (fp16 params keep an fp32 master, as with ``"remainder"``). ``False``
+            updates low-precision params directly, rounded to nearest (fp32 math).
+        rounding_seed (int, default 0): the seed of ``master_weights="stochastic"``'s draws, an
+            integer in [0, 2**53).
         state_dtype (torch.dtype, default float32): storage of the momentum buffer (the math is
             fp32): ``torch.float32``, ``torch.bfloat16`` (rounded to nearest even) or 8-bit as
             :class:`Adam`'s.
@@ -1080,7 +1101,7 @@ class SGD(_FusedOptimizer):
     def _native_group_hyper(self, group: dict[str, Any]) -> dict[str, float]:
         return {"momentum": float(group["momentum"]), "dampening": float(group["dampening"]),
                 "weight_decay": float(group["weight_decay"]), "nesterov": float(bool(group["nesterov"])),
-                "maximize": float(bool(group["maximize"]))}
+                "maximize": float(bool(group["maximize"])), **_rounding_hyper(group)}
 
     def __init__(
         self,
@@ -1097,6 +1118,7 @@ class SGD(_FusedOptimizer):
         fused: bool | None = None,
         master_weights: MasterWeights = "auto",
         state_dtype: torch.dtype = torch.float32,
+        rounding_seed: int = 0,
     ) -> None:
         self._check_torch_kwargs(foreach, fused, False, differentiable)
         weight_decay = _float_hyper("weight_decay", weight_decay)
@@ -1112,7 +1134,8 @@ class SGD(_FusedOptimizer):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
-                        fused=fused, master_weights=master_weights, state_dtype=state_dtype)
+                        fused=fused, master_weights=master_weights, state_dtype=state_dtype,
+                        rounding_seed=rounding_seed)
         super().__init__(params, defaults)
 
     # momentum switched on mid-run (torch: the buffer is None): the next step taken starts it from
@@ -1128,7 +1151,7 @@ class SGD(_FusedOptimizer):
             lr=s["lr"], momentum=group["momentum"], dampening=group["dampening"],
             weight_decay=group["weight_decay"], nesterov=group["nesterov"], maximize=group["maximize"],
             grad_scale=s["grad_scale"], found_inf=s["found_inf"], clip_coef=s["clip_coef"],
-            momentum_absmax=lists.get("momentum_buffer_absmax", ()),
+            momentum_absmax=lists.get("momentum_buffer_absmax", ()), rounding_seed=_rounding_seed(group),
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -1154,8 +1177,10 @@ class Adam(_FusedOptimizer):
         maximize (bool, default False): maximize the objective.
         differentiable (bool, default False): ``True`` is refused.
         decoupled_weight_decay (bool, default False): AdamW's decoupled weight decay.
-        master_weights (bool, "auto" or "remainder", default "auto"): fp32 masters for fp16/bf16
-            params; ``"remainder"``: int16 remainders for bf16 params (see :class:`SGD`).
+        master_weights (bool, "auto", "remainder" or "stochastic", default "auto"): fp32 masters
+            for fp16/bf16 params; ``"remainder"``: int16 remainders for bf16 params;
+            ``"stochastic"``: no master for bf16 params (see :class:`SGD`).
+        rounding_seed (int, default 0): the seed of ``master_weights="stochastic"``'s draws.
         state_dtype (torch.dtype, default float32): storage of ``exp_avg``, ``exp_avg_sq`` (and
             ``max_exp_avg_sq``); the math is fp32 in registers either way. ``torch.float32``,
             ``torch.bfloat16`` (rounded to nearest even), or 8-bit, block-scaled:
@@ -1187,6 +1212,7 @@ class Adam(_FusedOptimizer):
         master_weights: MasterWeights = "auto",
         state_dtype: torch.dtype = torch.float32,
         exp_avg_sq_dtype: torch.dtype | None = None,
+        rounding_seed: int = 0,
     ) -> None:
         self._check_torch_kwargs(foreach, fused, capturable, differentiable)
         # torch's argument rules for tensor hyper-parameters, as strict as torch.optim.Adam (the
@@ -1215,7 +1241,7 @@ class Adam(_FusedOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,
                         fused=fused, decoupled_weight_decay=decoupled_weight_decay, master_weights=master_weights,
-                        state_dtype=state_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype)
+                        state_dtype=state_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype, rounding_seed=rounding_seed)
         super().__init__(params, defaults)
 
     _native_kind = "adam"
@@ -1230,7 +1256,8 @@ class Adam(_FusedOptimizer):
         return {"beta1": float(beta1), "beta2": float(beta2), "eps": float(group["eps"]),
                 "weight_decay": float(group["weight_decay"]), "amsgrad": float(bool(group["amsgrad"])),
                 "maximize": float(bool(group["maximize"])),
-                "decoupled_weight_decay": float(bool(group.get("decoupled_weight_decay", False)))}
+                "decoupled_weight_decay": float(bool(group.get("decoupled_weight_decay", False))),
+                **_rounding_hyper(group)}
 
     def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
@@ -1250,7 +1277,7 @@ class Adam(_FusedOptimizer):
             decoupled_weight_decay=group.get("decoupled_weight_decay", False),
             grad_scale=s["grad_scale"], found_inf=s["found_inf"], clip_coef=s["clip_coef"],
             exp_avg_absmax=lists.get("exp_avg_absmax", ()), exp_avg_sq_absmax=lists.get("exp_avg_sq_absmax", ()),
-            max_exp_avg_sq_absmax=lists.get("max_exp_avg_sq_absmax", ()),
+            max_exp_avg_sq_absmax=lists.get("max_exp_avg_sq_absmax", ()), rounding_seed=_rounding_seed(group),
         )
 
 
@@ -1275,8 +1302,9 @@ class AdamW(Adam):
         master_weights: MasterWeights = "auto",
         state_dtype: torch.dtype = torch.float32,
         exp_avg_sq_dtype: torch.dtype | None = None,
+        rounding_seed: int = 0,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, master_weights=master_weights, state_dtype=state_dtype,
-                         exp_avg_sq_dtype=exp_avg_sq_dtype)
+                         exp_avg_sq_dtype=exp_avg_sq_dtype, rounding_seed=rounding_seed)

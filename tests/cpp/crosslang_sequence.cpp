@@ -237,6 +237,48 @@ int main(int argc, char** argv) {
     }
   }
 
+  // Phase 5: SGD with momentum on bf16 params rounded stochastically (no master), seed 123, an
+  // overflow at step 1, and the optimizer's checkpoint after step 2 loaded into a fresh optimizer
+  // built with another seed (the checkpoint's seed is used).
+  {
+    const std::vector<std::vector<int64_t>> shapes = {{300, 40}, {7}};
+    std::vector<at::Tensor> p5;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      p5.push_back((at::randn(shapes[i]) * 0.5).to(at::kBFloat16).set_requires_grad(true));
+      out.insert("init5/" + std::to_string(i), p5.back().detach().clone());
+    }
+    auto options = ampfuse::optim::SGDOptions(1e-3).momentum(0.9).stochastic_rounding(true).rounding_seed(123);
+    auto opt5 = std::make_unique<ampfuse::optim::SGD>(p5, options);
+    ampfuse::GradScaler scaler5(ampfuse::GradScalerOptions().init_scale(256.0));
+    for (int step = 0; step < 5; ++step) {
+      std::vector<at::Tensor> xs;
+      for (const auto& shape : shapes) xs.push_back(at::randn(shape));
+      if (step == 1) xs[1].view({-1})[3] = kInf;
+      for (size_t i = 0; i < xs.size(); ++i) {
+        out.insert("x5/" + std::to_string(step) + "/" + std::to_string(i), xs[i]);
+      }
+      scaler5.scale(loss_of(p5, xs)).backward();
+      scaler5.step(*opt5);
+      scaler5.update();
+      opt5->zero_grad();
+      if (step == 2) {
+        const std::string saved = saved_bytes(*opt5);
+        std::vector<at::Tensor> fresh;
+        for (const auto& p : p5) fresh.push_back(p.detach().clone().set_requires_grad(true));
+        p5 = fresh;
+        opt5 = std::make_unique<ampfuse::optim::SGD>(p5, options.rounding_seed(0));
+        load_bytes(*opt5, saved);
+      }
+    }
+    for (size_t i = 0; i < p5.size(); ++i) {
+      const auto& s = static_cast<const ampfuse::optim::SGDParamState&>(*opt5->state().at(p5[i].unsafeGetTensorImpl()));
+      const std::string n = std::to_string(i);
+      out.insert("out5/param/" + n, p5[i].detach().clone());
+      out.insert("out5/momentum_buffer/" + n, s.momentum_buffer().clone());
+      out.insert("out5/step/" + n, s.step().clone());
+    }
+  }
+
   record_params(out, "out/", params, opt);
   out.insert("out/scale", scaler.get_scale_async().clone());
   out.insert("out/growth_tracker", at::scalar_tensor(scaler.get_growth_tracker(), at::kLong));

@@ -141,11 +141,27 @@ MUTANTS = [
      "      const bool live = i < end;",
      "      const bool live = i <= end;",
      "sanitize"),
+    ("stochastic rounding: the draw keyed on the element's index in its chunk, not in its tensor",
+     "optim_kernels.cu",
+     "out.v[e] = M::store(p[e], mq.v[e], key, i + e, pq.v[e]);",
+     "out.v[e] = M::store(p[e], mq.v[e], key, 4 * q + e, pq.v[e]);"),
+    ("stochastic rounding: the draw keyed on the param's bits after the update, not before",
+     "optim_kernels.cu",
+     "    param[i] = M::store(p, m, key, i, old);\n    if (master) master[i] = m;\n#pragma unroll",
+     "    param[i] = M::store(p, m, key, i, from_float<T>(p));\n    if (master) master[i] = m;\n#pragma unroll"),
+    ("stochastic rounding: the key taken from the step count after the update",
+     "optim_kernels.cu",
+     "rounding_key(hyper.rounding_seed, step_before)",
+     "rounding_key(hyper.rounding_seed, step_before + 1.0f)"),
+    ("8-bit step, stochastic rounding: the draw keyed on the element's index in its quantization block",
+     "optim_kernels.cu",
+     "        param[i] = M::store(p, m, key, i, old);\n        if (master) master[i] = m;",
+     "        param[i] = M::store(p, m, key, i - b0, old);\n        if (master) master[i] = m;"),
 ]
 
 # The short block-quantization suite first: its mutants are caught without the long suites' run.
 SUITES = ["tests/test_quantization.py", "tests/test_cuda_kernels.py", "tests/test_ops.py", "tests/test_optim.py",
-          "tests/test_accumulation.py"]
+          "tests/test_accumulation.py", "tests/test_optim_stochastic_rounding.py"]
 
 
 def compile_entries(build_dir: str, target: str = "ampfuse_cuemu") -> list[dict]:

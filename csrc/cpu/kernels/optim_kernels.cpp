@@ -31,6 +31,7 @@ struct CallScalars {
   float grad_scale;  // grads are divided by it when `divide`
   bool divide;
   float clip;        // and multiplied by it
+  int64_t rounding_seed;  // MasterKind::Stochastic: the draws' seed
 };
 
 // nullopt: the step is skipped (found_inf set), nothing may change.
@@ -41,6 +42,7 @@ bool call_scalars(const OptimArgs& a, const Hyper& h, CallScalars& out) {
   out.grad_scale = a.grad_scale ? *a.grad_scale : 1.0f;
   out.divide = out.grad_scale != 1.0f;
   out.clip = a.clip_coef ? *a.clip_coef : 1.0f;
+  out.rounding_seed = h.rounding_seed;
   return true;
 }
 
@@ -184,12 +186,20 @@ AMPFUSE_CPU_INLINE void store_low16(U* out, const IVec& a, const IVec& b, int64_
 #endif
 }
 
+// The draws of stochastic rounding in one row of a tensor: the key of its step (rounding_key,
+// ops/rules.h) and the index in the tensor of the row's first element.
+struct Rounding {
+  uint32_t key;
+  int64_t base;
+};
+
 // Where the fp32 value an update starts from comes from, and where it goes (kernels::MasterKind):
-// the param itself, an fp32 master (synced_master), or the param and an int16 remainder
-// (join_master / split_master, ops/rules.h).
+// the param itself (rounded to nearest, or stochastically), an fp32 master (synced_master), or the
+// param and an int16 remainder (join_master / split_master, ops/rules.h).
 template <MasterKind MK, typename T>
 struct Master {
   using Storage = std::conditional_t<MK == MasterKind::Remainder, int16_t, float>;
+  static constexpr bool kHasTensor = MK == MasterKind::Float || MK == MasterKind::Remainder;
 
   static AMPFUSE_CPU_INLINE void load(const T* param, const Storage* master, int64_t i, int64_t n,
                                       FVec& p0, FVec& p1) {
@@ -205,8 +215,21 @@ struct Master {
     }
   }
   static AMPFUSE_CPU_INLINE void store(T* param, Storage* master, int64_t i, int64_t n,
-                                       const FVec& p0, const FVec& p1) {
-    if constexpr (MK == MasterKind::Remainder) {
+                                       const FVec& p0, const FVec& p1, const Rounding& rnd) {
+    if constexpr (MK == MasterKind::Stochastic) {
+      // The shared rule per lane (a loop the compiler vectorises): each element's draw reads the
+      // param's bits before they are overwritten.
+      static_assert(std::is_same_v<T, c10::BFloat16>, "stochastic rounding is for bf16 params");
+      constexpr int64_t H = FVec::size();
+      alignas(64) float v[2 * H];
+      p0.store(v);
+      p1.store(v + H);
+      auto* out = reinterpret_cast<uint16_t*>(param + i);
+      const int64_t at = rnd.base + i;
+      for (int64_t e = 0; e < n; ++e) {
+        out[e] = round_bf16_stochastic(v[e], rounding_bits(rnd.key, at + e, out[e]));
+      }
+    } else if constexpr (MK == MasterKind::Remainder) {
       IVec a0, a1, b0, b1;
       split_vec(p0, a0, b0);
       split_vec(p1, a1, b1);
@@ -265,7 +288,8 @@ template <class Kind, typename T, typename G, MasterKind MK, typename S>
 AMPFUSE_CPU_INLINE void optim_lanes(T* __restrict param, const G* __restrict grad,
                                     typename Master<MK, T>::Storage* __restrict master,
                                     S* const* state, int64_t i, int64_t n, const CallScalars& cs,
-                                    const typename Kind::Scalars& s, bool read, bool write) {
+                                    const typename Kind::Scalars& s, bool read, bool write,
+                                    const Rounding& rnd) {
   constexpr int NS = Kind::kStates;
   using M = Master<MK, T>;
   FVec p0, p1, g0, g1;
@@ -281,7 +305,7 @@ AMPFUSE_CPU_INLINE void optim_lanes(T* __restrict param, const G* __restrict gra
   }
   p0 = Kind::update(p0, g0, st0, s);
   p1 = Kind::update(p1, g1, st1, s);
-  M::store(param, master, i, n, p0, p1);
+  M::store(param, master, i, n, p0, p1, rnd);
   if (write) {
     for (int k = 0; k < NS; ++k) Pair<S>::store(state[k] + i, st0[k], st1[k], n);
   }
@@ -292,7 +316,7 @@ AMPFUSE_CPU_INLINE void prefetch_row(const kernels::OptimTensor& o, int64_t j) {
   constexpr int64_t L = Pair<T>::kLanes;
   prefetch_bytes<L * sizeof(T)>(static_cast<const T*>(o.param) + j);
   prefetch_bytes<L * sizeof(G)>(static_cast<const G*>(o.grad) + j);
-  if constexpr (MK != MasterKind::None) {
+  if constexpr (Master<MK, T>::kHasTensor) {
     prefetch_bytes<L * sizeof(typename Master<MK, T>::Storage)>(
         static_cast<const typename Master<MK, T>::Storage*>(o.master) + j);
   }
@@ -322,6 +346,7 @@ void optim_chunk(const OptimArgs& a, const CallScalars& cs, const typename Kind:
   for (int k = 0; k < NS; ++k) state[k] = static_cast<S*>(o.state[k]);
   const bool read = Kind::reads_state(s);
   const bool write = Kind::writes_state(s);
+  const Rounding rnd{MK == MasterKind::Stochastic ? rounding_key(cs.rounding_seed, *o.step) : 0u, 0};
   int64_t i = begin;
   for (; i + L <= end; i += L) {
     if (i + kAheadElements < end) {
@@ -339,9 +364,9 @@ void optim_chunk(const OptimArgs& a, const CallScalars& cs, const typename Kind:
         if (aj - chunks[ac].begin < L) prefetch_row<Kind, T, G, MK, S>(next, chunks[ac].begin);
       }
     }
-    optim_lanes<Kind, T, G, MK, S>(param, grad, master, state, i, L, cs, s, read, write);
+    optim_lanes<Kind, T, G, MK, S>(param, grad, master, state, i, L, cs, s, read, write, rnd);
   }
-  if (i < end) optim_lanes<Kind, T, G, MK, S>(param, grad, master, state, i, end - i, cs, s, read, write);
+  if (i < end) optim_lanes<Kind, T, G, MK, S>(param, grad, master, state, i, end - i, cs, s, read, write, rnd);
 }
 
 // 8-bit state (OptimArgs::quantized_state): chunk c block by block. Each state's block is
@@ -371,6 +396,7 @@ void optim_chunk_quantized(const OptimArgs& a, const CallScalars& cs, const type
   }
   const bool read = Kind::reads_state(s);
   const bool write = Kind::writes_state(s);
+  const uint32_t key = MK == MasterKind::Stochastic ? rounding_key(cs.rounding_seed, *o.step) : 0u;
   for (int64_t b0 = begin; b0 < end; b0 += kQuantBlock) {
     const int64_t n = std::min<int64_t>(kQuantBlock, end - b0);
     const int64_t block = b0 / kQuantBlock;
@@ -383,9 +409,10 @@ void optim_chunk_quantized(const OptimArgs& a, const CallScalars& cs, const type
     T* p = param + b0;
     const G* g = grad + b0;
     Storage* m = master != nullptr ? master + b0 : nullptr;
+    const Rounding rnd{key, b0};
     int64_t i = 0;
-    for (; i + L <= n; i += L) optim_lanes<Kind, T, G, MK, float>(p, g, m, rows, i, L, cs, s, read, write);
-    if (i < n) optim_lanes<Kind, T, G, MK, float>(p, g, m, rows, i, n - i, cs, s, read, write);
+    for (; i + L <= n; i += L) optim_lanes<Kind, T, G, MK, float>(p, g, m, rows, i, L, cs, s, read, write, rnd);
+    if (i < n) optim_lanes<Kind, T, G, MK, float>(p, g, m, rows, i, n - i, cs, s, read, write, rnd);
     if (!write) continue;
     for (int k = 0; k < NS; ++k) {
       const float absmax = block_absmax_cpu(staging[k], n);
@@ -413,7 +440,7 @@ void optim_pass(const OptimArgs& a, const CallScalars& cs,
 }
 
 // The combinations the op layer admits: (param, grad) (fp32, fp32), (fp16/bf16, same or fp32);
-// masters None or Float, Remainder for bf16; state fp32 or bf16.
+// masters None or Float, Remainder and Stochastic for bf16; state fp32 or bf16.
 template <class Kind, typename T, typename G, MasterKind MK>
 void with_state(const OptimArgs& a, const CallScalars& cs, const std::vector<typename Kind::Scalars>& sc) {
   if (a.state_dtype == DType::BFloat16 && !a.quantized_state) {
@@ -429,6 +456,9 @@ void with_master(const OptimArgs& a, const CallScalars& cs, const std::vector<ty
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (a.master == MasterKind::Remainder) {
         return with_state<Kind, T, G, MasterKind::Remainder>(a, cs, sc);
+      }
+      if (a.master == MasterKind::Stochastic) {
+        return with_state<Kind, T, G, MasterKind::Stochastic>(a, cs, sc);
       }
     }
   }

@@ -106,6 +106,8 @@ struct SgdStepOptions {
   double weight_decay = 0.0;
   bool nesterov = false;
   bool maximize = false;
+  // Given: bf16 params without masters are rounded stochastically with draws of this seed.
+  std::optional<int64_t> rounding_seed;
 };
 
 // Fused torch.optim.SGD step over one list (one dtype per list; master_params and
@@ -126,6 +128,8 @@ struct AdamStepOptions {
   bool amsgrad = false;
   bool maximize = false;
   bool decoupled_weight_decay = false;  // true: AdamW
+  // Given: bf16 params without masters are rounded stochastically with draws of this seed.
+  std::optional<int64_t> rounding_seed;
 };
 
 // Fused torch.optim.Adam / AdamW step over one list. 8-bit state: every state list codes, each

@@ -12,7 +12,9 @@
 // defaults, SGD's lr defaulting to 1e-3 as in Python) plus maximize, master_weights and the
 // precision options of the Python optimizers: master_remainders (bf16 params keep an int16
 // remainder that with the param is the fp32 master bit for bit -- Python's
-// master_weights="remainder") and state_dtype (fp32 or bf16 state; fp32 math). Per-param state,
+// master_weights="remainder"), stochastic_rounding with rounding_seed (bf16 params keep no master
+// and are rounded stochastically -- Python's master_weights="stochastic") and state_dtype (fp32,
+// bf16 or 8-bit block-scaled state; fp32 math). Per-param state,
 // as in Python: step (fp32 0-dim tensor on the param's device), momentum_buffer or exp_avg /
 // exp_avg_sq / max_exp_avg_sq (of state_dtype), master_param (fp32) or master_remainder (int16).
 // save()/load() go through torch::serialize archives (torch::save/torch::load work): state is
@@ -58,6 +60,11 @@ struct SGDOptions : public torch::optim::OptimizerCloneableOptions<SGDOptions> {
   TORCH_ARG(bool, master_weights) = true;
   // With master_weights: bf16 params keep an int16 remainder instead of an fp32 master.
   TORCH_ARG(bool, master_remainders) = false;
+  // With master_weights: bf16 params keep no master; each step's update is rounded into the param
+  // stochastically (unbiased), with reproducible draws of rounding_seed (Python's
+  // master_weights="stochastic"). Excludes master_remainders.
+  TORCH_ARG(bool, stochastic_rounding) = false;
+  TORCH_ARG(int64_t, rounding_seed) = 0;
   // Storage of the momentum buffer: at::kFloat, at::kBFloat16 (rounded to nearest even), or
   // 8-bit block-scaled: at::kByte (a dynamic map), at::kFloat8_e4m3fn or at::kFloat8_e5m2 (for
   // params of 4,096 elements or more; smaller ones keep fp32).
@@ -75,6 +82,8 @@ struct SGDOptions : public torch::optim::OptimizerCloneableOptions<SGDOptions> {
     f("maximize", self.maximize_);
     f("master_weights", self.master_weights_);
     f("master_remainders", self.master_remainders_);
+    f("stochastic_rounding", self.stochastic_rounding_);
+    f("rounding_seed", self.rounding_seed_);
     f("state_dtype", self.state_dtype_);
   }
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -110,6 +119,8 @@ struct AdamOptionsBase : public torch::optim::OptimizerCloneableOptions<Derived>
   AMPFUSE_OPTION(bool, maximize) = false;
   AMPFUSE_OPTION(bool, master_weights) = true;
   AMPFUSE_OPTION(bool, master_remainders) = false;
+  AMPFUSE_OPTION(bool, stochastic_rounding) = false;  // as SGDOptions::stochastic_rounding
+  AMPFUSE_OPTION(int64_t, rounding_seed) = 0;
   // Storage of exp_avg / exp_avg_sq / max_exp_avg_sq: as SGDOptions::state_dtype.
   AMPFUSE_OPTION(c10::ScalarType, state_dtype) = at::kFloat;
   // Storage of exp_avg_sq / max_exp_avg_sq when it differs from state_dtype (both 8-bit);
@@ -127,6 +138,8 @@ struct AdamOptionsBase : public torch::optim::OptimizerCloneableOptions<Derived>
     f("maximize", self.maximize_);
     f("master_weights", self.master_weights_);
     f("master_remainders", self.master_remainders_);
+    f("stochastic_rounding", self.stochastic_rounding_);
+    f("rounding_seed", self.rounding_seed_);
     f("state_dtype", self.state_dtype_);
     f("exp_avg_sq_dtype", self.exp_avg_sq_dtype_);
   }
