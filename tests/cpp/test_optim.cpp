@@ -550,6 +550,33 @@ TEST(Optim, PrecisionOptionsMergeAndCheck) {
       "torch.float8_e5m2, got torch.float16"));
 }
 
+TEST(Optim, StochasticRoundingKeepsNoMasterAndIsReproducible) {
+  auto run = [](int64_t seed) {
+    auto a = make_params(at::kBFloat16);
+    ampfuse::optim::AdamW opt(a, ampfuse::optim::AdamWOptions(1e-3).stochastic_rounding(true).rounding_seed(seed));
+    for (int step = 0; step < 3; ++step) {
+      set_grads(a, grads_for(step, at::kBFloat16));
+      opt.step();
+    }
+    const auto& s = static_cast<const ampfuse::optim::AdamParamState&>(*opt.state().at(a[0].unsafeGetTensorImpl()));
+    EXPECT_FALSE(s.master_param().defined());
+    EXPECT_FALSE(s.master_remainder().defined());
+    return a;
+  };
+  const auto x = run(5), y = run(5), z = run(6);
+  EXPECT_TRUE(bitwise_equal(x[0], y[0]));
+  EXPECT_FALSE(bitwise_equal(x[0], z[0]));
+  auto p = make_params(at::kBFloat16);
+  EXPECT_TRUE(throws_with(
+      [&] {
+        ampfuse::optim::SGD bad(p, ampfuse::optim::SGDOptions(0.1).master_remainders(true).stochastic_rounding(true));
+      },
+      "master_remainders and stochastic_rounding exclude each other"));
+  EXPECT_TRUE(throws_with(
+      [&] { ampfuse::optim::AdamW bad(p, ampfuse::optim::AdamWOptions().stochastic_rounding(true).rounding_seed(-2)); },
+      "AdamW: rounding_seed must be an integer in [0, 2**53), got -2"));
+}
+
 TEST(Optim, LoadChecksBeforeChangingAnything) {
   auto a = make_params(at::kFloat);
   ampfuse::optim::Adam oa(a, ampfuse::optim::AdamOptions(1e-2));
