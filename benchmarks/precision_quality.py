@@ -7,10 +7,13 @@ moments with fp32 masters.
     python benchmarks/precision_quality.py --only fp32/fp32,uint8/remainder
     python benchmarks/precision_quality.py --into results/precision-quality-DATE.json --seeds 1,2 \
         --only fp32/remainder,uint8/remainder     # the same choices again from other seeds
+    python benchmarks/precision_quality.py --into results/precision-quality-DATE.json \
+        --only uint8/stochastic                   # choices added to that result's own runs
 
 The choices: AdamW moments in fp32, bf16, uint8 (the dynamic map) or fp8 (e4m3 first moment, e5m2
-second), each with fp32 masters, 16-bit remainders (the same fp32 master, bit for bit) or no
-master (the bf16 weights updated directly); and the 8-bit peers on the same model and batches:
+second), each with fp32 masters, 16-bit remainders (the same fp32 master, bit for bit), no master
+with stochastic rounding of the bf16 weights, or no master (the bf16 weights updated directly,
+rounded to nearest); and the 8-bit peers on the same model and batches:
 bitsandbytes' AdamW8bit, torchao's AdamW8bit and AdamWFp8 (no masters; left out when not
 installed, see benchmarks/requirements-peers.txt). Every run: bf16 weights, no loss scaling (bf16
 needs none), gradient clipping at 1.0, AdamW lr 3e-3, weight decay 0.01.
@@ -21,6 +24,9 @@ gradients + optimizer state, by storage) and the median step time. Writes
 ``precision-quality-<date>.json`` and a plot into ``--out``, prints the table. ``--seeds`` with
 ``--into`` trains the chosen choices and the reference again from other initial weights and
 batches and adds their gaps to that result, so that a gap can be told from the run-to-run spread.
+``--into`` alone adds the chosen choices to that result's runs, from its own weights and batches:
+the reference is trained again first and must reproduce the result's final loss exactly (the same
+machine kind and torch), else nothing is added. Each added run records its date.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ GOAL_NATS = 0.01
 _MOMENTS = {"fp32": dict(state_dtype=torch.float32), "bf16": dict(state_dtype=torch.bfloat16),
             "uint8": dict(state_dtype=torch.uint8),
             "fp8": dict(state_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e5m2)}
-_MASTERS = {"fp32": True, "remainder": "remainder", "none": False}
+_MASTERS = {"fp32": True, "remainder": "remainder", "stochastic": "stochastic", "none": False}
 PEERS = {  # name: (module, class)
     "bnb-8bit": ("bitsandbytes.optim", "AdamW8bit"),
     "torchao-8bit": ("torchao.optim", "AdamW8bit"),
@@ -210,6 +216,31 @@ def add_seeds(path: str, seeds: list[int], todo: dict) -> dict:
     return result
 
 
+def add_choices(path: str, todo: dict) -> dict:
+    """The choices of `todo` trained on each model of the result at `path` from its own weights and
+    batches and added to its runs (gaps against its reference, which must reproduce exactly)."""
+    with open(path, encoding="utf-8") as f:
+        result = json.load(f)
+    today = _dt.date.today().isoformat()
+    for model, res in result["models"].items():
+        runs, _ = run_choices(model, res["config"], todo, corpus_bytes=res.get("corpus_bytes", 2_000_000))
+        stored, again = res["runs"][REFERENCE]["final_val_loss"], runs[REFERENCE]["final_val_loss"]
+        if again != stored:
+            raise SystemExit(f"{model}: the reference gave {again!r}, the result holds {stored!r}: another machine "
+                             "or torch; run the whole harness instead")
+        for name, r in runs.items():
+            if name != REFERENCE:
+                res["runs"][name] = dict(r, date=today)
+        gaps(res["runs"], REFERENCE)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
+    import report
+
+    print(report.precision_quality_text(result, result["machine"]["date"]))
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
@@ -219,10 +250,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--seeds", default=None, help="with --into: comma-separated seeds to run again")
-    p.add_argument("--into", default=None, help="a result JSON the --seeds runs are added to")
+    p.add_argument("--into", default=None, help="a result JSON the --seeds runs (or, alone, the chosen choices) "
+                   "are added to")
     a = p.parse_args(argv)
-    if (a.seeds is None) != (a.into is None):
-        raise SystemExit("--seeds and --into go together")
+    if a.seeds is not None and a.into is None:
+        raise SystemExit("--seeds goes with --into")
     torch.manual_seed(0)
     todo = choices()
     if a.only:
@@ -234,8 +266,10 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                                 "torch": torch.__version__, "date": _dt.date.today().isoformat()},
                     "reference": REFERENCE, "goal_nats": GOAL_NATS, "models": {}}
-    if a.into is not None:
+    if a.into is not None and a.seeds is not None:
         return add_seeds(a.into, [int(x) for x in a.seeds.split(",")], todo)
+    if a.into is not None:
+        return add_choices(a.into, todo)
     for model in a.models.split(","):
         spec = dict(MODELS[model])
         if a.tiny:

@@ -371,6 +371,7 @@ def precision_quality_text(result: dict, date: str) -> str:
                   "|---|---|---|---|---|---|---|"]
         for name, r in res["runs"].items():
             ok = max(abs(r["gap_final"]), abs(r["gap_max_matched"])) <= goal
+            name = f"{name} (added {r['date']})" if "date" in r else name
             lines.append(f"| {name} | {r['final_val_loss']:.4f} | {r['gap_final']:+.4f} | {r['gap_max_matched']:+.4f} | "
                          f"{r['state_bytes_per_param']:.2f} | {r['optimizer_step_ms']:.2f} | {'met' if ok else 'missed'} |")
         repeats = res.get("repeats") or {}

@@ -89,6 +89,12 @@ def test_precision_quality_runs_every_choice_against_the_reference(tmp_path):
     repeat = again["models"]["demo"]["repeats"]["1"]
     assert sorted(repeat) == ["fp32/fp32", "uint8/remainder"] and repeat["fp32/fp32"]["gap_final"] == 0.0
     assert "| uint8/remainder | " in report.precision_quality_text(again, "today").split("mean [min")[1]
+    # choices added to the result's own runs: the reference reproduces, the new run is dated
+    added = precision_quality.main(["--into", path, "--only", "bf16/stochastic"])
+    runs = added["models"]["demo"]["runs"]
+    assert list(runs)[-1] == "bf16/stochastic" and "date" in runs["bf16/stochastic"] and "date" not in runs["fp32/fp32"]
+    assert runs["bf16/stochastic"]["gap_final"] == runs["bf16/stochastic"]["final_val_loss"] - runs["fp32/fp32"]["final_val_loss"]
+    assert "| bf16/stochastic (added " in report.precision_quality_text(added, "today")
     with pytest.raises(SystemExit, match="unknown choices: nope"):
         precision_quality.main(["--tiny", "--only", "nope", "--out", str(tmp_path)])
     # runs without a common validation step cannot be compared
