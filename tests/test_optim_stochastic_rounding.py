@@ -291,3 +291,33 @@ def test_training_state_bytes_per_parameter():
         state_bytes = sum(t.numel() * t.element_size() for k, t in opt.state[p].items() if k != "step")
         per_param = (state_bytes + p.numel() * 2 + p.grad.numel() * 2) / p.numel()
         assert per_param == pytest.approx(expected, abs=1e-9), state_dtype
+
+
+def test_a_compiled_step_gives_the_bits_of_the_eager_one():
+    """torch.compile (aot_eager) traces the step with its rounding seed through the ops' fake
+    kernels and gives the eager step's params."""
+    runs = []
+    for compiled in (False, True):
+        ps = _params()
+        opt = AdamW(ps, lr=1e-3, master_weights="stochastic", rounding_seed=9)
+        step = torch.compile(opt.step, backend="aot_eager") if compiled else opt.step
+        for k in range(3):
+            g = torch.Generator().manual_seed(100 + k)
+            for p in ps:
+                p.grad = (torch.randn(p.shape, generator=g) * 1e-2).to(p.dtype)
+            step()
+        runs.append(ps)
+    assert _same(*runs)
+
+
+def test_a_non_contiguous_param_draws_by_its_element_order():
+    """A transposed param is rounded with the draws of its element order, as its contiguous copy."""
+    base = torch.randn(96, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    p, q = base.t().requires_grad_(), base.t().contiguous().requires_grad_()
+    a, b = SGD([p], lr=1e-3, master_weights="stochastic"), SGD([q], lr=1e-3, master_weights="stochastic")
+    for k in range(2):
+        g = torch.randn(p.shape, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+        p.grad, q.grad = g.clone(), g.clone()
+        a.step()
+        b.step()
+    assert torch.equal(_bits(p.contiguous()), _bits(q))
