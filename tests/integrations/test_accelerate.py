@@ -19,7 +19,7 @@ from ampfuse.integrations import accelerate as af_accelerate  # noqa: E402
 
 from integ_helpers import (  # noqa: E402
     ACCUM, ATOL, LR, MAX_NORM, MICRO_BATCHES, RTOL, SCALER_KWARGS, assert_bitwise, lr_lambda, make_data,
-    make_model, masters_of, max_abs_diff, torch_fp16_with_masters,
+    count_flag_reads, make_model, masters_of, max_abs_diff, torch_fp16_with_masters,
 )
 
 
@@ -36,7 +36,7 @@ def _accelerator(kind: str, accum: int = ACCUM) -> Accelerator:
 
 
 def run(kind: str, dtype=torch.float32, stop_at: int | None = None, save_dir=None, load_dir=None, max_norm=MAX_NORM,
-        accum: int = ACCUM):
+        accum: int = ACCUM, linear: bool = False):
     """Train; returns (model, optimizer, per-step records). ``stop_at``/``save_dir``: save after
     that many micro-batches and stop; ``load_dir``: resume from there."""
     acc = _accelerator(kind, accum)
@@ -44,7 +44,10 @@ def run(kind: str, dtype=torch.float32, stop_at: int | None = None, save_dir=Non
     opt_cls = ampfuse.optim.AdamW if kind == "ampfuse" else torch.optim.AdamW
     opt = opt_cls(model.parameters(), lr=LR)
     steps = MICRO_BATCHES // accum
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(steps))
+    if linear:  # a schedule with a device twin
+        sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.0, total_iters=steps)
+    else:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(steps))
     model, opt, sched = acc.prepare(model, opt, sched)
     data = make_data()
     start = 0
@@ -64,11 +67,17 @@ def run(kind: str, dtype=torch.float32, stop_at: int | None = None, save_dir=Non
             sched.step()
             opt.zero_grad()
             if acc.sync_gradients:
-                records.append(dict(skipped=acc.optimizer_step_was_skipped, lr=sched.get_last_lr()[0],
-                                    scale=acc.scaler.get_scale(), norm=float(norm)))
+                # an ampfuse optimizer's flag, kept on the device (read after the run)
+                flag = getattr(opt, "last_step_skipped", None)
+                skipped = flag.clone() if flag is not None else acc.optimizer_step_was_skipped
+                records.append(dict(skipped=skipped, lr=sched.get_last_lr()[0], scale=acc.scaler.get_scale(),
+                                    norm=float(norm)))
         if stop_at is not None and save_dir is not None and i + 1 == stop_at:
             acc.save_state(save_dir)
             break
+    for r in records:
+        if isinstance(r["skipped"], torch.Tensor):
+            r["skipped"] = bool(r["skipped"].item() != 0)
     return model, opt, records
 
 
@@ -94,6 +103,20 @@ def test_same_skips_lr_and_params_as_torch(runs):
     assert max_abs_diff(sa, st) < ATOL + RTOL, max_abs_diff(sa, st)
     for k in sa:
         torch.testing.assert_close(sa[k], st[k], atol=ATOL, rtol=RTOL)
+
+
+def test_a_device_twin_schedule_gives_torchs_learning_rates_without_reading_the_flag(runs):
+    """A prepared LinearLR of an ampfuse optimizer becomes its device twin: the same skips,
+    learning rates and params as torch's scaler + AdamW + LinearLR (which reads the flag at every
+    step), and no host read of the skip flag in the whole run."""
+    with count_flag_reads() as reads:
+        ma, _, ra = run("ampfuse", linear=True)
+    mt, _, rt = run("torch", linear=True)
+    assert reads.flags and reads.reads == []
+    assert [r["skipped"] for r in ra] == [r["skipped"] for r in rt] == [r["skipped"] for r in runs["ampfuse"][2]]
+    assert [r["lr"] for r in ra] == pytest.approx([r["lr"] for r in rt], rel=1e-6)
+    for k, v in mt.state_dict().items():
+        torch.testing.assert_close(ma.state_dict()[k], v, atol=ATOL, rtol=RTOL)
 
 
 def test_fp16_params_with_masters_equal_torch_by_hand():

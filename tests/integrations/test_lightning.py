@@ -20,12 +20,13 @@ from lightning.fabric.plugins.precision import MixedPrecision as FabricAMP  # no
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningAMP  # noqa: E402
 
 import ampfuse  # noqa: E402
+import ampfuse.lr_scheduler  # noqa: E402
 from ampfuse.integrations import fabric as af_fabric  # noqa: E402
 from ampfuse.integrations import lightning as af_lightning  # noqa: E402
 
 from integ_helpers import (  # noqa: E402
     ACCUM, ATOL, LR, MAX_NORM, MICRO_BATCHES, RTOL, SCALER_KWARGS, assert_bitwise, lr_lambda, make_data,
-    make_model, masters_of, max_abs_diff,
+    count_flag_reads, make_model, masters_of, max_abs_diff,
 )
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -34,9 +35,9 @@ STEPS = MICRO_BATCHES // ACCUM
 
 
 class Module(pl.LightningModule):
-    def __init__(self, kind: str, dtype=torch.float32, fp16_init: bool = False) -> None:
+    def __init__(self, kind: str, dtype=torch.float32, fp16_init: bool = False, sched: str = "lambda") -> None:
         super().__init__()
-        self.kind, self.dtype_ = kind, dtype
+        self.kind, self.dtype_, self.sched = kind, dtype, sched
         self.net = make_model(fp16_init=fp16_init).to(dtype)
         self.records: list[dict] = []
 
@@ -47,12 +48,16 @@ class Module(pl.LightningModule):
     def configure_optimizers(self):
         cls = ampfuse.optim.AdamW if self.kind == "ampfuse" else torch.optim.AdamW
         opt = cls(self.parameters(), lr=LR)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(STEPS))
+        if self.sched == "linear":  # a schedule with a device twin
+            sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.0, total_iters=STEPS)
+        else:
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(STEPS))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:
-            self.records.append(dict(lr=self.trainer.optimizers[0].param_groups[0]["lr"],
+            lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+            self.records.append(dict(lr=lr.clone() if isinstance(lr, torch.Tensor) else lr,  # a device lr: no read
                                      scale=self.trainer.precision_plugin.scaler.get_scale()))
 
 
@@ -73,8 +78,9 @@ def _loader():
     return torch.utils.data.DataLoader(make_data(EPOCH), batch_size=None)
 
 
-def fit(kind: str, dtype=torch.float32, epochs: int = 2, ckpt=None, save=None, fp16_init=False, **kw) -> Module:
-    module = Module(kind, dtype, fp16_init)
+def fit(kind: str, dtype=torch.float32, epochs: int = 2, ckpt=None, save=None, fp16_init=False, sched="lambda",
+        **kw) -> Module:
+    module = Module(kind, dtype, fp16_init, sched)
     trainer = _trainer(kind, epochs, **kw)
     trainer.fit(module, _loader(), ckpt_path=ckpt)
     if save is not None:
@@ -98,6 +104,21 @@ def test_lightning_same_skips_lr_and_params_as_torch(lightning_runs):
     assert max_abs_diff(sa, st) < ATOL + RTOL
     for k in sa:
         torch.testing.assert_close(sa[k], st[k], atol=ATOL, rtol=RTOL)
+
+
+def test_lightning_step_schedule_advances_only_on_taken_steps_without_reading_the_flag():
+    """An interval="step" LinearLR of an ampfuse optimizer becomes its device twin: the learning
+    rate follows the steps taken (Lightning alone advances it on skipped steps too), and no host
+    read of the skip flag happens in the whole run."""
+    with count_flag_reads() as reads:
+        module = fit("ampfuse", sched="linear")
+    assert len(reads.flags) == STEPS and reads.reads == []
+    assert isinstance(module.trainer.lr_scheduler_configs[0].scheduler, ampfuse.lr_scheduler.LinearLR)
+    skipped = [bool(f.item() != 0) for f in reads.flags]
+    assert any(skipped) and not all(skipped), skipped
+    # each record is taken after that step's schedule step: the steps taken up to it
+    taken = [sum(not s for s in skipped[:k + 1]) for k in range(STEPS)]
+    assert [float(r["lr"]) for r in module.records] == pytest.approx([LR * (1 - t / STEPS) for t in taken], rel=1e-6)
 
 
 @pytest.mark.parametrize("algorithm", ["norm", "value"])

@@ -19,7 +19,10 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 import ampfuse  # noqa: E402
 from ampfuse.integrations import transformers as af_transformers  # noqa: E402
 
-from integ_helpers import ACCUM, ATOL, LR, MAX_NORM, MICRO_BATCHES, RTOL, SCALER_KWARGS, make_data, make_model, masters_of  # noqa: E402
+import ampfuse.lr_scheduler  # noqa: E402
+from integ_helpers import (  # noqa: E402
+    ACCUM, ATOL, LR, MAX_NORM, MICRO_BATCHES, RTOL, SCALER_KWARGS, count_flag_reads, make_data, make_model, masters_of,
+)
 
 STEPS = MICRO_BATCHES // ACCUM
 
@@ -43,8 +46,11 @@ class Recorder(TrainerCallback):
 
     def on_step_end(self, args, state, control, lr_scheduler=None, **kw):
         acc = self.trainer.accelerator
-        self.records.append(dict(skipped=acc.optimizer_step_was_skipped, lr=lr_scheduler.get_last_lr()[0],
-                                 scale=acc.scaler.get_scale()))
+        # an ampfuse optimizer's flag is kept on the device (with a device schedule the Trainer never
+        # asks for it) and read after the run
+        flag = getattr(self.trainer.optimizer, "last_step_skipped", None)
+        skipped = flag.clone() if flag is not None else acc.optimizer_step_was_skipped
+        self.records.append(dict(skipped=skipped, lr=lr_scheduler.get_last_lr()[0], scale=acc.scaler.get_scale()))
 
 
 def _dataset():
@@ -71,12 +77,27 @@ def train(kind: str, out_dir, dtype=torch.float32, resume=None, enable=True, fp1
         trainer.accelerator.scaler = torch.amp.GradScaler("cpu", **SCALER_KWARGS)
         trainer.accelerator.native_amp = True
     trainer.train(resume_from_checkpoint=resume)
+    for r in rec.records:
+        if isinstance(r["skipped"], torch.Tensor):
+            r["skipped"] = bool(r["skipped"].item() != 0)
     return model, trainer, rec.records
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return {kind: train(kind, tmp_path_factory.mktemp(kind)) for kind in ("ampfuse", "torch")}
+    with count_flag_reads() as reads:
+        out = {"ampfuse": train("ampfuse", tmp_path_factory.mktemp("ampfuse"))}
+    out["torch"] = train("torch", tmp_path_factory.mktemp("torch"))
+    out["flag_reads"] = reads
+    return out
+
+
+def test_the_trainer_never_reads_the_skip_flag(runs):
+    """The Trainer's linear schedule becomes its device twin; the Trainer no longer asks whether a
+    step was skipped, so the flag of every step stays on the device."""
+    _, trainer, _ = runs["ampfuse"]
+    assert isinstance(trainer.lr_scheduler, ampfuse.lr_scheduler.LambdaLR)
+    assert len(runs["flag_reads"].flags) == STEPS and runs["flag_reads"].reads == []
 
 
 def test_same_skips_lr_and_params_as_torch(runs):

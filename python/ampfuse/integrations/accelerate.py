@@ -1,7 +1,9 @@
 """ampfuse in Hugging Face Accelerate: ``enable(accelerator)``, right after the ``Accelerator`` is built.
 
-On that accelerator only: the scaler becomes an :class:`ampfuse.GradScaler`, prepared ampfuse
-optimizers report their skipped steps (so the scheduler does not advance on them),
+On that accelerator only: the scaler becomes an :class:`ampfuse.GradScaler`, a prepared
+schedule of an ampfuse optimizer becomes its device twin (:func:`ampfuse.lr_scheduler.device_twin`:
+it advances only on the steps taken, with no host read of the skip flag), other prepared ampfuse
+optimizers report their skipped steps (so their schedules do not advance on them),
 ``clip_grad_norm_`` runs the fused read-only check + norm pass (fp16 params included), and on a
 CPU ``mixed_precision="fp16"`` becomes real. DeepSpeed, Megatron-LM, XLA and FSDP are refused. The
 whole contract: the manual's Integrations page (``docs/integrations.md``).
@@ -15,6 +17,7 @@ from typing import Any, Iterable
 import torch
 
 import ampfuse
+from ampfuse import lr_scheduler
 from ampfuse.integrations._common import (
     is_fused,
     norm_and_coef,
@@ -31,6 +34,8 @@ require("accelerate", "accelerate", "accelerate", "accelerate")
 
 from accelerate import Accelerator  # noqa: E402
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
+from accelerate.scheduler import AcceleratedScheduler  # noqa: E402
+from accelerate.state import AcceleratorState  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
 __all__ = ["enable", "is_enabled"]
@@ -45,6 +50,13 @@ class _AcceleratedOptimizer(AcceleratedOptimizer):
 
     _ampfuse_skip_flag: torch.Tensor | None = None
     _ampfuse_clip_coef: torch.Tensor | None = None
+    # a device schedule counts this optimizer's taken steps itself: nothing asks for the flag
+    _ampfuse_device_schedule = False
+
+    @property
+    def last_step_skipped(self) -> torch.Tensor | None:
+        """The wrapped ampfuse optimizer's device skip flag (see ampfuse.optim), for device schedules."""
+        return self.optimizer.last_step_skipped if is_fused(self.optimizer) else None
 
     def step(self, closure: Any = None) -> None:
         if not (is_fused(self.optimizer) and self.gradient_state.sync_gradients):
@@ -65,12 +77,59 @@ class _AcceleratedOptimizer(AcceleratedOptimizer):
     @property
     def step_was_skipped(self) -> bool:
         """Whether the last step was skipped (inf/NaN gradients); for ampfuse optimizers read from
-        the scaler's device flag on first access after the step (one 4-byte read)."""
+        the scaler's device flag on first access after the step (one 4-byte read). False, with no
+        read, when a device schedule of this optimizer takes the skips into account itself."""
+        if self._ampfuse_device_schedule:
+            self._ampfuse_skip_flag = None
+            return False
         flag = self._ampfuse_skip_flag
         if flag is not None:
             self._ampfuse_skip_flag = None
             self._is_overflow = bool(flag.item() != 0)
         return self._is_overflow
+
+
+class _AcceleratedDeviceScheduler(AcceleratedScheduler):
+    """Accelerate's scheduler wrapper over a device schedule: stepped at every optimizer step
+    (num_processes times without split_batches, as Accelerate does), never asking whether the step
+    was skipped: the schedule counts only the steps taken, on the device."""
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
+        if not self.gradient_state.sync_gradients:
+            if self.gradient_state.adjust_scheduler:
+                self.scheduler._step_count += 1
+            return
+        for _ in range(1 if self.split_batches else AcceleratorState().num_processes):
+            self.scheduler.step(*args, **kwargs)
+
+
+def install_device_schedule(owner: Any, scheduler: Any) -> Any:
+    """The device twin of ``scheduler`` for the prepared ampfuse optimizer ``owner`` (which then
+    stops reading its skip flag), or ``scheduler`` itself when it has no twin (its steps then ask
+    ``owner`` whether the step was skipped, one read each)."""
+    try:
+        twin = lr_scheduler.device_twin(scheduler)
+    except TypeError:
+        return scheduler
+    owner._ampfuse_device_schedule = True
+    return twin
+
+
+def _prepare_scheduler(self: Any, scheduler: Any) -> Any:
+    owner = next((o for o in self._optimizers if isinstance(o, _AcceleratedOptimizer) and is_fused(o.optimizer)
+                  and getattr(scheduler, "optimizer", None) in (o, o.optimizer)), None)
+    if owner is None or getattr(scheduler, "_is_accelerate_prepared", False):
+        return type(self).prepare_scheduler(self, scheduler)
+    twin = install_device_schedule(owner, scheduler)
+    if twin is scheduler:
+        return type(self).prepare_scheduler(self, scheduler)
+    out = _AcceleratedDeviceScheduler(twin, owner, step_with_optimizer=self.step_scheduler_with_optimizer,
+                                      split_batches=self.split_batches)
+    self._schedulers.append(out)
+    return out
 
 
 def _fused_owner(accelerator: Any, params: list[torch.Tensor]) -> _AcceleratedOptimizer | None:
@@ -152,6 +211,7 @@ def enable(accelerator: Accelerator, **grad_scaler_kwargs: Any) -> Accelerator:
         raise ValueError(f"grad_scaler_kwargs were given but mixed_precision is {accelerator.mixed_precision!r}: "
                          "only fp16 uses a loss scaler.")
     accelerator.prepare_optimizer = types.MethodType(_prepare_optimizer, accelerator)
+    accelerator.prepare_scheduler = types.MethodType(_prepare_scheduler, accelerator)
     accelerator.clip_grad_norm_ = types.MethodType(_clip_grad_norm_, accelerator)
     accelerator.clip_grad_value_ = types.MethodType(_clip_grad_value_, accelerator)
     accelerator._ampfuse_enabled = True

@@ -3,8 +3,10 @@
 A subclass of Lightning's ``MixedPrecision`` plugin with its constructor, whose scaler defaults to
 :class:`ampfuse.GradScaler`. With an ampfuse optimizer, ``gradient_clip_val`` works through the
 fused read-only check + norm pass (Lightning's own plugin refuses it), ``on_before_optimizer_step``
-sees unscaled gradients when something overrides it, and checkpoints resume bit for bit; any other
-optimizer takes Lightning's path unchanged. The whole contract and the cost of each path: the
+sees unscaled gradients when something overrides it, ``interval="step"`` schedules become their
+device twins (:func:`ampfuse.lr_scheduler.device_twin`: they advance only on the steps taken, with
+no host read), and checkpoints resume bit for bit; any other optimizer takes Lightning's path
+unchanged. The whole contract and the cost of each path: the
 manual's Integrations page (``docs/integrations.md``).
 """
 
@@ -15,6 +17,7 @@ from typing import Any, Callable, Iterator, Literal
 import torch
 
 import ampfuse
+from ampfuse import lr_scheduler
 from ampfuse.integrations._common import (
     is_fused,
     main_params_with_copies,
@@ -75,6 +78,18 @@ class MixedPrecision(_LightningMixedPrecision):
         self._clip_coefs: dict[int, torch.Tensor] = {}
         # per optimizer: the unscaled fp32 copies of its fp16 gradients, for this step
         self._fp32_grads: dict[int, dict[torch.Tensor, torch.Tensor]] = {}
+
+    def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple[Any, list[Any], list[Any]]:
+        """Lightning's hook at setup: each ``interval="step"`` schedule of an ampfuse optimizer is
+        replaced by its device twin (a schedule without one is left as it is)."""
+        for config in lr_schedulers:
+            sched = getattr(config, "scheduler", None)
+            if getattr(config, "interval", None) == "step" and is_fused(getattr(sched, "optimizer", None)):
+                try:
+                    config.scheduler = lr_scheduler.device_twin(sched)
+                except TypeError:
+                    pass
+        return super().connect(model, optimizers, lr_schedulers)
 
     def optimizer_step(
         self,

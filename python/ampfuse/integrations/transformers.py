@@ -2,7 +2,9 @@
 
 It applies :func:`ampfuse.integrations.accelerate.enable` to the Trainer's accelerator: with
 ``fp16=True`` the scaler is an :class:`ampfuse.GradScaler` (saved in ``scaler.pt``),
-``max_grad_norm`` clips through the fused pass, and the LR scheduler advances only on steps taken.
+``max_grad_norm`` clips through the fused pass, and the LR schedule the Trainer builds (or the
+one it was given) becomes its device twin (:func:`ampfuse.lr_scheduler.device_twin`) for an
+ampfuse optimizer: it advances only on the steps taken, and the Trainer never reads the skip flag.
 The whole contract: the manual's Integrations page (``docs/integrations.md``).
 """
 
@@ -34,4 +36,14 @@ def enable(trainer: Any, **grad_scaler_kwargs: Any) -> Any:
     if accelerator is None:
         raise TypeError(f"enable() needs a transformers Trainer with an accelerator, got {type(trainer).__name__}.")
     _accelerate.enable(accelerator, **grad_scaler_kwargs)
+    create_scheduler = trainer.create_scheduler
+
+    def _create_scheduler(num_training_steps: int, optimizer: Any = None) -> Any:
+        scheduler = create_scheduler(num_training_steps, optimizer)
+        owner = trainer.optimizer if optimizer is None else optimizer
+        if isinstance(owner, _accelerate._AcceleratedOptimizer) and _accelerate.is_fused(owner.optimizer):
+            trainer.lr_scheduler = _accelerate.install_device_schedule(owner, scheduler)
+        return trainer.lr_scheduler
+
+    trainer.create_scheduler = _create_scheduler
     return trainer
