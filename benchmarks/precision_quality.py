@@ -23,7 +23,8 @@ nats (final, and the largest at the same steps), the training state per paramete
 gradients + optimizer state, by storage) and the median step time. Writes
 ``precision-quality-<date>.json`` and a plot into ``--out``, prints the table. ``--seeds`` with
 ``--into`` trains the chosen choices and the reference again from other initial weights and
-batches and adds their gaps to that result, so that a gap can be told from the run-to-run spread.
+batches and adds their gaps to that result (next to the choices run from those seeds before, whose
+reference must reproduce), so that a gap can be told from the run-to-run spread.
 ``--into`` alone adds the chosen choices to that result's runs, from its own weights and batches:
 the reference is trained again first and must reproduce the result's final loss exactly (the same
 machine kind and torch), else nothing is added. Each added run records its date.
@@ -205,8 +206,12 @@ def add_seeds(path: str, seeds: list[int], todo: dict) -> dict:
         repeats = res.setdefault("repeats", {})
         for seed in seeds:
             runs, _ = run_choices(model, res["config"], todo, corpus_bytes=res.get("corpus_bytes", 2_000_000), seed=seed)
-            repeats[str(seed)] = {name: {k: r[k] for k in ("final_val_loss", "gap_final", "gap_max_matched")}
-                                  for name, r in runs.items()}
+            known = repeats.setdefault(str(seed), {})
+            if REFERENCE in known and known[REFERENCE]["final_val_loss"] != runs[REFERENCE]["final_val_loss"]:
+                raise SystemExit(f"{model} seed {seed}: the reference gave {runs[REFERENCE]['final_val_loss']!r}, the "
+                                 f"result holds {known[REFERENCE]['final_val_loss']!r}: another machine or torch")
+            known.update(
+                {name: {k: r[k] for k in ("final_val_loss", "gap_final", "gap_max_matched")} for name, r in runs.items()})
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
     os.replace(path + ".tmp", path)
