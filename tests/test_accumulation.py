@@ -6,6 +6,7 @@ rtol=1e-5, atol=1e-6 on the parameters after several windows."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import math
@@ -760,3 +761,167 @@ def _failing_worker(rank, world):
     if rank == 1:
         raise ValueError("boom on rank 1")
     dist.barrier()
+
+
+# ---- token-weighted accumulation (backward's count) ------------------------------------------------
+
+
+class _TinyLM(nn.Module):
+    def __init__(self, vocab=11, dim=8):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.emb = nn.Embedding(vocab, dim)
+        self.out = nn.Linear(dim, vocab)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    def forward(self, tokens):
+        return self.out(self.emb(tokens))
+
+
+_PAD = -100
+
+
+def _padded_batch(n=6, length=7):
+    """Sequences of lengths 1..7, padded with -100 labels: micro-batches of very different counts."""
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 11, (n, length), generator=g)
+    labels = torch.randint(0, 11, (n, length), generator=g)
+    for i, keep in enumerate([7, 1, 3, 7, 2, 5][:n]):
+        labels[i, keep:] = _PAD
+    return tokens, labels
+
+
+def _token_mean_loss(model, tokens, labels):
+    logits = model(tokens)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=_PAD)
+
+
+def _full_batch_step(opt_cls, clip, **opt_kw):
+    """The reference: one step on the whole padded batch, its loss the mean over every token."""
+    model = _TinyLM()
+    opt = opt_cls(model.parameters(), **opt_kw)
+    tokens, labels = _padded_batch()
+    _token_mean_loss(model, tokens, labels).backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _window_step(opt_cls, clip, scaler_kind, counts=True, micro=(2, 1, 3), flush=False, **opt_kw):
+    """The same batch as micro-batches of `micro` sequences (their means weighted by their counts)."""
+    model = _TinyLM()
+    opt = opt_cls(model.parameters(), **opt_kw)
+    scaler = {"none": None, "ampfuse": ampfuse.GradScaler("cpu", init_scale=2.0**12),
+              "torch": torch.amp.GradScaler("cpu", init_scale=2.0**12)}[scaler_kind]
+    acc = ampfuse.GradAccumulator(model, opt, scaler, steps=len(micro) + (1 if flush else 0), max_grad_norm=clip)
+    tokens, labels = _padded_batch()
+    start = 0
+    for n in micro:
+        t, lab = tokens[start:start + n], labels[start:start + n]
+        start += n
+        with acc.accumulate():
+            loss = _token_mean_loss(model, t, lab)
+            acc.backward(loss, count=(lab != _PAD).sum() if counts else None)
+    if flush:
+        assert acc.flush()
+    assert acc.micro_step == 0
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("scaler_kind", ["none", "ampfuse", "torch"])
+@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("opt", ["ampfuse-sgd", "ampfuse-adamw", "torch-sgd"])
+def test_token_weighted_window_equals_the_full_batch_token_mean(scaler_kind, clip, opt):
+    """Micro-batches of 14, 1 and 12 tokens: the window's step equals the step of the whole padded
+    batch whose loss is the mean over all its tokens (not the mean of the micro-batch means)."""
+    opt_cls, kw = {"ampfuse-sgd": (ampfuse.optim.SGD, dict(lr=0.5)), "ampfuse-adamw": (ampfuse.optim.AdamW, dict(lr=0.01)),
+                   "torch-sgd": (torch.optim.SGD, dict(lr=0.5))}[opt]
+    ref = _full_batch_step(torch.optim.AdamW if opt == "ampfuse-adamw" else torch.optim.SGD, clip, **kw)
+    got = _window_step(opt_cls, clip, scaler_kind, **kw)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    if clip is None and opt == "ampfuse-sgd" and scaler_kind == "none":  # the test tells the two means apart
+        means = _window_step(opt_cls, clip, scaler_kind, counts=False, **kw)
+        assert max((means[k] - ref[k]).abs().max().item() for k in ref) > 1e-3
+
+
+def test_token_weighted_flush_of_an_incomplete_window_is_the_mean_over_its_tokens():
+    ref = _full_batch_step(torch.optim.SGD, None, lr=0.5)
+    got = _window_step(ampfuse.optim.SGD, None, "ampfuse", flush=True, lr=0.5)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+def test_token_weighted_window_reads_nothing_on_the_host():
+    """Counts given as device tensors: the window's micro-batches and its step read no value on the host."""
+    model = _TinyLM()
+    opt = ampfuse.optim.AdamW(model.parameters(), lr=0.01)
+    acc = ampfuse.GradAccumulator(model, opt, ampfuse.GradScaler("cpu", init_scale=2.0**12), steps=3, max_grad_norm=1.0)
+    tokens, labels = _padded_batch()
+    reads = []
+
+    class Reads(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.tolist,
+                        torch.Tensor.cpu, torch.Tensor.__int__):
+                # (the scaler's diagnostic counters are read here on a CPU; on a GPU a pinned copy, later)
+                if getattr(args[0], "_base", None) is not acc.scaler._stats:
+                    reads.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    for window in range(2):  # the second window: the steady state (plans built)
+        for k in range(3):
+            t, lab = tokens[2 * k:2 * k + 2], labels[2 * k:2 * k + 2]
+            count = (lab != _PAD).sum()
+            with Reads() if window == 1 else contextlib.nullcontext():
+                with acc.accumulate():
+                    acc.backward(_token_mean_loss(model, t, lab), count=count)
+    assert reads == []
+
+
+def test_token_weighted_mid_window_checkpoint_resumes_bitwise():
+    tokens, labels = _padded_batch()
+
+    def run(stop=None, state=None):
+        model = _TinyLM()
+        opt = ampfuse.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        acc = ampfuse.GradAccumulator(model, opt, ampfuse.GradScaler("cpu"), steps=3)
+        start = 0
+        if state is not None:
+            model.load_state_dict(state[0])
+            acc.load_state_dict(state[1])
+            start = stop
+        for k in range(start, 6):
+            t, lab = tokens[k:k + 1], labels[k:k + 1]
+            with acc.accumulate():
+                acc.backward(_token_mean_loss(model, t, lab), count=(lab != _PAD).sum())
+            if stop is not None and state is None and k + 1 == stop:
+                return _roundtrip((model.state_dict(), acc.state_dict()))
+        return model.state_dict()
+
+    straight = run()
+    saved = run(stop=4)  # inside the second window
+    assert saved[1]["count_total"] is not None
+    resumed = run(stop=4, state=saved)
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k
+
+
+def test_token_weighted_bad_input():
+    model = _TinyLM()
+    acc = ampfuse.GradAccumulator(model, ampfuse.optim.SGD(model.parameters(), lr=0.1), steps=2)
+    tokens, labels = _padded_batch()
+    loss = lambda: _token_mean_loss(model, tokens[:1], labels[:1])  # noqa: E731
+    with acc.accumulate():
+        acc.backward(loss(), count=torch.tensor(3))
+    with pytest.raises(ValueError, match="count must be given at every micro-batch of a window or at none"):
+        with acc.accumulate():
+            acc.backward(loss())
+    for bad, message in [(-1, "non-negative finite number"), (torch.ones(2), "1-element real tensor"), (True, "non-negative")]:
+        acc2 = ampfuse.GradAccumulator(model, ampfuse.optim.SGD(model.parameters(), lr=0.1), steps=2)
+        with pytest.raises(ValueError, match=message):
+            with acc2.accumulate():
+                acc2.backward(loss(), count=bad)

@@ -4,8 +4,10 @@ The loss scale is constant inside a window of ``steps`` micro-batches; an overfl
 skips the whole window, backs the scale off once and resets the buffers; fp16/bf16 gradients are
 summed in fp32 by one fused pass per micro-batch that also checks the sums for inf/NaN; DDP and
 FSDP2 synchronise once per window; an attached LR scheduler advances only on windows that
-stepped; ``flush()`` steps an incomplete window with the right scale; checkpoints resume bit for
-bit, inside a window too. The whole contract: the manual's GradAccumulator page
+stepped; ``flush()`` steps an incomplete window with the right scale; ``backward(loss, count=n)``
+weights each micro-batch by its count of items (e.g. non-padding tokens) and divides the window's
+sum by the window's total count at the step, on the device; checkpoints resume bit for bit, inside a
+window too. The whole contract: the manual's GradAccumulator page
 (``docs/accumulator.md``).
 """
 
@@ -25,6 +27,7 @@ import torch
 
 from ampfuse import ops
 from ampfuse.grad_scaler import GradScaler as _AmpfuseScaler, _engine_value, _fresh_optimizer_state
+from ampfuse.lr_scheduler import LRScheduler as _DeviceSchedule
 from ampfuse.optim import StepScaling, _FusedOptimizer, _SourcedGrads
 
 __all__ = ["GradAccumulator"]
@@ -172,6 +175,10 @@ class GradAccumulator:
         self.last_window_skipped: torch.Tensor | None = None  #: device flag (> 0: skipped)
         self._in_context = False
         self._backward_called = False
+        # Token weighting (backward's count): whether this window's micro-batches came with counts
+        # (None: no micro-batch yet), and their sum so far (a device tensor).
+        self._counting: bool | None = None
+        self._count_total: torch.Tensor | None = None
 
         params = self._all_params()
         # The buffers, flags and micro-batch plan (engine/accumulator_window.h); the param groups
@@ -260,13 +267,40 @@ class GradAccumulator:
         if self.micro_step >= self.steps:
             self._end_window(self.steps)
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss`` times the loss scale and ``1/steps``, backpropagated."""
+    def backward(self, loss: torch.Tensor, *, count: torch.Tensor | float | None = None, **kwargs: Any) -> None:
+        """``loss`` times the loss scale and ``1/steps``, backpropagated.
+
+        With ``count`` -- the number of items ``loss`` is the mean over, e.g. the micro-batch's
+        non-padding tokens (a number, or a 1-element tensor: no host read) -- ``loss`` is weighted
+        by ``count`` instead, and the window's gradient is divided at the step by the window's
+        total count: the mean over every item of the window, not a mean of micro-batch means. The
+        division is folded into the factor the step applies (``1/scale``; a window whose total is
+        0 steps a zero gradient). Give it at every micro-batch of a window or at none. Not under
+        FSDP2.
+        """
         if not self._in_context:
             raise RuntimeError("GradAccumulator.backward() must be called inside acc.accumulate().")
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss must be a tensor, got {type(loss).__name__}.")
-        loss = loss / self.steps
+        counting = count is not None
+        if self._counting is not None and counting != self._counting:
+            raise ValueError(f"GradAccumulator.backward(): count must be given at every micro-batch of a window or at "
+                             f"none; this window's earlier micro-batches were given {'one' if self._counting else 'none'}.")
+        if counting:
+            if self._fsdp:
+                raise ValueError("GradAccumulator.backward(count=...) is not supported under FSDP2.")
+            if isinstance(count, torch.Tensor):
+                if count.numel() != 1 or count.is_complex() or count.dtype == torch.bool:
+                    raise ValueError(f"count must be a number or a 1-element real tensor, got shape {tuple(count.shape)}, "
+                                     f"{count.dtype}.")
+            elif isinstance(count, bool) or not isinstance(count, (int, float)) or not math.isfinite(count) or count < 0:
+                raise ValueError(f"count must be a non-negative finite number or a 1-element tensor, got {count!r}.")
+            c = torch.as_tensor(count, dtype=torch.float32, device=loss.device).detach().reshape(())
+            self._count_total = c.clone() if self._count_total is None else self._count_total + c.to(self._count_total.device)
+            loss = loss * c
+        else:
+            loss = loss / self.steps
+        self._counting = counting
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward(**kwargs)
@@ -363,6 +397,10 @@ class GradAccumulator:
         meta = torch.cat([fi.reshape(1), mask])
         dist.all_reduce(meta, op=dist.ReduceOp.MAX, group=group)
         fi.copy_(meta[0])
+        if self._count_total is not None:
+            # the sums are averaged over the ranks below: the window's divisor is the mean count
+            dist.all_reduce(self._count_total, group=group)
+            self._count_total.div_(world)
         agreed = meta[1:].tolist()  # the one host read of the window: which parameters are stepped
         self._has_grad = [bool(v) for v in agreed[: len(low)]]
         for flat in self._window.flats():
@@ -402,7 +440,7 @@ class GradAccumulator:
                     if self._ddp and low:
                         # Every micro-batch ran under no_sync: one exchange, the same on every rank.
                         self._sync_ddp()
-                    if micro_batches != self.steps:  # incomplete window: the sums hold sum / steps
+                    if micro_batches != self.steps and not self._counting:  # incomplete: the sums hold sum / steps
                         self._window.scale(self.steps / micro_batches)
                         for p in self._all_params():
                             if id(p) not in buffered and p.grad is not None:
@@ -421,9 +459,33 @@ class GradAccumulator:
             # zero sums and flags, no .grad anywhere
             self._window.end(None if self._check_plan() else self._all_params())
             self._step_grads = {}
+            self._counting, self._count_total = None, None
             self.micro_step = 0
             self.windows += 1
             self.window_ended = True
+
+    def _divisor(self) -> torch.Tensor | None:
+        """What the window's sums are divided by at the step: the window's total count (1 where
+        it is 0), under backward's count; else None (the sums are already means)."""
+        if not self._counting or self._count_total is None:
+            return None
+        total = self._count_total
+        return torch.where(total > 0, total, torch.ones_like(total))
+
+    @contextlib.contextmanager
+    def _scale_times(self, divisor: torch.Tensor | None) -> Iterator[None]:
+        """Within: the scaler's scale is ``scale * divisor`` (the factor its check and the step
+        divide the gradients by), restored before its update."""
+        scaler: Any = self.scaler
+        if divisor is None or scaler is None:
+            yield
+            return
+        scale = scaler._scale
+        scaler._scale = scale * divisor.to(scale.device, non_blocking=True)
+        try:
+            yield
+        finally:
+            scaler._scale = scale
 
     def _step(self) -> torch.Tensor | None:
         """unscale (+ clip), step, update; returns the device skip flag (None without a scaler)."""
@@ -431,17 +493,42 @@ class GradAccumulator:
         opt: Any = self.optimizer
         scaler: Any = self.scaler
         grads = self._step_grads if self._step_reads_buffers else None
+        divisor = self._divisor()
         if scaler is None:
+            if divisor is not None and not self._fused_opt:
+                with torch.no_grad():  # the optimizer reads .grad: the window's mean in place
+                    for p in self._params_with_grad():
+                        p.grad.div_(divisor.to(p.grad.device, non_blocking=True))
+                divisor = None
+            scaling = StepScaling(grad_scale=divisor)
             if self.max_grad_norm is None:
-                opt.step(grads=grads) if self._fused_opt else opt.step()
+                opt.step(grads=grads, scaling=scaling) if self._fused_opt else opt.step()
             elif self._fused_opt:
-                opt.step(grads=grads, scaling=StepScaling(clip_coef=self._clip_coef(grads)))
+                opt.step(grads=grads, scaling=scaling._replace(clip_coef=self._clip_coef(grads, divisor)))
             else:
                 torch.nn.utils.clip_grad_norm_(self._params_with_grad(), self.max_grad_norm, self.norm_type)
                 opt.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             return None
+        with self._scale_times(divisor):
+            self._unscale_and_step(opt, scaler, grads)
+        found = list(scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values())
+        device = scaler._scale.device if scaler._scale is not None else None
+        flag = sum(f.to(device, non_blocking=True) for f in found).clone() if found else None
+        scaler.update()
+        if self.lr_scheduler is not None:
+            if isinstance(self.lr_scheduler, _DeviceSchedule):
+                self.lr_scheduler.step()  # it counts only the windows that stepped, on the device
+            # One host read per window (the flag of a step that has just been queued).
+            elif flag is not None and flag.item() != 0.0:
+                self.skipped_windows_host += 1
+            else:
+                self.lr_scheduler.step()
+        return flag
+
+    def _unscale_and_step(self, opt: Any, scaler: Any, grads: Any) -> None:
+        """The scaler's check (and clip) of the window's gradients, then its step."""
         if self.max_grad_norm is not None:
             if self._our_scaler:
                 scaler.unscale_and_clip_(opt, self.max_grad_norm, self.norm_type, grads=grads)
@@ -456,23 +543,13 @@ class GradAccumulator:
             scaler.step(opt, grads=grads)
         else:
             scaler.step(opt)
-        found = list(scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values())
-        device = scaler._scale.device if scaler._scale is not None else None
-        flag = sum(f.to(device, non_blocking=True) for f in found).clone() if found else None
-        scaler.update()
-        if self.lr_scheduler is not None:
-            # One host read per window (the flag of a step that has just been queued).
-            if flag is not None and flag.item() != 0.0:
-                self.skipped_windows_host += 1
-            else:
-                self.lr_scheduler.step()
-        return flag
 
     def _params_with_grad(self) -> list[torch.Tensor]:
         return [p for p in self._all_params() if p.grad is not None]
 
-    def _clip_coef(self, grads: Mapping | None) -> torch.Tensor | None:
-        """The clip coefficient of the gradients the fused step reads (no scaler: unscaled)."""
+    def _clip_coef(self, grads: Mapping | None, divisor: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The clip coefficient of the gradients the fused step reads (no scaler: unscaled; divided
+        by ``divisor`` when given)."""
         opt: Any = self.optimizer  # an ampfuse optimizer: only the fused step asks for a coefficient
         native = opt._live_native(grads.source) if isinstance(grads, _SourcedGrads) else None
         assert self.max_grad_norm is not None
@@ -481,7 +558,8 @@ class GradAccumulator:
             one = self._unit_scale.get(device)
             if one is None:
                 self._unit_scale[device] = one = torch.ones((), device=device)
-            out = native.plan.check(one, False, True, self.norm_type, float(self.max_grad_norm))
+            scale = one if divisor is None else divisor.to(device, non_blocking=True)
+            out = native.plan.check(scale, False, True, self.norm_type, float(self.max_grad_norm))
             if out:
                 return out[2]
         tensors = [g for g in (grads.get(p, p.grad) if grads is not None else p.grad for p in self._all_params()) if g is not None]
@@ -489,8 +567,9 @@ class GradAccumulator:
             return None
         device = tensors[0].device
         with torch.no_grad():
-            _, coef = ops.check_norm_(tensors, torch.zeros(1, device=device), torch.ones(1, device=device),
-                                      norm_type=self.norm_type, max_norm=float(self.max_grad_norm))
+            scale = torch.ones(1, device=device) if divisor is None else divisor.to(device, non_blocking=True).reshape(1)
+            _, coef = ops.check_norm_(tensors, torch.zeros(1, device=device), norm_type=self.norm_type,
+                                      max_norm=float(self.max_grad_norm), scale=scale)
         return coef
 
     # ---- checkpoints ---------------------------------------------------------------------------
@@ -531,6 +610,8 @@ class GradAccumulator:
             buffered = {id(p) for p in w.params()}
             sd["grads"] = {i: p.grad.detach().clone() for i, p in enumerate(params)
                            if id(p) not in buffered and p.grad is not None}
+            # backward's counts: the window's total so far (None: micro-batches without counts)
+            sd["count_total"] = self._count_total.detach().clone() if self._counting else None
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -563,6 +644,11 @@ class GradAccumulator:
                 params, _engine_list(state_dict.get("buffered")), entries("buffers"), entries("found_inf"),
                 _engine_list(state_dict.get("has_grad")), {k: _engine_value(v) for k, v in grads.items()},
                 "the state dict's {} entry", True)
+        count_total = state_dict.get("count_total") if micro != 0 else None
+        if count_total is not None and not (isinstance(count_total, torch.Tensor) and count_total.numel() == 1
+                                            and count_total.is_floating_point()):
+            raise ValueError(f"the state dict's count_total must be a 1-element floating-point tensor or None, got "
+                             f"{count_total!r}.")
         if self._our_scaler and state_dict.get("scaler"):
             cast(_AmpfuseScaler, self.scaler)._validate_state_dict(state_dict["scaler"])
         # apply
@@ -574,5 +660,8 @@ class GradAccumulator:
         self.micro_step = micro
         self.windows = windows
         self.skipped_windows_host = skipped
+        self._counting = (count_total is not None) if micro != 0 else None
+        device = params[0].device if params else torch.device("cpu")
+        self._count_total = count_total.detach().reshape(()).to(device, torch.float32) if count_total is not None else None
         self._window.load(params, micro != 0)
         self.window_ended = False
