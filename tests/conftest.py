@@ -97,3 +97,28 @@ def pytest_collection_modifyitems(session, config, items):
         return _LONG_FIRST.index(name) if name in _LONG_FIRST else len(_LONG_FIRST)
 
     items.sort(key=rank)  # stable: each file keeps its own order
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Within: records each call that reads a tensor's value on the host (``item``, ``bool``,
+    ``float``, ``int``, ``tolist``, ``cpu``, ``numpy``) in ``.reads``, unless ``ignore(tensor)``.
+    On a GPU each would be a sync (and an error under CUDA-graph capture)."""
+
+    READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
+             torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__index__}
+
+    def __init__(self, ignore=None) -> None:
+        super().__init__()
+        self.ignore = ignore or (lambda t: False)
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS and args and not self.ignore(args[0]):
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def scaler_counters(scaler):
+    """For HostReads' ``ignore``: the scaler's diagnostic counters, which update() reads on a CPU
+    (on a GPU: a pinned copy, polled steps later, never during a capture)."""
+    return lambda t: t is scaler._stats or getattr(t, "_base", None) is scaler._stats

@@ -19,7 +19,7 @@ from torch import nn
 
 import ampfuse
 from ampfuse import ops
-from conftest import DEVICES
+from conftest import DEVICES, HostReads, scaler_counters
 from dist_utils import run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -861,25 +861,16 @@ def test_token_weighted_window_reads_nothing_on_the_host():
     opt = ampfuse.optim.AdamW(model.parameters(), lr=0.01)
     acc = ampfuse.GradAccumulator(model, opt, ampfuse.GradScaler("cpu", init_scale=2.0**12), steps=3, max_grad_norm=1.0)
     tokens, labels = _padded_batch()
-    reads = []
-
-    class Reads(torch.overrides.TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func in (torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.tolist,
-                        torch.Tensor.cpu, torch.Tensor.__int__):
-                # (the scaler's diagnostic counters are read here on a CPU; on a GPU a pinned copy, later)
-                if getattr(args[0], "_base", None) is not acc.scaler._stats:
-                    reads.append(func.__name__)
-            return func(*args, **(kwargs or {}))
+    mode = HostReads(ignore=scaler_counters(acc.scaler))
 
     for window in range(2):  # the second window: the steady state (plans built)
         for k in range(3):
             t, lab = tokens[2 * k:2 * k + 2], labels[2 * k:2 * k + 2]
             count = (lab != _PAD).sum()
-            with Reads() if window == 1 else contextlib.nullcontext():
+            with mode if window == 1 else contextlib.nullcontext():
                 with acc.accumulate():
                     acc.backward(_token_mean_loss(model, t, lab), count=count)
-    assert reads == []
+    assert mode.reads == []
 
 
 def test_token_weighted_mid_window_checkpoint_resumes_bitwise():

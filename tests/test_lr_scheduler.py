@@ -17,6 +17,7 @@ from torch.optim import lr_scheduler as T
 
 import ampfuse
 from ampfuse import lr_scheduler as A
+from conftest import HostReads, requires_cuda
 from ampfuse.optim import StepScaling
 
 STEPS = 40
@@ -129,22 +130,6 @@ def test_a_resumed_run_continues_the_schedule_exactly(name, make_torch, make_our
     assert first + rest == straight
 
 
-class _HostReads(torch.overrides.TorchFunctionMode):
-    """Counts the calls that read a tensor's value on the host."""
-
-    READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
-             torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__index__}
-
-    def __init__(self):
-        super().__init__()
-        self.reads = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.READS:
-            self.reads.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize(("name", "make_torch", "make_ours"), CASES, ids=IDS)
 def test_step_reads_nothing_on_the_host(name, make_torch, make_ours):
     opt = ampfuse.optim.SGD(_groups(_params()), lr=0.1)
@@ -153,7 +138,7 @@ def test_step_reads_nothing_on_the_host(name, make_torch, make_ours):
         for g in opt.param_groups:
             g["params"][0].grad = torch.ones(5)
         opt.step(scaling=_scaling(k, {2}))
-        with _HostReads() as mode:
+        with HostReads() as mode:
             sched.step()
         assert mode.reads == [], mode.reads
 
@@ -275,3 +260,26 @@ def test_a_refused_construction_leaves_the_optimizers_lr_alone():
     with pytest.raises(ValueError):
         A.OneCycleLR(opt, max_lr=0.1, total_steps=10)
     assert opt.param_groups[0]["lr"] == 0.1 and "max_lr" not in opt.param_groups[0]
+
+
+@requires_cuda
+@pytest.mark.parametrize(("name", "make_torch", "make_ours"), CASES, ids=IDS)
+def test_cuda_schedules_step_without_a_sync(name, make_torch, make_ours):
+    """On a GPU every schedule's step() runs with CUDA's sync debug mode set to error (after a
+    first step, which makes the constant tables), and gives the CPU run's learning rates."""
+    params = [[p.detach().cuda().requires_grad_()] for p in sum(_params(), [])]
+    opt = ampfuse.optim.SGD(_groups(params), lr=0.1)
+    sched = make_ours(opt)
+    lrs = []
+    for k in range(12):
+        for g in opt.param_groups:
+            g["params"][0].grad = torch.ones(5, device="cuda")
+        opt.step(scaling=StepScaling(None, torch.full((1,), 1.0 if k in SKIPS else 0.0, device="cuda"), None))
+        if k:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            sched.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        lrs.append(sched.get_last_lr())
+    _close(lrs, _ampfuse_run(make_ours, steps=12)[0])

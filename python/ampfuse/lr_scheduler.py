@@ -46,7 +46,8 @@ __all__ = [
 
 _F64 = torch.float64
 # State that is code or live references, never saved.
-_UNSAVED = ("optimizer", "_scaler", "_lr_tensors", "_values", "lr_lambdas", "_schedulers")
+_UNSAVED = ("optimizer", "_scaler", "_lr_tensors", "_values", "lr_lambdas", "_schedulers", "_milestones_t", "_starts_t",
+            "_lengths_t")
 
 
 def _device_of(optimizer: Optimizer) -> torch.device:
@@ -177,7 +178,8 @@ class LRScheduler(_torch.LRScheduler):
 
 
 def _pow(base: float, e: torch.Tensor) -> torch.Tensor:
-    return torch.pow(torch.as_tensor(base, dtype=e.dtype, device=e.device), e)
+    # (full_like: a fill on the device, no host-to-device copy, so a CUDA-graph capture may record it)
+    return torch.pow(torch.full_like(e, base), e)
 
 
 class LambdaLR(LRScheduler):
@@ -256,7 +258,7 @@ class MultiStepLR(LRScheduler):
         super().__init__(optimizer, last_epoch, scaler=scaler)
 
     def _factors_at(self, t):
-        ms = torch.tensor(sorted(self.milestones.elements()), dtype=t.dtype, device=t.device)
+        ms = _constant(self, "_milestones_t", sorted(self.milestones.elements()), t)
         return [_pow(self.gamma, (ms <= t).sum().to(t.dtype))] * len(self.base_lrs)
 
 
@@ -282,6 +284,16 @@ class PolynomialLR(LRScheduler):
 
     def _factors_at(self, t):
         return [(1.0 - torch.clamp(t, max=self.total_iters) / self.total_iters) ** self.power] * len(self.base_lrs)
+
+
+def _constant(owner: Any, name: str, values: list[float] | Callable[[], list[float]], t: torch.Tensor) -> torch.Tensor:
+    """A schedule's table of constants on ``t``'s device, made once (on the first step, before any
+    CUDA-graph capture: a capture cannot record the host-to-device copy) and kept out of its state."""
+    cached = owner.__dict__.get(name)
+    if cached is None or cached.device != t.device or cached.dtype != t.dtype:
+        cached = torch.tensor(values() if callable(values) else values, dtype=t.dtype, device=t.device)
+        owner.__dict__[name] = cached
+    return cached
 
 
 def _cosine(t: torch.Tensor, period: torch.Tensor | float) -> torch.Tensor:
@@ -323,19 +335,21 @@ class CosineAnnealingWarmRestarts(LRScheduler):
         self.T_0, self.T_mult, self.eta_min = T_0, T_mult, eta_min
         super().__init__(optimizer, last_epoch, scaler=scaler)
 
-    def _period(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T_cur, T_i): steps into the current period and its length."""
-        if self.T_mult == 1:
-            return torch.remainder(t, self.T_0), torch.full_like(t, float(self.T_0))
-        # the periods' starts, up to what an fp64 count can reach
+    def _starts(self) -> list[float]:
+        """The periods' starts, up to what an fp64 count can reach."""
         starts, length = [0.0], float(self.T_0)
         while starts[-1] < 2.0**53:
             starts.append(starts[-1] + length)
             length *= self.T_mult
-        s = torch.tensor(starts, dtype=t.dtype, device=t.device)
+        return starts
+
+    def _period(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T_cur, T_i): steps into the current period and its length."""
+        if self.T_mult == 1:
+            return torch.remainder(t, self.T_0), torch.full_like(t, float(self.T_0))
+        s = _constant(self, "_starts_t", self._starts, t)
+        lengths = _constant(self, "_lengths_t", lambda: [self.T_0 * float(self.T_mult) ** k for k in range(len(s))], t)
         n = (s <= t).sum() - 1
-        lengths = torch.tensor([self.T_0 * float(self.T_mult) ** k for k in range(len(starts))], dtype=t.dtype,
-                               device=t.device)
         return t - s[n], lengths[n]
 
     def _lrs_at(self, t):
