@@ -659,8 +659,15 @@ class GradScaler(torch.amp.GradScaler):
 
         Call it after :meth:`update` where you would call ``scheduler.step()``. Reads the skip flag
         on the host: free when the optimizer was stepped through torch's synchronising path, one
-        wait for the end of the iteration otherwise. Returns whether the scheduler stepped.
+        wait for the end of the iteration otherwise. Returns whether the scheduler stepped. A
+        device schedule (:mod:`ampfuse.lr_scheduler`) counts only the steps taken itself: it is
+        stepped with no read, and True is returned.
         """
+        from ampfuse.lr_scheduler import LRScheduler
+
+        if isinstance(scheduler, LRScheduler):
+            scheduler.step(*args, **kwargs)
+            return True
         if self._enabled and self._last_found_inf is not None and self._last_found_inf.item() != 0.0:
             return False
         scheduler.step(*args, **kwargs)
