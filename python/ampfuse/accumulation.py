@@ -497,8 +497,9 @@ class GradAccumulator:
         if scaler is None:
             if divisor is not None and not self._fused_opt:
                 with torch.no_grad():  # the optimizer reads .grad: the window's mean in place
-                    for p in self._params_with_grad():
-                        p.grad.div_(divisor.to(p.grad.device, non_blocking=True))
+                    for g in (p.grad for p in self._params_with_grad()):
+                        if g is not None:
+                            g.div_(divisor.to(g.device, non_blocking=True))
                 divisor = None
             scaling = StepScaling(grad_scale=divisor)
             if self.max_grad_norm is None:
@@ -611,7 +612,8 @@ class GradAccumulator:
             sd["grads"] = {i: p.grad.detach().clone() for i, p in enumerate(params)
                            if id(p) not in buffered and p.grad is not None}
             # backward's counts: the window's total so far (None: micro-batches without counts)
-            sd["count_total"] = self._count_total.detach().clone() if self._counting else None
+            total = self._count_total
+            sd["count_total"] = total.detach().clone() if self._counting and total is not None else None
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

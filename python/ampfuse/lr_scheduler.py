@@ -106,7 +106,7 @@ class LRScheduler(_torch.LRScheduler):
             flag = self._scaler.last_found_inf
         return flag
 
-    def step(self, epoch: int | None = None) -> None:  # type: ignore[override]
+    def step(self, epoch: int | None = None) -> None:
         """Count the optimizer's last step if it was taken, and write each group's learning rate
         from the count (on the device: no host read)."""
         if epoch is not None:
@@ -615,8 +615,9 @@ def device_twin(scheduler: Any, *, scaler: Any = None) -> LRScheduler:
     elif isinstance(scheduler, _torch.MultiStepLR):
         twin = MultiStepLR(opt, list(scheduler.milestones.elements()), scheduler.gamma, scaler=scaler)
     elif isinstance(scheduler, _torch.LambdaLR):
-        fs = [_transformers_lambda(f) for f in scheduler.lr_lambdas]
-        if any(f is None for f in fs):
+        found = [_transformers_lambda(f) for f in scheduler.lr_lambdas]
+        fs = [f for f in found if f is not None]
+        if len(fs) != len(found):
             raise TypeError("device_twin: a LambdaLR of an arbitrary function has no device twin; write its lambda in "
                             "torch ops with ampfuse.lr_scheduler.LambdaLR.")
         twin = LambdaLR(opt, fs, scaler=scaler)
