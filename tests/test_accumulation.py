@@ -916,3 +916,34 @@ def test_token_weighted_bad_input():
         with pytest.raises(ValueError, match=message):
             with acc2.accumulate():
                 acc2.backward(loss(), count=bad)
+
+
+def _ddp_token_worker(rank, world, dtype_name):
+    dtype = getattr(torch, dtype_name)
+    model = _TinyLM().to(dtype)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    acc = ampfuse.GradAccumulator(ddp, ampfuse.optim.SGD(ddp.parameters(), lr=0.5), steps=3)
+    tokens, labels = _padded_batch()
+    for k in range(3):  # rank 0 holds sequences 0-2 (14, 1, 3 tokens), rank 1 sequences 3-5 (7, 2, 5)
+        i = 3 * rank + k
+        t, lab = tokens[i:i + 1], labels[i:i + 1]
+        with acc.accumulate():
+            acc.backward(_token_mean_loss(ddp, t, lab), count=(lab != _PAD).sum())
+    return [p.detach().float().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_token_weighted_ddp_window_equals_the_full_batch_token_mean(dtype_name):
+    """Two ranks with different token counts: the window's step is the token mean over both ranks'
+    micro-batches (fp32 params: .grad sums synced by DDP; bf16: the fp32 buffers' exchange)."""
+    got = run_ranks(_ddp_token_worker, 2, dtype_name)[0]
+    dtype = getattr(torch, dtype_name)
+    model = _TinyLM().to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    tokens, labels = _padded_batch()
+    logits = model(tokens).float()
+    torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=_PAD).backward()
+    opt.step()
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for p, q in zip(model.parameters(), got):
+        torch.testing.assert_close(q, p.detach().float(), **tol)

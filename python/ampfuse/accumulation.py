@@ -397,10 +397,6 @@ class GradAccumulator:
         meta = torch.cat([fi.reshape(1), mask])
         dist.all_reduce(meta, op=dist.ReduceOp.MAX, group=group)
         fi.copy_(meta[0])
-        if self._count_total is not None:
-            # the sums are averaged over the ranks below: the window's divisor is the mean count
-            dist.all_reduce(self._count_total, group=group)
-            self._count_total.div_(world)
         agreed = meta[1:].tolist()  # the one host read of the window: which parameters are stepped
         self._has_grad = [bool(v) for v in agreed[: len(low)]]
         for flat in self._window.flats():
@@ -437,6 +433,12 @@ class GradAccumulator:
                 low = self._low
                 buffered = {id(p) for p in low}
                 with torch.no_grad():
+                    if self._ddp and self._counting and self._count_total is not None:
+                        # the sums are averaged over the ranks: the window's divisor is the mean count
+                        import torch.distributed as dist
+
+                        dist.all_reduce(self._count_total, group=self._group)
+                        self._count_total.div_(dist.get_world_size(self._group))
                     if self._ddp and low:
                         # Every micro-batch ran under no_sync: one exchange, the same on every rank.
                         self._sync_ddp()
