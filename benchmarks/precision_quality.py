@@ -164,7 +164,11 @@ def plot(result: dict, path: str) -> None:
         ref = dict((int(s), v) for s, v in runs[REFERENCE]["val_curve"])
         for name, r in runs.items():
             pts = [(s, v - ref[int(s)]) for s, v in r["val_curve"] if int(s) in ref]
-            ax.plot([s for s, _ in pts], [g for _, g in pts], marker=".", label=name, lw=1)
+            # colour by moments (or peer), line style by master form
+            moments, _, masters = name.partition("/")
+            style = {"fp32": "-", "remainder": "--", "stochastic": ":", "none": "-."}.get(masters, (0, (1, 3)))
+            color = f"C{(list(_MOMENTS) + list(PEERS)).index(moments) % 10}" if moments in _MOMENTS or moments in PEERS else None
+            ax.plot([s for s, _ in pts], [g for _, g in pts], marker=".", label=name, lw=1, ls=style, color=color)
         ax.axhspan(-GOAL_NATS, GOAL_NATS, color="0.9")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(f"validation loss - {REFERENCE} (nats)")
@@ -240,6 +244,7 @@ def add_choices(path: str, todo: dict) -> dict:
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
     os.replace(path + ".tmp", path)
+    plot(result, os.path.splitext(path)[0] + ".png")
     import report
 
     print(report.precision_quality_text(result, result["machine"]["date"]))
