@@ -17,7 +17,7 @@ from torch.optim import lr_scheduler as T
 
 import ampfuse
 from ampfuse import lr_scheduler as A
-from conftest import HostReads, requires_cuda
+from conftest import HostReads, requires_cuda, scaler_counters
 from ampfuse.optim import StepScaling
 
 STEPS = 40
@@ -283,3 +283,58 @@ def test_cuda_schedules_step_without_a_sync(name, make_torch, make_ours):
             torch.cuda.set_sync_debug_mode(0)
         lrs.append(sched.get_last_lr())
     _close(lrs, _ampfuse_run(make_ours, steps=12)[0])
+
+
+# ---- the scaler's scheduler_step and the accumulator --------------------------------------------------
+
+
+def _overflowing_steps(opt, scaler, p, n=4, overflow=1):
+    for k in range(n):
+        loss = (p * p).sum() * (float("inf") if k == overflow else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        yield k
+
+
+def test_scaler_scheduler_step_steps_a_device_schedule_without_a_read():
+    p = torch.randn(4, requires_grad=True)
+    opt = ampfuse.optim.SGD([p], lr=1.0)
+    scaler = ampfuse.GradScaler("cpu", init_scale=16.0)
+    sched = A.ExponentialLR(opt, gamma=0.5)
+    for _ in _overflowing_steps(opt, scaler, p):
+        with HostReads(ignore=scaler_counters(scaler)) as mode:
+            assert scaler.scheduler_step(sched)
+        assert mode.reads == []
+    assert sched.get_last_lr() == [0.5**3]
+
+
+def test_a_schedule_that_cannot_see_skips_is_stepped_only_after_taken_steps():
+    """torch's optimizer, schedule built without a scaler: it counts every call, so the scaler
+    reads the flag and steps it only after taken steps (as for torch's schedules)."""
+    p = torch.randn(4, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=torch.tensor(1.0))
+    scaler = ampfuse.GradScaler("cpu", init_scale=16.0)
+    sched = A.ExponentialLR(opt, gamma=0.5)
+    assert not sched.sees_skips() and A.ExponentialLR(opt, gamma=0.5, scaler=scaler).sees_skips()
+    stepped = [scaler.scheduler_step(sched) for _ in _overflowing_steps(opt, scaler, p)]
+    assert stepped == [True, False, True, True] and sched.get_last_lr() == [0.5**3]
+
+
+def test_the_accumulator_steps_a_device_schedule_without_a_read():
+    """A window skipped for an overflow does not advance the schedule, and no flag is read."""
+    model = torch.nn.Linear(3, 2)
+    opt = ampfuse.optim.SGD(model.parameters(), lr=1.0)
+    scaler = ampfuse.GradScaler("cpu", init_scale=16.0)
+    sched = A.StepLR(opt, step_size=1, gamma=0.5)
+    acc = ampfuse.GradAccumulator(model, opt, scaler, steps=2, lr_scheduler=sched)
+    mode = HostReads(ignore=scaler_counters(scaler))
+    for w in range(4):
+        for k in range(2):
+            x = torch.full((1, 3), float("inf") if (w, k) == (1, 0) else 1.0)
+            with mode if w == 3 else contextlib.nullcontext():
+                with acc.accumulate():
+                    acc.backward(model(x).sum())
+    assert mode.reads == []
+    assert sched.get_last_lr() == [0.5**3] and acc.skipped_windows_host == 0

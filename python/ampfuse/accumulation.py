@@ -521,7 +521,7 @@ class GradAccumulator:
         flag = sum(f.to(device, non_blocking=True) for f in found).clone() if found else None
         scaler.update()
         if self.lr_scheduler is not None:
-            if isinstance(self.lr_scheduler, _DeviceSchedule):
+            if isinstance(self.lr_scheduler, _DeviceSchedule) and self.lr_scheduler.sees_skips():
                 self.lr_scheduler.step()  # it counts only the windows that stepped, on the device
             # One host read per window (the flag of a step that has just been queued).
             elif flag is not None and flag.item() != 0.0:

@@ -660,12 +660,13 @@ class GradScaler(torch.amp.GradScaler):
         Call it after :meth:`update` where you would call ``scheduler.step()``. Reads the skip flag
         on the host: free when the optimizer was stepped through torch's synchronising path, one
         wait for the end of the iteration otherwise. Returns whether the scheduler stepped. A
-        device schedule (:mod:`ampfuse.lr_scheduler`) counts only the steps taken itself: it is
-        stepped with no read, and True is returned.
+        device schedule (:mod:`ampfuse.lr_scheduler`) that sees the skips itself (its
+        ``sees_skips()``) counts only the steps taken: it is stepped with no read, and True is
+        returned.
         """
         from ampfuse.lr_scheduler import LRScheduler
 
-        if isinstance(scheduler, LRScheduler):
+        if isinstance(scheduler, LRScheduler) and scheduler.sees_skips():
             scheduler.step(*args, **kwargs)
             return True
         if self._enabled and self._last_found_inf is not None and self._last_found_inf.item() != 0.0:

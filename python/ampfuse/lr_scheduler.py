@@ -100,6 +100,12 @@ class LRScheduler(_torch.LRScheduler):
     def _factors_at(self, t: torch.Tensor) -> list[torch.Tensor]:
         raise TypeError(f"{type(self).__name__} has no multiplicative form.")
 
+    def sees_skips(self) -> bool:
+        """Whether :meth:`step` can tell a skipped step: the optimizer reports its skip flag
+        (ampfuse's optimizers), or the schedule was given a ``scaler``. Otherwise every call
+        counts, and the caller must call :meth:`step` only after taken steps (as with torch's)."""
+        return hasattr(self.optimizer, "last_step_skipped") or self._scaler is not None
+
     def _skip_flag(self) -> torch.Tensor | None:
         flag = getattr(self.optimizer, "last_step_skipped", None)
         if flag is None and self._scaler is not None:
