@@ -102,6 +102,9 @@ __device__ __forceinline__ bool aligned_quad(const void* p) {
 template <MasterKind MK, typename T>
 struct Master {
   using Storage = std::conditional_t<MK == MasterKind::Remainder, int16_t, float>;
+  // Whether a master tensor exists (known at compile time: the kinds without one keep no
+  // registers for it).
+  static constexpr bool kTensor = MK == MasterKind::Float || MK == MasterKind::Remainder;
   // The value the update starts from.
   static __device__ __forceinline__ float load(T param, Storage master) {
     if constexpr (MK == MasterKind::None || MK == MasterKind::Stochastic) {
@@ -144,7 +147,7 @@ __device__ AMPFUSE_PASS_BODY void process_chunk(T* param, const G* grad,
   using M = Master<MK, T>;
   using MS = typename M::Storage;
   bool vec = aligned_quad<T>(param) && aligned_quad<G>(grad) &&
-             (master == nullptr || aligned_quad<MS>(master));
+             (!M::kTensor || master == nullptr || aligned_quad<MS>(master));
 #pragma unroll
   for (int k = 0; k < NS; ++k) vec = vec && (state[k] == nullptr || aligned_quad<S>(state[k]));
   int64_t i0 = begin;
@@ -155,7 +158,7 @@ __device__ AMPFUSE_PASS_BODY void process_chunk(T* param, const G* grad,
       float p[4], st[NS][4] = {};  // absent states stay 0 (never stored)
       const Quad<T> pq = *reinterpret_cast<const Quad<T>*>(param + i);
       Quad<MS> mq{};
-      if (master) mq = *reinterpret_cast<const Quad<MS>*>(master + i);
+      if (M::kTensor && master) mq = *reinterpret_cast<const Quad<MS>*>(master + i);
 #pragma unroll
       for (int e = 0; e < 4; ++e) p[e] = M::load(pq.v[e], mq.v[e]);
       const Quad<G> gq = *reinterpret_cast<const Quad<G>*>(grad + i);
@@ -183,7 +186,7 @@ __device__ AMPFUSE_PASS_BODY void process_chunk(T* param, const G* grad,
 #pragma unroll
       for (int e = 0; e < 4; ++e) out.v[e] = M::store(p[e], mq.v[e], key, i + e, pq.v[e]);
       *reinterpret_cast<Quad<T>*>(param + i) = out;
-      if (master) *reinterpret_cast<Quad<MS>*>(master + i) = mq;
+      if (M::kTensor && master) *reinterpret_cast<Quad<MS>*>(master + i) = mq;
 #pragma unroll
       for (int k = 0; k < NS; ++k) {
         if (state[k] != nullptr && Kind::uses_state(s, k)) {
@@ -197,7 +200,7 @@ __device__ AMPFUSE_PASS_BODY void process_chunk(T* param, const G* grad,
     i0 = begin + 4 * nq;
   }
   for (int64_t i = i0 + threadIdx.x; i < end; i += blockDim.x) {
-    MS m = master ? master[i] : MS{};
+    MS m = (M::kTensor && master) ? master[i] : MS{};
     const T old = param[i];
     float p = M::load(old, m);
     float g = to_float(grad[i]);
@@ -210,7 +213,7 @@ __device__ AMPFUSE_PASS_BODY void process_chunk(T* param, const G* grad,
     }
     p = Kind::update(p, g, se, s);
     param[i] = M::store(p, m, key, i, old);
-    if (master) master[i] = m;
+    if (M::kTensor && master) master[i] = m;
 #pragma unroll
     for (int k = 0; k < NS; ++k) {
       if (state[k] != nullptr && Kind::uses_state(s, k)) state[k][i] = from_float<S>(se[k]);
@@ -345,11 +348,11 @@ __device__ AMPFUSE_PASS_BODY void optim_quant_pass(const TableMeta<kQuantLists<K
         se[k] = (live && Kind::uses_state(s, k)) ? quant_decode(codes[i], absmax[block], tables[k], formats.f[k]) : 0.0f;
       }
       if (live) {
-        MS m = master ? master[i] : MS{};
+        MS m = (M::kTensor && master) ? master[i] : MS{};
         const T old = param[i];
         const float p = Kind::update(M::load(old, m), prep(to_float(grad[i])), se, s);
         param[i] = M::store(p, m, key, i, old);
-        if (master) master[i] = m;
+        if (M::kTensor && master) master[i] = m;
       }
 #pragma unroll
       for (int k = 0; k < NS; ++k) {

@@ -147,16 +147,16 @@ MUTANTS = [
      "out.v[e] = M::store(p[e], mq.v[e], key, 4 * q + e, pq.v[e]);"),
     ("stochastic rounding: the draw keyed on the param's bits after the update, not before",
      "optim_kernels.cu",
-     "    param[i] = M::store(p, m, key, i, old);\n    if (master) master[i] = m;\n#pragma unroll",
-     "    param[i] = M::store(p, m, key, i, from_float<T>(p));\n    if (master) master[i] = m;\n#pragma unroll"),
+     "    param[i] = M::store(p, m, key, i, old);\n    if (M::kTensor && master) master[i] = m;\n#pragma unroll",
+     "    param[i] = M::store(p, m, key, i, from_float<T>(p));\n    if (M::kTensor && master) master[i] = m;\n#pragma unroll"),
     ("stochastic rounding: the key taken from the step count after the update",
      "optim_kernels.cu",
      "rounding_key(hyper.rounding_seed, step_before)",
      "rounding_key(hyper.rounding_seed, step_before + 1.0f)"),
     ("8-bit step, stochastic rounding: the draw keyed on the element's index in its quantization block",
      "optim_kernels.cu",
-     "        param[i] = M::store(p, m, key, i, old);\n        if (master) master[i] = m;",
-     "        param[i] = M::store(p, m, key, i - b0, old);\n        if (master) master[i] = m;"),
+     "        param[i] = M::store(p, m, key, i, old);\n        if (M::kTensor && master) master[i] = m;",
+     "        param[i] = M::store(p, m, key, i - b0, old);\n        if (M::kTensor && master) master[i] = m;"),
 ]
 
 # The short block-quantization suite first: its mutants are caught without the long suites' run.
