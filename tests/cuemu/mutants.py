@@ -67,7 +67,7 @@ MUTANTS = [
      "  for (int32_t c = blockIdx.x; c < nchunks; c += gridDim.x + 1) {\n    const int t = find_tensor(meta, c);\n    const int64_t begin = static_cast<int64_t>(c - meta.chunk_start[t]) * kChunkSize;\n    const int64_t end = min(begin + kChunkSize, meta.numel[t]);\n    float* step"),
     ("optimizer quad path ignores the master's alignment",
      "optim_kernels.cu",
-     "(master == nullptr || aligned_quad<MS>(master));",
+     "(!M::kTensor || master == nullptr || aligned_quad<MS>(master));",
      "true;"),
     ("skip path removed: a set found_inf still steps",
      "optim_kernels.cu",
