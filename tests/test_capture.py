@@ -89,11 +89,17 @@ def _assert_same(a: dict, b: dict) -> None:
 WARMUP = 2  # eager steps first: lazy state, step plans (a capture records a warmed-up step)
 
 
-def test_the_whole_step_under_the_emulated_capture_reads_nothing_and_equals_eager():
-    eager = _Training("cpu")
+def _eager(device: str) -> _Training:
+    """STEPS steps run one after the other."""
+    t = _Training(device)
     for k in range(STEPS):
-        eager.feed(k)
-        eager.step()
+        t.feed(k)
+        t.step()
+    return t
+
+
+def test_the_whole_step_under_the_emulated_capture_reads_nothing_and_equals_eager():
+    eager = _eager("cpu")
     captured = _Training("cpu")
     for k in range(WARMUP):
         captured.feed(k)
@@ -117,10 +123,7 @@ def test_the_whole_step_under_the_emulated_capture_reads_nothing_and_equals_eage
 @requires_cuda
 def test_cuda_graph_of_the_whole_step_replays_as_eager_steps():
     """Captured once, replayed for steps WARMUP..STEPS-1: the same bits as those steps run eagerly."""
-    eager = _Training("cuda")
-    for k in range(STEPS):
-        eager.feed(k)
-        eager.step()
+    eager = _eager("cuda")
     captured = _Training("cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

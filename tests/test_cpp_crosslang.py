@@ -145,27 +145,35 @@ def _run_python_resumed(d: dict[str, torch.Tensor], resume: bool = True) -> dict
     return res
 
 
+def _scaled_run_with_checkpoint(d, inputs: str, params, build, init_scale: float, steps: int, checkpoint_after: int):
+    """Two params stepped through an ampfuse scaler on the C++ program's inputs ``<inputs>/<step>/<i>``;
+    after step ``checkpoint_after`` the optimizer's state_dict is loaded into a fresh optimizer
+    (``build(params, first=False)``) over copies of the params. Returns the params and optimizer."""
+    opt = build(params, True)
+    scaler = ampfuse.GradScaler("cpu", init_scale=init_scale)
+    for step in range(steps):
+        scaler.scale(_loss(params, [d[f"{inputs}/{step}/{i}"] for i in range(2)])).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if step == checkpoint_after:
+            saved = copy.deepcopy(opt.state_dict())
+            params = [p.detach().clone().requires_grad_(True) for p in params]
+            opt = build(params, False)
+            opt.load_state_dict(saved)
+    return params, opt
+
+
 def _run_python_8bit(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Phase 4: uint8 / e5m2 moments with remainders, an overflow, an optimizer checkpoint."""
     res: dict[str, torch.Tensor] = {}
     params = [d[f"init4/{i}"].clone().requires_grad_(True) for i in range(2)]
 
-    def build(ps):
+    def build(ps, first=True):
         return ampfuse.optim.AdamW(ps, lr=1e-2, weight_decay=0.01, master_weights="remainder",
                                    state_dtype=torch.uint8, exp_avg_sq_dtype=torch.float8_e5m2)
 
-    opt = build(params)
-    scaler = ampfuse.GradScaler("cpu", init_scale=512.0)
-    for step in range(6):
-        scaler.scale(_loss(params, [d[f"x4/{step}/{i}"] for i in range(2)])).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        if step == 3:
-            saved = copy.deepcopy(opt.state_dict())
-            params = [p.detach().clone().requires_grad_(True) for p in params]
-            opt = build(params)
-            opt.load_state_dict(saved)
+    params, opt = _scaled_run_with_checkpoint(d, "x4", params, build, 512.0, steps=6, checkpoint_after=3)
     for i, p in enumerate(params):
         state = opt.state[p]
         res[f"out4/param/{i}"] = p.detach().clone()
@@ -184,21 +192,10 @@ def _run_python_stochastic(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     res: dict[str, torch.Tensor] = {}
     params = [d[f"init5/{i}"].clone().requires_grad_(True) for i in range(2)]
 
-    def build(ps, seed):
-        return ampfuse.optim.SGD(ps, lr=1e-3, momentum=0.9, master_weights="stochastic", rounding_seed=seed)
+    def build(ps, first):
+        return ampfuse.optim.SGD(ps, lr=1e-3, momentum=0.9, master_weights="stochastic", rounding_seed=123 if first else 0)
 
-    opt = build(params, 123)
-    scaler = ampfuse.GradScaler("cpu", init_scale=256.0)
-    for step in range(5):
-        scaler.scale(_loss(params, [d[f"x5/{step}/{i}"] for i in range(2)])).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        if step == 2:
-            saved = copy.deepcopy(opt.state_dict())
-            params = [p.detach().clone().requires_grad_(True) for p in params]
-            opt = build(params, 0)
-            opt.load_state_dict(saved)
+    params, opt = _scaled_run_with_checkpoint(d, "x5", params, build, 256.0, steps=5, checkpoint_after=2)
     for i, p in enumerate(params):
         res[f"out5/param/{i}"] = p.detach().clone()
         res[f"out5/momentum_buffer/{i}"] = opt.state[p]["momentum_buffer"].clone()

@@ -436,6 +436,20 @@ class _Composite(LRScheduler):
 
     _schedulers: list[LRScheduler]
 
+    def _check_schedules(self, schedulers: Sequence[Any], optimizer: Optimizer, hint: str = "") -> None:
+        """At least one, each an ampfuse schedule of ``optimizer`` (torch's messages)."""
+        name = type(self).__name__
+        if len(schedulers) < 1:
+            raise ValueError(f"{name} expects at least one scheduler, but got no scheduler.")
+        for i, s in enumerate(schedulers):
+            if not isinstance(s, LRScheduler):
+                raise TypeError(f"{name}: schedulers[{i}] must be an ampfuse.lr_scheduler schedule, got "
+                                f"{type(s).__name__}{hint}.")
+            if s.optimizer is not optimizer:
+                raise ValueError(f"{name} expects all schedulers to belong to the same optimizer, but got scheduler "
+                                 f"{type(s).__name__} at index {i} has {s.optimizer}, which is different from "
+                                 f"{type(optimizer).__name__}.")
+
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd["_schedulers"] = [s.state_dict() for s in self._schedulers]
@@ -454,16 +468,7 @@ class SequentialLR(_Composite):
 
     def __init__(self, optimizer: Optimizer, schedulers: list[LRScheduler], milestones: list[int],
                  last_epoch: int = -1, *, scaler: Any = None) -> None:
-        if len(schedulers) < 1:
-            raise ValueError(f"{type(self).__name__} expects at least one scheduler, but got no scheduler.")
-        for i, s in enumerate(schedulers):
-            if not isinstance(s, LRScheduler):
-                raise TypeError(f"{type(self).__name__}: schedulers[{i}] must be an ampfuse.lr_scheduler schedule, "
-                                f"got {type(s).__name__} (device_twin() converts torch's).")
-            if s.optimizer is not optimizer:
-                raise ValueError(f"{type(self).__name__} expects all schedulers to belong to the same optimizer, but "
-                                 f"got scheduler {type(s).__name__} at index {i} has {s.optimizer}, which is different "
-                                 f"from {type(optimizer).__name__}.")
+        self._check_schedules(schedulers, optimizer, " (device_twin() converts torch's)")
         if len(milestones) != len(schedulers) - 1:
             raise ValueError("Sequential Schedulers expects number of schedulers provided to be one more than the number "
                              f"of milestone points, but got number of schedulers {len(schedulers)} and the number of "
@@ -489,14 +494,8 @@ class ChainedScheduler(_Composite):
         if len(schedulers) < 1:
             raise ValueError(f"{type(self).__name__} expects at least one scheduler to be chained, but got no scheduler.")
         optimizer = optimizer or schedulers[0].optimizer
-        for i, s in enumerate(schedulers):
-            if not isinstance(s, LRScheduler):
-                raise TypeError(f"{type(self).__name__}: schedulers[{i}] must be an ampfuse.lr_scheduler schedule, "
-                                f"got {type(s).__name__}.")
-            if s.optimizer is not optimizer:
-                raise ValueError(f"{type(self).__name__} expects all schedulers to belong to the same optimizer, but "
-                                 f"got scheduler {type(s).__name__} at index {i} has {s.optimizer}, which is different "
-                                 f"from {type(optimizer).__name__}.")
+        self._check_schedules(schedulers, optimizer)
+        for s in schedulers:
             s._factors_at(s.taken_steps)  # refuses a schedule without a multiplicative form
         self._schedulers = list(schedulers)
         super().__init__(optimizer, -1, scaler=scaler)

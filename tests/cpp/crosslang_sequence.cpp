@@ -72,6 +72,34 @@ void record_params(c10::Dict<std::string, at::Tensor>& out, const std::string& p
 
 }  // namespace
 
+// Params stepped `steps` times through a GradScaler of `init_scale` on the inputs `inputs(step)`
+// (recorded as "<tag>/<step>/<i>"); after step `checkpoint_after` the optimizer's checkpoint is
+// loaded into a fresh optimizer, `build(params, false)`, over copies of the params. Returns it.
+template <class Build, class Inputs>
+auto scaled_run_with_checkpoint(c10::Dict<std::string, at::Tensor>& out, const std::string& tag,
+                                std::vector<at::Tensor>& params, const Build& build, double init_scale, int steps,
+                                int checkpoint_after, const Inputs& inputs) {
+  auto opt = build(params, true);
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(init_scale));
+  for (int step = 0; step < steps; ++step) {
+    const std::vector<at::Tensor> xs = inputs(step);
+    for (size_t i = 0; i < xs.size(); ++i) out.insert(tag + "/" + std::to_string(step) + "/" + std::to_string(i), xs[i]);
+    scaler.scale(loss_of(params, xs)).backward();
+    scaler.step(*opt);
+    scaler.update();
+    opt->zero_grad();
+    if (step == checkpoint_after) {
+      const std::string saved = saved_bytes(*opt);
+      std::vector<at::Tensor> fresh;
+      for (const auto& p : params) fresh.push_back(p.detach().clone().set_requires_grad(true));
+      params = fresh;
+      opt = build(params, false);
+      load_bytes(*opt, saved);
+    }
+  }
+  return opt;
+}
+
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::fprintf(stderr, "usage: %s OUTPUT_FILE\n", argv[0]);
@@ -197,30 +225,16 @@ int main(int argc, char** argv) {
                              .master_remainders(true)
                              .state_dtype(at::kByte)
                              .exp_avg_sq_dtype(at::kFloat8_e5m2);
-    auto opt4 = std::make_unique<ampfuse::optim::AdamW>(p4, options);
-    ampfuse::GradScaler scaler4(ampfuse::GradScalerOptions().init_scale(512.0));
-    for (int step = 0; step < 6; ++step) {
-      std::vector<at::Tensor> xs;
-      for (size_t i = 0; i < shapes.size(); ++i) {
-        xs.push_back(at::randn(shapes[i]) * at::logspace(-3, 1, at::randn(shapes[i]).numel()).reshape(shapes[i]));
-      }
-      if (step == 2) xs[0].view({-1})[100] = kInf;
-      for (size_t i = 0; i < xs.size(); ++i) {
-        out.insert("x4/" + std::to_string(step) + "/" + std::to_string(i), xs[i]);
-      }
-      scaler4.scale(loss_of(p4, xs)).backward();
-      scaler4.step(*opt4);
-      scaler4.update();
-      opt4->zero_grad();
-      if (step == 3) {
-        const std::string saved = saved_bytes(*opt4);
-        std::vector<at::Tensor> fresh;
-        for (const auto& p : p4) fresh.push_back(p.detach().clone().set_requires_grad(true));
-        p4 = fresh;
-        opt4 = std::make_unique<ampfuse::optim::AdamW>(p4, options);
-        load_bytes(*opt4, saved);
-      }
-    }
+    const auto opt4 = scaled_run_with_checkpoint(
+        out, "x4", p4, [&](std::vector<at::Tensor>& ps, bool) { return std::make_unique<ampfuse::optim::AdamW>(ps, options); },
+        512.0, 6, 3, [&](int step) {
+          std::vector<at::Tensor> xs;
+          for (size_t i = 0; i < shapes.size(); ++i) {
+            xs.push_back(at::randn(shapes[i]) * at::logspace(-3, 1, at::randn(shapes[i]).numel()).reshape(shapes[i]));
+          }
+          if (step == 2) xs[0].view({-1})[100] = kInf;
+          return xs;
+        });
     for (size_t i = 0; i < p4.size(); ++i) {
       const auto& s = static_cast<const ampfuse::optim::AdamParamState&>(
           *opt4->state().at(p4[i].unsafeGetTensorImpl()));
@@ -247,29 +261,18 @@ int main(int argc, char** argv) {
       p5.push_back((at::randn(shapes[i]) * 0.5).to(at::kBFloat16).set_requires_grad(true));
       out.insert("init5/" + std::to_string(i), p5.back().detach().clone());
     }
-    auto options = ampfuse::optim::SGDOptions(1e-3).momentum(0.9).stochastic_rounding(true).rounding_seed(123);
-    auto opt5 = std::make_unique<ampfuse::optim::SGD>(p5, options);
-    ampfuse::GradScaler scaler5(ampfuse::GradScalerOptions().init_scale(256.0));
-    for (int step = 0; step < 5; ++step) {
-      std::vector<at::Tensor> xs;
-      for (const auto& shape : shapes) xs.push_back(at::randn(shape));
-      if (step == 1) xs[1].view({-1})[3] = kInf;
-      for (size_t i = 0; i < xs.size(); ++i) {
-        out.insert("x5/" + std::to_string(step) + "/" + std::to_string(i), xs[i]);
-      }
-      scaler5.scale(loss_of(p5, xs)).backward();
-      scaler5.step(*opt5);
-      scaler5.update();
-      opt5->zero_grad();
-      if (step == 2) {
-        const std::string saved = saved_bytes(*opt5);
-        std::vector<at::Tensor> fresh;
-        for (const auto& p : p5) fresh.push_back(p.detach().clone().set_requires_grad(true));
-        p5 = fresh;
-        opt5 = std::make_unique<ampfuse::optim::SGD>(p5, options.rounding_seed(0));
-        load_bytes(*opt5, saved);
-      }
-    }
+    const auto options = ampfuse::optim::SGDOptions(1e-3).momentum(0.9).stochastic_rounding(true);
+    const auto opt5 = scaled_run_with_checkpoint(
+        out, "x5", p5,
+        [&](std::vector<at::Tensor>& ps, bool first) {
+          return std::make_unique<ampfuse::optim::SGD>(ps, ampfuse::optim::SGDOptions(options).rounding_seed(first ? 123 : 0));
+        },
+        256.0, 5, 2, [&](int step) {
+          std::vector<at::Tensor> xs;
+          for (const auto& shape : shapes) xs.push_back(at::randn(shape));
+          if (step == 1) xs[1].view({-1})[3] = kInf;
+          return xs;
+        });
     for (size_t i = 0; i < p5.size(); ++i) {
       const auto& s = static_cast<const ampfuse::optim::SGDParamState&>(*opt5->state().at(p5[i].unsafeGetTensorImpl()));
       const std::string n = std::to_string(i);
