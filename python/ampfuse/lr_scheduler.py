@@ -158,6 +158,11 @@ class LRScheduler(_torch.LRScheduler):
         """The learning rates the last :meth:`step` wrote, as floats (a host read, here only)."""
         return [float(v) for v in self._values]
 
+    def last_lr_tensors(self) -> list[torch.Tensor]:
+        """The learning rates the last :meth:`step` wrote, as copies of their device tensors (fp64
+        where the device has it): no host read."""
+        return [v.clone() for v in self._values]
+
     # ---- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """As torch's: the schedule's attributes (not the optimizer, code or live tensors), with

@@ -6,6 +6,8 @@ silent failure (the LR advancing on skipped steps) as a regression."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,7 @@ import ampfuse  # noqa: E402
 from ampfuse.integrations import transformers as af_transformers  # noqa: E402
 
 import ampfuse.lr_scheduler  # noqa: E402
+from conftest import HostReads  # noqa: E402
 from integ_helpers import (  # noqa: E402
     ACCUM, ATOL, LR, MAX_NORM, MICRO_BATCHES, RTOL, SCALER_KWARGS, count_flag_reads, make_data, make_model, masters_of,
 )
@@ -57,7 +60,7 @@ def _dataset():
     return [{"x": x, "labels": y} for x, y in make_data(MICRO_BATCHES, batch=1)]
 
 
-def train(kind: str, out_dir, dtype=torch.float32, resume=None, enable=True, fp16_init=False):
+def train(kind: str, out_dir, dtype=torch.float32, resume=None, enable=True, fp16_init=False, logging_steps=1):
     AcceleratorState._reset_state(reset_partial_state=True)
     model = LossModel(dtype, fp16_init)
     cls = ampfuse.optim.AdamW if kind == "ampfuse" else torch.optim.AdamW
@@ -65,7 +68,7 @@ def train(kind: str, out_dir, dtype=torch.float32, resume=None, enable=True, fp1
     args = TrainingArguments(output_dir=str(out_dir), use_cpu=True, fp16=True, per_device_train_batch_size=1,
                              gradient_accumulation_steps=ACCUM, max_grad_norm=MAX_NORM, max_steps=STEPS,
                              learning_rate=LR, lr_scheduler_type="linear", warmup_steps=0, report_to=[],
-                             save_strategy="steps", save_steps=STEPS // 2, logging_steps=1, seed=0,
+                             save_strategy="steps", save_steps=STEPS // 2, logging_steps=logging_steps, seed=0,
                              dataloader_num_workers=0, disable_tqdm=True)
     rec = Recorder()
     trainer = Trainer(model=model, args=args, train_dataset=_dataset(), optimizers=(opt, None), callbacks=[rec])
@@ -111,6 +114,27 @@ def test_same_skips_lr_and_params_as_torch(runs):
     assert ra[-1]["lr"] == pytest.approx(LR * (1 - sum(not s for s in skipped) / STEPS))
     for k, v in mt.state_dict().items():
         torch.testing.assert_close(ma.state_dict()[k], v, atol=ATOL, rtol=RTOL)
+
+
+def test_the_trainer_reads_the_learning_rate_only_when_it_logs(tmp_path):
+    """With logging every 4 steps, the learning rate is read on the host at the 2 logs of the 8
+    steps only (kept on the device in between), and the logged values are those the Trainer logs
+    with torch's schedule: each logged step's learning rate before its schedule step."""
+    made: list[torch.Tensor] = []
+    copies = ampfuse.lr_scheduler.LRScheduler.last_lr_tensors
+
+    def recording(self):
+        out = copies(self)
+        made.extend(out)
+        return out
+
+    with mock.patch.object(ampfuse.lr_scheduler.LRScheduler, "last_lr_tensors", recording):
+        with HostReads(ignore=lambda t: not any(t is m for m in made)) as reads:
+            _, ours, _ = train("ampfuse", tmp_path / "ours", logging_steps=4)
+    _, theirs, _ = train("torch", tmp_path / "torch", logging_steps=4)
+    assert len(made) == STEPS and len(reads.reads) == 2
+    logged = [[e["learning_rate"] for e in t.state.log_history if "learning_rate" in e] for t in (ours, theirs)]
+    assert len(logged[0]) == 2 and logged[0] == pytest.approx(logged[1], rel=1e-6)
 
 
 def test_fp16_params_with_masters(runs, tmp_path):

@@ -4,7 +4,8 @@ It applies :func:`ampfuse.integrations.accelerate.enable` to the Trainer's accel
 ``fp16=True`` the scaler is an :class:`ampfuse.GradScaler` (saved in ``scaler.pt``),
 ``max_grad_norm`` clips through the fused pass, and the LR schedule the Trainer builds (or the
 one it was given) becomes its device twin (:func:`ampfuse.lr_scheduler.device_twin`) for an
-ampfuse optimizer: it advances only on the steps taken, and the Trainer never reads the skip flag.
+ampfuse optimizer: it advances only on the steps taken, and the Trainer never reads the skip flag
+(and reads the learning rate only when it logs it).
 The whole contract: the manual's Integrations page (``docs/integrations.md``).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ampfuse import lr_scheduler
 from ampfuse.integrations._common import require
 
 require("transformers", "transformers", "transformers", "transformers")
@@ -46,4 +48,32 @@ def enable(trainer: Any, **grad_scaler_kwargs: Any) -> Any:
         return trainer.lr_scheduler
 
     trainer.create_scheduler = _create_scheduler
+    _read_learning_rate_when_logging(trainer)
     return trainer
+
+
+def _read_learning_rate_when_logging(trainer: Any) -> None:
+    """The Trainer takes the learning rate of every step (``_get_learning_rate``, before the
+    schedule steps) for its logs: with a device schedule, a host read at every step. Instead the
+    step's value is kept on the device, and read when the Trainer logs it
+    (``_maybe_log_save_evaluate``): the same logged value, one read per log."""
+    get_learning_rate, maybe_log = trainer._get_learning_rate, trainer._maybe_log_save_evaluate
+    pending: dict[str, Any] = {"logging": False, "value": None}
+
+    def _get_learning_rate() -> float | None:
+        schedule = trainer.lr_scheduler
+        if pending["logging"] or not isinstance(schedule, lr_scheduler.LRScheduler):
+            value, pending["value"] = pending["value"], None
+            return float(value) if value is not None else get_learning_rate()
+        pending["value"] = schedule.last_lr_tensors()[0]
+        return None  # the Trainer then asks again when it logs
+
+    def _maybe_log_save_evaluate(*args: Any, **kwargs: Any) -> Any:
+        pending["logging"] = True
+        try:
+            return maybe_log(*args, **kwargs)
+        finally:
+            pending["logging"] = False
+
+    trainer._get_learning_rate = _get_learning_rate
+    trainer._maybe_log_save_evaluate = _maybe_log_save_evaluate
