@@ -933,10 +933,10 @@ def _ddp_token_worker(rank, world, dtype_name):
 
 
 def test_token_weighted_ddp_window_equals_the_full_batch_token_mean():
-    """Two ranks with different token counts: the window's step is the token mean over both ranks'
-    micro-batches (bf16 params: the fp32 buffers' exchange; the count's reduction is the same code
-    for fp32 params, whose .grad sums DDP averages itself)."""
-    dtype_name = "bfloat16"
+    """Two ranks with different token counts (18 and 14): the window's step is the token mean over
+    both ranks' micro-batches, to fp32 rounding (fp32 params, whose .grad sums DDP averages; the
+    count's reduction is the same code for the fp32 buffers of bf16 params)."""
+    dtype_name = "float32"
     got = run_ranks(_ddp_token_worker, 2, dtype_name)[0]
     dtype = getattr(torch, dtype_name)
     model = _TinyLM().to(dtype)

@@ -452,6 +452,51 @@ def test_fsdp2_accumulator(sync):
         assert res[0]["error"] is None and res[0]["windows"] == 3
 
 
+def _token_lm_and_batch():
+    """A tiny language model and a padded batch of 6 sequences (1 to 7 real tokens each)."""
+    g = torch.Generator().manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    tokens, labels = torch.randint(0, 11, (6, 7), generator=g), torch.randint(0, 11, (6, 7), generator=g)
+    for i, keep in enumerate([7, 1, 3, 7, 2, 5]):
+        labels[i, keep:] = -100
+    return model, tokens, labels
+
+
+def _token_loss(model, tokens, labels):
+    logits = model(tokens)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1), ignore_index=-100)
+
+
+def _fsdp_token_worker(rank: int, world: int):
+    import ampfuse
+    from torch.distributed.fsdp import fully_shard
+
+    model, tokens, labels = _token_lm_and_batch()
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    acc = ampfuse.GradAccumulator(model, ampfuse.optim.SGD(model.parameters(), lr=0.5), steps=3)
+    for k in range(3):  # rank 0: sequences 0-2 (14, 1, 3 tokens); rank 1: 3-5 (7, 2, 5)
+        i = 3 * rank + k
+        with acc.accumulate():
+            acc.backward(_token_loss(model, tokens[i:i + 1], labels[i:i + 1]), count=(labels[i] != -100).sum())
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def test_fsdp2_token_weighted_window_equals_the_full_batch_token_mean():
+    """Two FSDP2 ranks with different token counts: the window's step is the mean over every token
+    of both ranks' micro-batches (the ranks' totals summed over the mesh)."""
+    got = run_ranks(_fsdp_token_worker, 2)[0]
+    model, tokens, labels = _token_lm_and_batch()
+    _token_loss(model, tokens, labels).backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    for p, q in zip(model.parameters(), got):
+        torch.testing.assert_close(q, p.detach(), rtol=1e-5, atol=1e-6)
+
+
 def _mid_window_state_worker(rank: int, world: int):
     import ampfuse
 

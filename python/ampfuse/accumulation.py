@@ -275,8 +275,8 @@ class GradAccumulator:
         by ``count`` instead, and the window's gradient is divided at the step by the window's
         total count: the mean over every item of the window, not a mean of micro-batch means. The
         division is folded into the factor the step applies (``1/scale``; a window whose total is
-        0 steps a zero gradient). Give it at every micro-batch of a window or at none. Not under
-        FSDP2.
+        0 steps a zero gradient). Give it at every micro-batch of a window or at none. Under
+        DDP/FSDP2 the total is taken over the ranks.
         """
         if not self._in_context:
             raise RuntimeError("GradAccumulator.backward() must be called inside acc.accumulate().")
@@ -287,8 +287,6 @@ class GradAccumulator:
             raise ValueError(f"GradAccumulator.backward(): count must be given at every micro-batch of a window or at "
                              f"none; this window's earlier micro-batches were given {'one' if self._counting else 'none'}.")
         if counting:
-            if self._fsdp:
-                raise ValueError("GradAccumulator.backward(count=...) is not supported under FSDP2.")
             if isinstance(count, torch.Tensor):
                 if count.numel() != 1 or count.is_complex() or count.dtype == torch.bool:
                     raise ValueError(f"count must be a number or a 1-element real tensor, got shape {tuple(count.shape)}, "
@@ -425,6 +423,7 @@ class GradAccumulator:
             self._framework_checked = True
         planned = self._check_plan()
         try:
+            self._reduce_count()
             if planned and self._step_reads_buffers and not self._ddp and micro_batches == self.steps:
                 # The steady state: the step plan reads the sums from the window's plan (the
                 # mapping is built only if something goes the validated way).
@@ -433,12 +432,6 @@ class GradAccumulator:
                 low = self._low
                 buffered = {id(p) for p in low}
                 with torch.no_grad():
-                    if self._ddp and self._counting and self._count_total is not None:
-                        # the sums are averaged over the ranks: the window's divisor is the mean count
-                        import torch.distributed as dist
-
-                        dist.all_reduce(self._count_total, group=self._group)
-                        self._count_total.div_(dist.get_world_size(self._group))
                     if self._ddp and low:
                         # Every micro-batch ran under no_sync: one exchange, the same on every rank.
                         self._sync_ddp()
@@ -465,6 +458,28 @@ class GradAccumulator:
             self.micro_step = 0
             self.windows += 1
             self.window_ended = True
+
+    def _reduce_count(self) -> None:
+        """Under DDP/FSDP2 the window's sums are averaged over the ranks (DDP over its group,
+        FSDP2 over its mesh): the window's divisor becomes the mean of the ranks' totals, summed
+        over the same ranks (a tensor-parallel dim of the mesh holds equal counts, so summing and
+        dividing over it too changes nothing). One small all-reduce per mesh dim."""
+        total = self._count_total
+        if not self._counting or total is None or not (self._ddp or self._fsdp):
+            return
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            if self._ddp:
+                dist.all_reduce(total, group=self._group)
+                total.div_(dist.get_world_size(self._group))
+                return
+            mesh = next((p.device_mesh for p in self._all_params() if hasattr(p, "device_mesh")), None)
+            if mesh is None:
+                return
+            for dim in range(mesh.ndim):
+                dist.all_reduce(total, group=mesh.get_group(dim))
+            total.div_(mesh.size())
 
     def _divisor(self) -> torch.Tensor | None:
         """What the window's sums are divided by at the step: the window's total count (1 where
