@@ -252,8 +252,8 @@ struct GradPrep {
 
 // The grid-stride walk every optimizer pass shares: nothing at all when found_inf is set; else
 // for each chunk of the launch body(t, begin, end, scalars of the tensor's step, grad prep, the
-// stochastic rounding key of the step), then chunk_done. `meta` is a TableMeta view (of a table in device memory, or of the by-value
-// metadata); the step is the last list.
+// stochastic rounding key of the step), then chunk_done. `meta` is a TableMeta view (of a table
+// in device memory, or of the by-value metadata); the step is the last list.
 template <class Kind, int N, typename Body>
 __device__ __forceinline__ void for_each_chunk(const TableMeta<N>& meta, const ScaleArgs& sa,
                                                const typename Kind::Hyper& hyper, const Body& body) {

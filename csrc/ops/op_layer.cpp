@@ -480,7 +480,7 @@ void adam_step(const Backend& b, at::TensorList params, at::TensorList grads,
                              {false, true, true}};
   const c10::Device device =
       detail::check_optim_args(l, lr_tensor, grad_scale, found_inf, clip_coef);
-  const AdamHyper h{lr,      beta1,    beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay,
+  const AdamHyper h{lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay,
                     rounding_seed.has_value(), rounding_seed.value_or(0)};
   detail::check_adam_hyper(h, l);
   check_optim_overlap(l, lr_tensor, grad_scale, found_inf, clip_coef);

@@ -27,7 +27,7 @@ import torch
 
 from ampfuse import ops
 from ampfuse.grad_scaler import GradScaler as _AmpfuseScaler, _engine_value, _fresh_optimizer_state
-from ampfuse.lr_scheduler import LRScheduler as _DeviceSchedule
+from ampfuse.lr_scheduler import counts_taken_steps
 from ampfuse.optim import StepScaling, _FusedOptimizer, _SourcedGrads
 
 __all__ = ["GradAccumulator"]
@@ -536,7 +536,7 @@ class GradAccumulator:
         flag = sum(f.to(device, non_blocking=True) for f in found).clone() if found else None
         scaler.update()
         if self.lr_scheduler is not None:
-            if isinstance(self.lr_scheduler, _DeviceSchedule) and self.lr_scheduler.sees_skips():
+            if counts_taken_steps(self.lr_scheduler):
                 self.lr_scheduler.step()  # it counts only the windows that stepped, on the device
             # One host read per window (the flag of a step that has just been queued).
             elif flag is not None and flag.item() != 0.0:

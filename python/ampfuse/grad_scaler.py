@@ -664,9 +664,9 @@ class GradScaler(torch.amp.GradScaler):
         ``sees_skips()``) counts only the steps taken: it is stepped with no read, and True is
         returned.
         """
-        from ampfuse.lr_scheduler import LRScheduler
+        from ampfuse.lr_scheduler import counts_taken_steps
 
-        if isinstance(scheduler, LRScheduler) and scheduler.sees_skips():
+        if counts_taken_steps(scheduler):
             scheduler.step(*args, **kwargs)
             return True
         if self._enabled and self._last_found_inf is not None and self._last_found_inf.item() != 0.0:

@@ -41,7 +41,7 @@ __all__ = [
     "LRScheduler", "LambdaLR", "ConstantLR", "LinearLR", "StepLR", "MultiStepLR", "ExponentialLR",
     "PolynomialLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts", "OneCycleLR", "SequentialLR",
     "ChainedScheduler", "get_scheduler", "get_linear_schedule_with_warmup", "get_cosine_schedule_with_warmup",
-    "get_constant_schedule", "get_constant_schedule_with_warmup", "device_twin",
+    "get_constant_schedule", "get_constant_schedule_with_warmup", "device_twin", "counts_taken_steps",
 ]
 
 _F64 = torch.float64
@@ -601,6 +601,13 @@ def _transformers_lambda(f: Any) -> Callable | None:
     if name == "_get_constant_schedule_with_warmup_lr_lambda":
         return functools.partial(_constant_warmup, w=kw["num_warmup_steps"])
     return None
+
+
+def counts_taken_steps(scheduler: Any) -> bool:
+    """Whether ``scheduler`` is a device schedule that tells skipped steps itself (its
+    :meth:`LRScheduler.sees_skips`): step it after every optimizer step, with no read of the skip
+    flag. Any other schedule is stepped only after the steps taken."""
+    return isinstance(scheduler, LRScheduler) and scheduler.sees_skips()
 
 
 def device_twin(scheduler: Any, *, scaler: Any = None) -> LRScheduler:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import ampfuse
+from conftest import HostReads
 
 #: micro-batches per run, micro-batches per optimizer step, the clip norm (bites on most steps)
 MICRO_BATCHES = 16
@@ -118,24 +119,6 @@ def torch_fp16_with_masters(data, max_norm: float | None = MAX_NORM, lr_steps: i
     return model, {n: m.detach().clone() for n, m in zip(names, masters)}, records
 
 
-class FlagReads(torch.overrides.TorchFunctionMode):
-    """Counts host reads (``item``, ``bool``, ``float``, ``tolist``, ``cpu``...) of the skip flags
-    the ampfuse optimizers' steps were given (see :func:`count_flag_reads`)."""
-
-    READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
-             torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__index__}
-
-    def __init__(self, flags: list) -> None:
-        super().__init__()
-        self.flags = flags
-        self.reads: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.READS and args and any(args[0] is f for f in self.flags):
-            self.reads.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @contextlib.contextmanager
 def count_flag_reads():
     """Within: the skip flag of every ampfuse optimizer step an ``ampfuse.GradScaler`` runs is
@@ -150,5 +133,7 @@ def count_flag_reads():
             flags.append(flag)
         return out
 
-    with mock.patch.object(ampfuse.GradScaler, "step", recording_step), FlagReads(flags) as mode:
+    mode = HostReads(ignore=lambda t: not any(t is f for f in flags))
+    mode.flags = flags
+    with mock.patch.object(ampfuse.GradScaler, "step", recording_step), mode:
         yield mode

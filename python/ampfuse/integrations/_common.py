@@ -26,6 +26,18 @@ def require(module: str, pip_name: str, extra: str, integration: str) -> ModuleT
         ) from e
 
 
+def device_schedule(scheduler: Any) -> Any | None:
+    """The device twin of ``scheduler`` (:func:`ampfuse.lr_scheduler.device_twin`: it advances only
+    on the steps taken, with no host read), or None when it has none (an arbitrary ``LambdaLR``,
+    ``ReduceLROnPlateau``...): the framework then steps it as before."""
+    from ampfuse.lr_scheduler import device_twin
+
+    try:
+        return device_twin(scheduler)
+    except TypeError:
+        return None
+
+
 def is_fused(optimizer: Any) -> bool:
     """Whether ``optimizer`` is an ampfuse fused optimizer (its step reads scaled gradients)."""
     return isinstance(optimizer, (ampfuse.optim.SGD, ampfuse.optim.Adam))

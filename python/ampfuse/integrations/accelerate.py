@@ -17,8 +17,8 @@ from typing import Any, Iterable
 import torch
 
 import ampfuse
-from ampfuse import lr_scheduler
 from ampfuse.integrations._common import (
+    device_schedule,
     is_fused,
     norm_and_coef,
     params_with_grad,
@@ -110,9 +110,8 @@ def install_device_schedule(owner: Any, scheduler: Any) -> Any:
     """The device twin of ``scheduler`` for the prepared ampfuse optimizer ``owner`` (which then
     stops reading its skip flag), or ``scheduler`` itself when it has no twin (its steps then ask
     ``owner`` whether the step was skipped, one read each)."""
-    try:
-        twin = lr_scheduler.device_twin(scheduler)
-    except TypeError:
+    twin = device_schedule(scheduler)
+    if twin is None:
         return scheduler
     owner._ampfuse_device_schedule = True
     return twin

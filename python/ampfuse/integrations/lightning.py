@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterator, Literal
 import torch
 
 import ampfuse
-from ampfuse import lr_scheduler
 from ampfuse.integrations._common import (
+    device_schedule,
     is_fused,
     main_params_with_copies,
     norm_and_coef,
@@ -85,10 +85,7 @@ class MixedPrecision(_LightningMixedPrecision):
         for config in lr_schedulers:
             sched = getattr(config, "scheduler", None)
             if getattr(config, "interval", None) == "step" and is_fused(getattr(sched, "optimizer", None)):
-                try:
-                    config.scheduler = lr_scheduler.device_twin(sched)
-                except TypeError:
-                    pass
+                config.scheduler = device_schedule(sched) or sched
         return super().connect(model, optimizers, lr_schedulers)
 
     def optimizer_step(
