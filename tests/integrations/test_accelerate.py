@@ -233,17 +233,22 @@ def test_cpu_fp16_is_real_after_enable():
     assert out.dtype == torch.float32
 
 
-def _two_optimizer_run(kind: str, overflow_at=(3, 7), steps: int = 8):
+def _two_optimizer_run(kind: str, overflow_at=(3, 7), steps: int = 8, linear: bool = False):
     """Two prepared optimizers (one per layer) under the accelerator's one scaler, clipped together
     by ``accelerator.clip_grad_norm_`` over all params (Accelerate's own path: unscale every
-    optimizer, then torch's clip), each with its own schedule; the second layer's gradients overflow
-    on the steps in ``overflow_at``. Returns per-step records."""
+    optimizer, then torch's clip), each with its own schedule (``linear``: a LinearLR, which has a
+    device twin); the second layer's gradients overflow on the steps in ``overflow_at``. Returns
+    per-step records."""
     acc = _accelerator(kind, accum=1)
     model = make_model()
     cls = ampfuse.optim.AdamW if kind == "ampfuse" else torch.optim.AdamW
     o1, o2 = cls(model[0].parameters(), lr=LR), cls(model[2].parameters(), lr=LR)
-    s1 = torch.optim.lr_scheduler.LambdaLR(o1, lr_lambda(steps))
-    s2 = torch.optim.lr_scheduler.LambdaLR(o2, lr_lambda(steps))
+    if linear:
+        s1, s2 = (torch.optim.lr_scheduler.LinearLR(o, start_factor=1.0, end_factor=0.0, total_iters=steps)
+                  for o in (o1, o2))
+    else:
+        s1 = torch.optim.lr_scheduler.LambdaLR(o1, lr_lambda(steps))
+        s2 = torch.optim.lr_scheduler.LambdaLR(o2, lr_lambda(steps))
     model, o1, o2, s1, s2 = acc.prepare(model, o1, o2, s1, s2)
     records = []
     for i, (x, y) in enumerate(make_data(steps)):
@@ -255,22 +260,27 @@ def _two_optimizer_run(kind: str, overflow_at=(3, 7), steps: int = 8):
         for o, s in ((o1, s1), (o2, s2)):
             o.step()
             s.step()
-        records.append(dict(skipped=(o1.step_was_skipped, o2.step_was_skipped), lr=(s1.get_last_lr()[0], s2.get_last_lr()[0]),
-                            scale=acc.scaler.get_scale()))
+        records.append(dict(skipped=(o1.step_was_skipped, o2.step_was_skipped),
+                            accelerator_skipped=acc.optimizer_step_was_skipped,
+                            lr=(s1.get_last_lr()[0], s2.get_last_lr()[0]), scale=acc.scaler.get_scale()))
         o1.zero_grad()
         o2.zero_grad()
     return model, records
 
 
-def test_two_optimizers_each_report_their_own_skip():
+@pytest.mark.parametrize("linear", [False, True], ids=["lambda-schedules", "device-twin-schedules"])
+def test_two_optimizers_each_report_their_own_skip(linear):
     """An overflow in the second optimizer's gradients skips its step alone: the first optimizer
     stepped, says so (``step_was_skipped`` is its own, not the scaler's last check), and its
-    schedule advances, as with torch's scaler."""
-    m_a, rec_a = _two_optimizer_run("ampfuse")
-    m_t, rec_t = _two_optimizer_run("torch")
+    schedule advances, as with torch's scaler. With schedules that have a device twin (which count
+    the skips themselves and never ask) the flags tell the truth as well: ``step_was_skipped`` and
+    ``accelerator.optimizer_step_was_skipped`` are what users count, log and decide by."""
+    m_a, rec_a = _two_optimizer_run("ampfuse", linear=linear)
+    m_t, rec_t = _two_optimizer_run("torch", linear=linear)
     assert [r["skipped"] for r in rec_a] == [r["skipped"] for r in rec_t]
+    assert [r["accelerator_skipped"] for r in rec_a] == [r["accelerator_skipped"] for r in rec_t]
     assert [r["skipped"] for r in rec_a][3] == (False, True)  # the planted overflow, at a clean scale
-    assert [r["lr"] for r in rec_a] == [r["lr"] for r in rec_t]
+    assert [lr for r in rec_a for lr in r["lr"]] == pytest.approx([lr for r in rec_t for lr in r["lr"]], rel=1e-6)
     assert [r["scale"] for r in rec_a] == [r["scale"] for r in rec_t]
     sa, st = m_a.state_dict(), m_t.state_dict()
     for k in sa:

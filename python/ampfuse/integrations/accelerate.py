@@ -1,9 +1,10 @@
 """ampfuse in Hugging Face Accelerate: ``enable(accelerator)``, right after the ``Accelerator`` is built.
 
-On that accelerator only: the scaler becomes an :class:`ampfuse.GradScaler`, a prepared
-schedule of an ampfuse optimizer becomes its device twin (:func:`ampfuse.lr_scheduler.device_twin`:
-it advances only on the steps taken, with no host read of the skip flag), other prepared ampfuse
-optimizers report their skipped steps (so their schedules do not advance on them),
+On that accelerator only: the scaler becomes an :class:`ampfuse.GradScaler`, prepared ampfuse
+optimizers report their skipped steps (``step_was_skipped``, read lazily, when something asks), a
+prepared schedule of an ampfuse optimizer becomes its device twin
+(:func:`ampfuse.lr_scheduler.device_twin`: it advances only on the steps taken, and its wrapper
+never asks whether a step was skipped), other schedules do not advance on skipped steps,
 ``clip_grad_norm_`` runs the fused read-only check + norm pass (fp16 params included), and on a
 CPU ``mixed_precision="fp16"`` becomes real. DeepSpeed, Megatron-LM, XLA and FSDP are refused. The
 whole contract: the manual's Integrations page (``docs/integrations.md``).
@@ -50,8 +51,6 @@ class _AcceleratedOptimizer(AcceleratedOptimizer):
 
     _ampfuse_skip_flag: torch.Tensor | None = None
     _ampfuse_clip_coef: torch.Tensor | None = None
-    # a device schedule counts this optimizer's taken steps itself: nothing asks for the flag
-    _ampfuse_device_schedule = False
 
     @property
     def last_step_skipped(self) -> torch.Tensor | None:
@@ -77,11 +76,8 @@ class _AcceleratedOptimizer(AcceleratedOptimizer):
     @property
     def step_was_skipped(self) -> bool:
         """Whether the last step was skipped (inf/NaN gradients); for ampfuse optimizers read from
-        the scaler's device flag on first access after the step (one 4-byte read). False, with no
-        read, when a device schedule of this optimizer takes the skips into account itself."""
-        if self._ampfuse_device_schedule:
-            self._ampfuse_skip_flag = None
-            return False
+        the optimizer's device flag on first access after the step (one 4-byte read), and never
+        when nothing asks."""
         flag = self._ampfuse_skip_flag
         if flag is not None:
             self._ampfuse_skip_flag = None
@@ -106,24 +102,13 @@ class _AcceleratedDeviceScheduler(AcceleratedScheduler):
             self.scheduler.step(*args, **kwargs)
 
 
-def install_device_schedule(owner: Any, scheduler: Any) -> Any:
-    """The device twin of ``scheduler`` for the prepared ampfuse optimizer ``owner`` (which then
-    stops reading its skip flag), or ``scheduler`` itself when it has no twin (its steps then ask
-    ``owner`` whether the step was skipped, one read each)."""
-    twin = device_schedule(scheduler)
-    if twin is None:
-        return scheduler
-    owner._ampfuse_device_schedule = True
-    return twin
-
-
 def _prepare_scheduler(self: Any, scheduler: Any) -> Any:
     owner = next((o for o in self._optimizers if isinstance(o, _AcceleratedOptimizer) and is_fused(o.optimizer)
                   and getattr(scheduler, "optimizer", None) in (o, o.optimizer)), None)
     if owner is None or getattr(scheduler, "_is_accelerate_prepared", False):
         return type(self).prepare_scheduler(self, scheduler)
-    twin = install_device_schedule(owner, scheduler)
-    if twin is scheduler:
+    twin = device_schedule(scheduler)
+    if twin is None:  # its wrapper asks the optimizer whether each step was skipped (one read each)
         return type(self).prepare_scheduler(self, scheduler)
     out = _AcceleratedDeviceScheduler(twin, owner, step_with_optimizer=self.step_scheduler_with_optimizer,
                                       split_batches=self.split_batches)

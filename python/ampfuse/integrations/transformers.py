@@ -4,8 +4,9 @@ It applies :func:`ampfuse.integrations.accelerate.enable` to the Trainer's accel
 ``fp16=True`` the scaler is an :class:`ampfuse.GradScaler` (saved in ``scaler.pt``),
 ``max_grad_norm`` clips through the fused pass, and the LR schedule the Trainer builds (or the
 one it was given) becomes its device twin (:func:`ampfuse.lr_scheduler.device_twin`) for an
-ampfuse optimizer: it advances only on the steps taken, and the Trainer never reads the skip flag
-(and reads the learning rate only when it logs it).
+ampfuse optimizer: it advances only on the steps taken. The Trainer's own loop asks whether each
+step was skipped and is told the truth (one flag read per optimizer step); it reads the learning
+rate only when it logs it.
 The whole contract: the manual's Integrations page (``docs/integrations.md``).
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ampfuse import lr_scheduler
-from ampfuse.integrations._common import require
+from ampfuse.integrations._common import device_schedule, require
 
 require("transformers", "transformers", "transformers", "transformers")
 
@@ -44,7 +45,7 @@ def enable(trainer: Any, **grad_scaler_kwargs: Any) -> Any:
         scheduler = create_scheduler(num_training_steps, optimizer)
         owner = trainer.optimizer if optimizer is None else optimizer
         if isinstance(owner, _accelerate._AcceleratedOptimizer) and _accelerate.is_fused(owner.optimizer):
-            trainer.lr_scheduler = _accelerate.install_device_schedule(owner, scheduler)
+            trainer.lr_scheduler = device_schedule(scheduler) or scheduler
         return trainer.lr_scheduler
 
     trainer.create_scheduler = _create_scheduler
