@@ -918,6 +918,77 @@ def test_token_weighted_bad_input():
                 acc2.backward(loss(), count=bad)
 
 
+def _sum_over_tokens_loss(model, tokens, labels):
+    """The mean over the micro-batch's tokens written as a user guards it: 0 with no token."""
+    logits = model(tokens)
+    total = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                              ignore_index=_PAD, reduction="sum")
+    count = (labels != _PAD).sum()
+    return total / count.clamp(min=1), count
+
+
+def _window(acc, model, micro, empty):
+    """One window of ``micro`` one-sequence micro-batches, all padding when ``empty``."""
+    tokens, labels = _padded_batch()
+    for k in range(micro):
+        lab = torch.full_like(labels[k:k + 1], _PAD) if empty else labels[k:k + 1]
+        with acc.accumulate():
+            loss, count = _sum_over_tokens_loss(model, tokens[k:k + 1], lab)
+            acc.backward(loss, count=count)
+    assert acc.window_ended
+
+
+@pytest.mark.parametrize("scaler_kind,opt", [(s, o) for s in ["none", "ampfuse", "torch"]
+                                              for o in ["ampfuse-adamw", "ampfuse-adamw-bf16", "torch-adamw"]
+                                              if (s, o) != ("torch", "ampfuse-adamw-bf16")])  # torch's scaler: no bf16 grads
+@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("before", [0, 2])
+def test_token_weighted_window_with_no_items_is_skipped(scaler_kind, clip, opt, before):
+    """A window whose counts total 0 (every micro-batch all padding), alone or after normal
+    windows, is skipped on the device as an overflowed one: params, masters and moments untouched
+    (weight decay 0.1 included), Adam's step count and the schedule not advanced, the skip
+    reported; the next window steps. With an ampfuse optimizer it reads nothing on the host."""
+    torch.manual_seed(0)
+    model = _TinyLM()
+    if opt == "ampfuse-adamw-bf16":
+        model = model.to(torch.bfloat16)
+    fused = opt != "torch-adamw"
+    make = ampfuse.optim.AdamW if fused else torch.optim.AdamW
+    kw = dict(master_weights=True) if opt == "ampfuse-adamw-bf16" else {}
+    optimizer = make(model.parameters(), lr=0.01, weight_decay=0.1, **kw)
+    schedules = ampfuse.lr_scheduler if fused else torch.optim.lr_scheduler
+    sched = schedules.LinearLR(optimizer, start_factor=0.5, total_iters=8)
+    scaler = {"none": None, "ampfuse": ampfuse.GradScaler("cpu", init_scale=2.0**12),
+              "torch": torch.amp.GradScaler("cpu", init_scale=2.0**12)}[scaler_kind]
+    acc = ampfuse.GradAccumulator(model, optimizer, scaler, steps=2, max_grad_norm=clip, lr_scheduler=sched)
+    for _ in range(before):
+        _window(acc, model, 2, empty=False)
+        assert acc.last_window_skipped is None or acc.last_window_skipped.item() == 0
+    params = copy.deepcopy(model.state_dict())
+    state = copy.deepcopy(optimizer.state_dict())
+    lr = float(optimizer.param_groups[0]["lr"])
+    reads = HostReads(ignore=scaler_counters(scaler) if scaler_kind == "ampfuse" else None)
+    with reads if fused and scaler_kind != "torch" else contextlib.nullcontext():
+        _window(acc, model, 2, empty=True)
+    assert reads.reads == []
+    assert acc.last_window_skipped is not None and acc.last_window_skipped.item() > 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, params[k]), k
+    after = optimizer.state_dict()["state"]
+    for i, s in state["state"].items():
+        for name, v in s.items():
+            assert torch.equal(torch.as_tensor(after[i][name]), torch.as_tensor(v)), (i, name)
+    for i in set(after) - set(state["state"]):  # a first window: state made, as torch's fused steps do, at step 0
+        assert float(after[i]["step"]) == 0, i
+    assert float(optimizer.param_groups[0]["lr"]) == lr
+    if fused:
+        assert optimizer.last_step_skipped.item() > 0
+    _window(acc, model, 2, empty=False)
+    assert acc.last_window_skipped is None or acc.last_window_skipped.item() == 0
+    assert any(not torch.equal(v, params[k]) for k, v in model.state_dict().items())
+    assert float(optimizer.param_groups[0]["lr"]) != lr
+
+
 def _ddp_token_worker(rank, world, dtype_name):
     dtype = getattr(torch, dtype_name)
     model = _TinyLM().to(dtype)
@@ -948,3 +1019,37 @@ def test_token_weighted_ddp_window_equals_the_full_batch_token_mean():
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     for p, q in zip(model.parameters(), got):
         torch.testing.assert_close(q, p.detach().float(), **tol)
+
+
+def _ddp_empty_rank_worker(rank, world):
+    model = _TinyLM()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    acc = ampfuse.GradAccumulator(ddp, ampfuse.optim.AdamW(ddp.parameters(), lr=0.01, weight_decay=0.1), steps=3)
+    tokens, labels = _padded_batch()
+    flags, params = [], []
+    for window in range(2):  # the first: rank 1 all padding; the second: both ranks
+        for k in range(3):
+            lab = labels[k:k + 1] if rank == 0 and window == 0 else torch.full_like(labels[k:k + 1], _PAD)
+            with acc.accumulate():
+                loss, count = _sum_over_tokens_loss(ddp, tokens[k:k + 1], lab)
+                acc.backward(loss, count=count)
+        flags.append(acc.last_window_skipped.item())
+        params.append([p.detach().clone() for p in model.parameters()])
+    return flags, params
+
+
+def test_token_weighted_ddp_window_with_one_empty_rank_steps_and_an_empty_window_skips():
+    """Two ranks, one of which has no token in the window: the step is the token mean over the
+    other rank's tokens, on both ranks; a window with no token on any rank is skipped on both."""
+    results = run_ranks(_ddp_empty_rank_worker, 2)
+    model = _TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    tokens, labels = _padded_batch()
+    _token_mean_loss(model, tokens[:3], labels[:3]).backward()
+    opt.step()
+    for flags, params in results:
+        assert flags[0] == 0 and flags[1] > 0
+        for p, q in zip(model.parameters(), params[0]):
+            torch.testing.assert_close(q, p.detach(), rtol=1e-5, atol=1e-6)
+        for q0, q1 in zip(params[0], params[1]):
+            assert torch.equal(q0, q1)

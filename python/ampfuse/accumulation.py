@@ -274,8 +274,9 @@ class GradAccumulator:
         non-padding tokens (a number, or a 1-element tensor: no host read) -- ``loss`` is weighted
         by ``count`` instead, and the window's gradient is divided at the step by the window's
         total count: the mean over every item of the window, not a mean of micro-batch means. The
-        division is folded into the factor the step applies (``1/scale``; a window whose total is
-        0 steps a zero gradient). Give it at every micro-batch of a window or at none. Under
+        division is folded into the factor the step applies (``1/scale``). A window whose total is
+        0 has no mean: it is skipped on the device as an overflowed one is (nothing written, the
+        schedule not advanced, ``last_window_skipped`` set; with a scaler, the scale backs off). Give it at every micro-batch of a window or at none. Under
         DDP/FSDP2 the total is taken over the ranks.
         """
         if not self._in_context:
@@ -481,13 +482,16 @@ class GradAccumulator:
                 dist.all_reduce(total, group=mesh.get_group(dim))
             total.div_(mesh.size())
 
-    def _divisor(self) -> torch.Tensor | None:
-        """What the window's sums are divided by at the step: the window's total count (1 where
-        it is 0), under backward's count; else None (the sums are already means)."""
+    def _divisor(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What the window's sums are divided by at the step -- the window's total count, under
+        backward's count; else None (the sums are already means) -- and the device flag of a
+        window with no items (1.0 where the total is 0: its mean is undefined, and the window is
+        skipped as an overflowed one is)."""
         if not self._counting or self._count_total is None:
-            return None
+            return None, None
         total = self._count_total
-        return torch.where(total > 0, total, torch.ones_like(total))
+        empty = (total == 0).to(torch.float32)
+        return torch.where(total > 0, total, torch.ones_like(total)), empty
 
     @contextlib.contextmanager
     def _scale_times(self, divisor: torch.Tensor | None) -> Iterator[None]:
@@ -510,15 +514,24 @@ class GradAccumulator:
         opt: Any = self.optimizer
         scaler: Any = self.scaler
         grads = self._step_grads if self._step_reads_buffers else None
-        divisor = self._divisor()
+        divisor, empty = self._divisor()
+        flag: torch.Tensor | None
         if scaler is None:
+            flag = empty
             if divisor is not None and not self._fused_opt:
-                with torch.no_grad():  # the optimizer reads .grad: the window's mean in place
+                # torch's optimizer reads .grad and cannot skip on the device: one host read of
+                # the empty-window flag per window.
+                assert empty is not None
+                if empty.item() != 0.0:
+                    if self.lr_scheduler is not None:
+                        self.skipped_windows_host += 1
+                    return flag
+                with torch.no_grad():  # the window's mean in place
                     for g in (p.grad for p in self._params_with_grad()):
                         if g is not None:
                             g.div_(divisor.to(g.device, non_blocking=True))
                 divisor = None
-            scaling = StepScaling(grad_scale=divisor)
+            scaling = StepScaling(grad_scale=divisor, found_inf=empty if self._fused_opt else None)
             if self.max_grad_norm is None:
                 opt.step(grads=grads, scaling=scaling) if self._fused_opt else opt.step()
             elif self._fused_opt:
@@ -526,15 +539,13 @@ class GradAccumulator:
             else:
                 torch.nn.utils.clip_grad_norm_(self._params_with_grad(), self.max_grad_norm, self.norm_type)
                 opt.step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-            return None
-        with self._scale_times(divisor):
-            self._unscale_and_step(opt, scaler, grads)
-        found = list(scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values())
-        device = scaler._scale.device if scaler._scale is not None else None
-        flag = sum(f.to(device, non_blocking=True) for f in found).clone() if found else None
-        scaler.update()
+        else:
+            with self._scale_times(divisor):
+                self._unscale_and_step(opt, scaler, grads, empty)
+            found = list(scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values())
+            device = scaler._scale.device if scaler._scale is not None else None
+            flag = sum(f.to(device, non_blocking=True) for f in found).clone() if found else None
+            scaler.update()
         if self.lr_scheduler is not None:
             if counts_taken_steps(self.lr_scheduler):
                 self.lr_scheduler.step()  # it counts only the windows that stepped, on the device
@@ -545,8 +556,9 @@ class GradAccumulator:
                 self.lr_scheduler.step()
         return flag
 
-    def _unscale_and_step(self, opt: Any, scaler: Any, grads: Any) -> None:
-        """The scaler's check (and clip) of the window's gradients, then its step."""
+    def _unscale_and_step(self, opt: Any, scaler: Any, grads: Any, empty: torch.Tensor | None) -> None:
+        """The scaler's check (and clip) of the window's gradients, then its step; a window with
+        no items (``empty`` non-zero) is skipped as an overflowed one."""
         if self.max_grad_norm is not None:
             if self._our_scaler:
                 scaler.unscale_and_clip_(opt, self.max_grad_norm, self.norm_type, grads=grads)
@@ -557,6 +569,16 @@ class GradAccumulator:
             # Every gradient the step reads is an fp32 sum the accumulation kernel already checked:
             # no check pass at the end of the window.
             scaler.record_inf_check(opt, dict(self._found_inf))
+        elif empty is not None:
+            # The check now (the one the step would run), so that the empty flag joins its result.
+            if self._our_scaler and self._fused_opt:
+                scaler._check_for_step(opt, grads)
+            else:
+                scaler.unscale_(opt)
+        if empty is not None:
+            state = scaler._per_optimizer_states[id(opt)]
+            state["found_inf_per_device"] = {d: f + empty.to(d, non_blocking=True)
+                                             for d, f in state["found_inf_per_device"].items()}
         if grads is not None:
             scaler.step(opt, grads=grads)
         else:

@@ -333,6 +333,15 @@ class GradScaler(torch.amp.GradScaler):
                     ops.check_norm_(gs, f, scale=per_device_scale.get(device), norm_type=math.inf, overwrite_found_inf=True)
         return found
 
+    def _check_for_step(self, optimizer: _FusedOptimizer, grads: Grads | None) -> None:
+        """The read-only check of the gradients a fused step will read (still scaled): this
+        iteration's ``unscale_`` for ``optimizer``."""
+        optimizer_state = self._check_unscale_stage(optimizer, "step")
+        optimizer_state["found_inf_per_device"] = self._unscale_from_scale_(optimizer, True, False, grads)
+        optimizer_state["grads_still_scaled"] = True
+        optimizer_state["clip_coef"] = None
+        optimizer_state["stage"] = OptState.UNSCALED
+
     def _inv_scale(self) -> torch.Tensor:
         assert self._scale is not None
         # As torch: the reciprocal in fp64, rounded to fp32.
@@ -506,9 +515,7 @@ class GradScaler(torch.amp.GradScaler):
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         if optimizer_state["stage"] is OptState.READY:
-            # The read-only check of the gradients the step will read.
-            optimizer_state["found_inf_per_device"] = self._unscale_from_scale_(optimizer, True, False, kwargs.get("grads"))
-            optimizer_state["grads_still_scaled"] = True
+            self._check_for_step(optimizer, kwargs.get("grads"))
         if len(optimizer_state["found_inf_per_device"]) == 0:
             # No gradient to step (as torch's scaler does for an optimizer with
             # _step_supports_amp_scaling): the step changes nothing, and update() raises
