@@ -222,6 +222,16 @@ _low_precision_case("state-is-master", r"master_params\[0\] and exp_avgs\[0\] sh
                     lambda p, g, s, m, v: (lambda: ops.adam_step_(p, g, [m[0], t(4)], m, v, [], s, lr=0.1), []))
 _low_precision_case("grad-dtype-other-half", r"grads\[0\] has dtype torch.float16 but params\[0\] has dtype torch.bfloat16",
                     lambda p, g, s, m, v: (lambda: ops.sgd_step_(p, [x.half() for x in g], [], [], s, lr=0.1), []))
+_optim_op_case("momentum-tensor-without-buffers",
+               "momentum_buffers must have one tensor per param when momentum != 0 or momentum_tensor is given",
+               lambda p, g, s, m, v: (lambda: ops.sgd_step_(p, g, [], [], s, lr=0.1, momentum=torch.tensor(0.9)), []))
+_optim_op_case("momentum-tensor-fp64", "momentum_tensor must be a torch.float32 tensor, got torch.float64",
+               lambda p, g, s, m, v: (lambda: ops.sgd_step_(p, g, [], m, s, lr=0.1,
+                                                            momentum=torch.tensor(0.9, dtype=torch.float64)), []))
+_optim_op_case("beta1-tensor-2", "beta1_tensor must be a 1-element",
+               lambda p, g, s, m, v: (lambda: ops.adam_step_(p, g, [], m, v, [], s, lr=0.1, beta1=torch.zeros(2)), []))
+_optim_op_case("beta1-tensor-is-state", r"exp_avgs\[0\] and beta1_tensor share memory",
+               lambda p, g, s, m, v: (lambda: ops.adam_step_(p, g, [], m, v, [], s, lr=0.1, beta1=m[0][:1]), []))
 _optim_op_case("amsgrad-without-max", "max_exp_avg_sqs must have one tensor per param when amsgrad is set",
                lambda p, g, s, m, v: (lambda: ops.adam_step_(p, g, [], m, v, [], s, lr=0.1, amsgrad=True), []))
 _optim_op_case("beta2-1", r"beta2 must be in \[0, 1\), got 1",

@@ -476,11 +476,12 @@ def _optim_inputs(kind, pdtype, gdtype, master, sizes, nstates, seed, misalign=T
 
 
 def _optim_call(kind, hyper, schedule):
-    """Several steps: `schedule` lists (found_inf, grad_scale, clip_coef, lr_tensor) per step."""
+    """Several steps: `schedule` lists (found_inf, grad_scale, clip_coef, lr_tensor[, momentum
+    tensor: SGD's momentum (configs with one) or Adam's beta1]) per step."""
 
     def call(inputs):
         params, grads, masters, states, steps = inputs
-        for k, (found, scale, clip, lr_t) in enumerate(schedule):
+        for k, (found, scale, clip, lr_t, *momentum_t) in enumerate(schedule):
             scaling = dict(
                 found_inf=torch.full((), found) if found is not None else None,
                 grad_scale=torch.full((), scale) if scale is not None else None,
@@ -491,6 +492,8 @@ def _optim_call(kind, hyper, schedule):
                 for i, g in enumerate(grads):
                     g.copy_(randn(g.numel(), 777 * k + i, 3.0).reshape(g.shape))
             h = {key: v for key, v in hyper.items() if key != "lr"}
+            if momentum_t and (kind != "sgd" or hyper.get("momentum")):
+                h["momentum" if kind == "sgd" else "beta1"] = torch.full((), momentum_t[0])
             if kind == "sgd":
                 ops.sgd_step_(params, grads, masters, states[0] if states else [], steps, lr=lr, **h, **scaling)
             else:
@@ -535,8 +538,9 @@ ADAM_CONFIGS = {
     "adamw": dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
     "amsgrad": dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True, amsgrad=True, beta1=0.5, beta2=0.99),
 }
-# (found_inf, grad_scale, clip_coef, lr_tensor) per step: plain, scaled+clipped, skipped, tensor lr.
-SCHEDULE = [(None, None, None, None), (0.0, 1024.0, 0.5, None), (1.0, 1024.0, 0.5, None), (0.0, 2.0, None, 3e-3)]
+# (found_inf, grad_scale, clip_coef, lr_tensor[, momentum tensor]) per step: plain, scaled+clipped,
+# skipped, tensor lr and momentum (beta1).
+SCHEDULE = [(None, None, None, None), (0.0, 1024.0, 0.5, None), (1.0, 1024.0, 0.5, None), (0.0, 2.0, None, 3e-3, 0.75)]
 
 
 def _sizes():
@@ -768,17 +772,18 @@ def test_8bit_state_steps(kind, formats, stochastic, num_sms):
 
     def call(x):
         params, grads, masters, states, absmax, steps = x
-        for found, scale, clip, lr in SCHEDULE:
+        for found, scale, clip, lr, *momentum in SCHEDULE:
             sc = dict(found_inf=None if found is None else torch.full((1,), found),
                       grad_scale=None if scale is None else torch.full((1,), scale),
                       clip_coef=None if clip is None else torch.full((1,), clip),
                       rounding_seed=17 if stochastic else None)
             if kind == "sgd":
                 ops.sgd_step_(params, grads, masters, states[0], steps, lr=torch.full((1,), lr) if lr else 0.05,
-                              momentum=0.9, weight_decay=0.01, momentum_absmax=absmax[0], **sc)
+                              momentum=torch.full((1,), momentum[0]) if momentum else 0.9, weight_decay=0.01, momentum_absmax=absmax[0], **sc)
             else:
                 ops.adam_step_(params, grads, masters, states[0], states[1], states[2] if kind == "amsgrad" else [],
                                steps, lr=torch.full((1,), lr) if lr else 1e-2, weight_decay=0.1, decoupled_weight_decay=True,
+                               beta1=torch.full((1,), momentum[0]) if momentum else 0.9,
                                amsgrad=kind == "amsgrad", exp_avg_absmax=absmax[0], exp_avg_sq_absmax=absmax[1],
                                max_exp_avg_sq_absmax=absmax[2] if kind == "amsgrad" else [], **sc)
 

@@ -54,6 +54,8 @@ CASES = [
                                                              anneal_strategy="linear", cycle_momentum=False),
      lambda o: A.OneCycleLR(o, max_lr=0.4, total_steps=35, pct_start=0.25, three_phase=True, anneal_strategy="linear",
                             cycle_momentum=False)),
+    ("OneCycleLR-defaults", lambda o: T.OneCycleLR(o, max_lr=[0.5, 0.1], total_steps=40),
+     lambda o: A.OneCycleLR(o, max_lr=[0.5, 0.1], total_steps=40)),
     ("LambdaLR", lambda o: T.LambdaLR(o, [lambda e: 0.97 ** e, lambda e: 1.0 / (1 + e)]),
      lambda o: A.LambdaLR(o, [lambda t: 0.97 ** t, lambda t: 1.0 / (1 + t)])),
     ("SequentialLR", lambda o: T.SequentialLR(o, [T.ConstantLR(o, factor=0.1, total_iters=4), T.ExponentialLR(o, gamma=0.9),
@@ -217,10 +219,11 @@ def test_transformers_schedules_and_their_twins(name):
     _close(rest, [lrs for k, lrs in enumerate(_torch_lrs(make_torch, steps=36, skips=SKIPS - set(range(5)))) if k >= 5])
 
 
-@pytest.mark.parametrize(("name", "make_torch", "make_ours"), [c for c in CASES if c[0] not in ("LambdaLR", "ChainedScheduler",
-                                                                                              "OneCycleLR", "OneCycleLR-three-phase-linear")],
-                         ids=[c[0] for c in CASES if c[0] not in ("LambdaLR", "ChainedScheduler", "OneCycleLR",
-                                                                  "OneCycleLR-three-phase-linear")])
+_NO_TWIN = ("LambdaLR", "ChainedScheduler", "OneCycleLR", "OneCycleLR-three-phase-linear", "OneCycleLR-defaults")
+
+
+@pytest.mark.parametrize(("name", "make_torch", "make_ours"), [c for c in CASES if c[0] not in _NO_TWIN],
+                         ids=[c[0] for c in CASES if c[0] not in _NO_TWIN])
 def test_device_twin_of_each_torch_schedule(name, make_torch, make_ours):
     opt = ampfuse.optim.SGD(_groups(_params()), lr=0.1)
     twin = A.device_twin(make_torch(opt))
@@ -237,7 +240,10 @@ def _opt():
 
 @pytest.mark.parametrize(("make", "exc", "message"), [
     (lambda: A.StepLR(_opt(), 3).step(5), ValueError, r"StepLR.step\(epoch\) is not supported"),
-    (lambda: A.OneCycleLR(_opt(), max_lr=0.1, total_steps=10), ValueError, "cycle_momentum=True is not supported"),
+    (lambda: A.OneCycleLR(torch.optim.Adagrad([torch.zeros(2, requires_grad=True)]), max_lr=0.1, total_steps=10),
+     ValueError, "optimizer must support momentum or beta1"),
+    (lambda: A.SequentialLR(_opt(), [A.OneCycleLR(_opt(), max_lr=0.1, total_steps=10)], []), ValueError,
+     "cycles the momentum"),
     (lambda: A.OneCycleLR(_opt(), max_lr=0.1, cycle_momentum=False), ValueError, "total_steps OR"),
     (lambda: A.ChainedScheduler([A.CosineAnnealingLR(_opt(), T_max=3, eta_min=0.01)]), TypeError, "no multiplicative form"),
     (lambda: A.device_twin(T.LambdaLR(_opt(), lambda e: 1.0)), TypeError, "arbitrary function has no device twin"),
@@ -248,7 +254,7 @@ def _opt():
     (lambda: A.LinearLR(_opt(), start_factor=0.0), ValueError, "Starting multiplicative factor"),
     (lambda: A.SequentialLR(_opt(), [T.StepLR(_opt(), 2)], []), TypeError, r"schedulers\[0\] must be an ampfuse"),
     (lambda: A.LambdaLR(_opt(), [lambda t: t, lambda t: t]), ValueError, "Expected 1 lr_lambdas, but got 2"),
-], ids=["step-epoch", "one-cycle-momentum", "one-cycle-steps", "chained-cosine", "twin-lambda", "twin-plateau",
+], ids=["step-epoch", "one-cycle-momentum", "sequential-one-cycle-momentum", "one-cycle-steps", "chained-cosine", "twin-lambda", "twin-plateau",
         "torch-scaler", "get-scheduler-name", "get-scheduler-steps", "linear-start", "sequential-torch", "lambda-count"])
 def test_bad_input_is_refused_with_a_message(make, exc, message):
     with pytest.raises(exc, match=message):
@@ -257,9 +263,72 @@ def test_bad_input_is_refused_with_a_message(make, exc, message):
 
 def test_a_refused_construction_leaves_the_optimizers_lr_alone():
     opt = _opt()
-    with pytest.raises(ValueError):
-        A.OneCycleLR(opt, max_lr=0.1, total_steps=10)
-    assert opt.param_groups[0]["lr"] == 0.1 and "max_lr" not in opt.param_groups[0]
+    for bad in [dict(max_lr=[0.1, 0.2]), dict(max_lr=0.1, max_momentum=[0.9, 0.95])]:
+        with pytest.raises(ValueError, match="expected 1 values for max_"):
+            A.OneCycleLR(opt, total_steps=10, **bad)
+        group = opt.param_groups[0]
+        assert group["lr"] == 0.1 and group["momentum"] == 0 and "max_lr" not in group and "max_momentum" not in group
+
+
+def _one_cycle_run(lib, kind, skips, steps=30):
+    """OneCycleLR with torch's defaults over SGD with momentum / AdamW, two groups, the overflowed
+    steps skipped (torch: neither the step nor the schedule's step runs): params, learning rates
+    and momenta after each iteration."""
+    g = torch.Generator().manual_seed(3)
+    params = [torch.randn(300, generator=g).requires_grad_() for _ in range(2)]
+    groups = [{"params": [params[0]]}, {"params": [params[1]], "weight_decay": 0.1}]
+    optim, schedules = (ampfuse.optim, A) if lib == "ampfuse" else (torch.optim, T)
+    opt = optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True) if kind == "sgd" else optim.AdamW(groups, lr=0.1)
+    sched = schedules.OneCycleLR(opt, max_lr=[0.5, 0.1], total_steps=40)
+    out = []
+    for k in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        if lib == "ampfuse":
+            opt.step(scaling=_scaling(k, skips))
+            with HostReads() as mode:
+                sched.step()
+            assert mode.reads == [], mode.reads
+        elif k not in skips:
+            opt.step()
+            sched.step()
+        momenta = [float(gr["betas"][0] if kind == "adam" else gr["momentum"]) for gr in opt.param_groups]
+        out.append(([p.detach().clone() for p in params], [float(gr["lr"]) for gr in opt.param_groups], momenta))
+    return out, opt
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_one_cycle_with_torchs_defaults_cycles_the_momentum_on_the_device(kind):
+    """torch's defaults (cycle_momentum=True): SGD's momentum / Adam's beta1 cycled between 0.85
+    and 0.95 as torch's OneCycleLR stepped on taken steps, each a device tensor the fused step
+    reads: the same params, learning rates and momenta (fp32 device values), and no host read."""
+    ours, opt = _one_cycle_run("ampfuse", kind, SKIPS)
+    ref, _ = _one_cycle_run("torch", kind, SKIPS)
+    for k, ((p, lr, m), (p_ref, lr_ref, m_ref)) in enumerate(zip(ours, ref)):
+        assert lr == pytest.approx(lr_ref, rel=1e-6), k
+        assert m == pytest.approx(m_ref, rel=1e-7), k
+        for a, b in zip(p, p_ref):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda s, k=k: f"iteration {k}: {s}")
+    momentum = [g["betas"][0] if kind == "adam" else g["momentum"] for g in opt.param_groups]
+    assert all(isinstance(m, torch.Tensor) and m.dtype == torch.float32 and m.dim() == 0 for m in momentum)
+    assert len({m_ref[0] for _, _, m_ref in ref}) > 10  # the momentum did cycle
+
+
+def test_one_cycle_momentum_changes_the_step():
+    """The fused step reads the device momentum: the same run with the momentum held at 0.95
+    (cycle_momentum=False) ends elsewhere."""
+    ours, _ = _one_cycle_run("ampfuse", "sgd", set())
+    g = torch.Generator().manual_seed(3)
+    params = [torch.randn(300, generator=g).requires_grad_() for _ in range(2)]
+    opt = ampfuse.optim.SGD([{"params": [params[0]]}, {"params": [params[1]], "weight_decay": 0.1}], lr=0.1,
+                            momentum=0.95, nesterov=True)
+    sched = A.OneCycleLR(opt, max_lr=[0.5, 0.1], total_steps=40, cycle_momentum=False)
+    for k in range(30):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+        sched.step()
+    assert not torch.equal(params[0].detach(), ours[-1][0][0])
 
 
 @requires_cuda

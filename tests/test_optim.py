@@ -682,6 +682,43 @@ def test_ops_handle_non_dense_layouts(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", [
+    ("SGD", dict(lr=0.1, momentum=0.875, nesterov=True, weight_decay=0.01), torch.float32, torch.float32),
+    ("SGD", dict(lr=0.1, momentum=0.875, dampening=0.25), torch.bfloat16, torch.uint8),
+    ("AdamW", dict(lr=0.01, betas=(0.875, 0.99)), torch.bfloat16, torch.float32),
+    ("Adam", dict(lr=0.01, betas=(0.875, 0.99), amsgrad=True, weight_decay=0.1), torch.float32, torch.float8_e4m3fn),
+], ids=["sgd-nesterov", "sgd-bf16-uint8", "adamw-bf16-masters", "adam-amsgrad-fp8"])
+def test_device_momentum_steps_as_the_same_host_value(device, config):
+    """SGD's momentum / Adam's beta1 given as a 0-dim fp32 device tensor (a schedule writes it in
+    place) steps bit for bit as the same value given as a number, the step plan included (it
+    reads the tensor's new value at each step), and the value read at each step is the one the
+    tensor holds then."""
+    kind, kw, dtype, state_dtype = config
+    runs = []
+    for device_value in (False, True):
+        params = [p.detach().to(dtype).requires_grad_() for p in make_params(torch.float32, device)]
+        opt = getattr(ampfuse.optim, kind)(params, state_dtype=state_dtype, **kw)
+        group = opt.param_groups[0]
+        key = "momentum" if kind == "SGD" else "betas"
+        value = torch.tensor(0.875, device=device) if device_value else 0.875
+        if device_value:
+            group[key] = value if kind == "SGD" else (value, group["betas"][1])
+        for step in range(8):
+            if step == 4:  # the schedule moves the value
+                if device_value:
+                    value.fill_(0.5)
+                else:
+                    group[key] = 0.5 if kind == "SGD" else (0.5, group["betas"][1])
+            for p, g in zip(params, grads_for(step, params)):
+                p.grad = g
+            opt.step()
+        runs.append([p.detach().clone() for p in params] + [t.clone() for p in params for t in opt.state[p].values()
+                                                             if isinstance(t, torch.Tensor)])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_optimizer_ops(device):
     def lists(dtype=torch.bfloat16):
         ps = [torch.randn(s, device=device).to(dtype) for s in [(7, 3), (16,), (0,)]]
@@ -697,6 +734,12 @@ def test_opcheck_optimizer_ops(device):
     scal = dict(grad_scale=torch.full((), 4.0, device=device), found_inf=torch.zeros((), device=device), clip_coef=torch.full((), 0.5, device=device))
     ps, gs, ms, s0, s1, st = lists()
     torch.library.opcheck(torch.ops.ampfuse.sgd_step_.default, (ps, gs, ms, s0, st), dict(lr=0.1, momentum=0.9, **scal))
+    ps, gs, ms, s0, s1, st = lists()
+    torch.library.opcheck(torch.ops.ampfuse.sgd_step_.default, (ps, gs, ms, s0, st),
+                          dict(lr=0.1, momentum_tensor=torch.full((), 0.9, device=device), nesterov=True, **scal))
+    ps, gs, ms, s0, s1, st = lists()
+    torch.library.opcheck(torch.ops.ampfuse.adam_step_.default, (ps, gs, ms, s0, s1, [], st),
+                          dict(lr=0.1, beta1=0.0, beta1_tensor=torch.full((), 0.875, device=device), **scal))
     ps, gs, ms, s0, s1, st = lists()
     torch.library.opcheck(
         torch.ops.ampfuse.adam_step_.default, (ps, gs, ms, s0, s1, [torch.zeros_like(m) for m in ms], st),

@@ -427,25 +427,27 @@ def test_plan_hyper_parameters_are_taken_by_name_each_exactly_once(kind):
                      ) + ["stochastic_rounding", "rounding_seed"]
     good = dict.fromkeys(names, 0.0)
     with pytest.raises(RuntimeError, match=r"unknown hyper-parameter 'betas'; a .* plan takes lr, "):
-        plan.set_hyper(0, {**good, "betas": 0.9}, None)
+        plan.set_hyper(0, {**good, "betas": 0.9}, None, None)
     with pytest.raises(RuntimeError, match="hyper-parameter 'weight_decay' is missing"):
-        plan.set_hyper(0, {k: v for k, v in good.items() if k != "weight_decay"}, None)
+        plan.set_hyper(0, {k: v for k, v in good.items() if k != "weight_decay"}, None, None)
     with pytest.raises(RuntimeError, match="'maximize' is a flag \\(0 or 1\\), got 0.5"):
-        plan.set_hyper(0, {**good, "maximize": 0.5}, None)
+        plan.set_hyper(0, {**good, "maximize": 0.5}, None, None)
     with pytest.raises(RuntimeError, match=r"'rounding_seed' is an integer of at most 2\*\*53 in magnitude, got 0.5"):
-        plan.set_hyper(0, {**good, "rounding_seed": 0.5}, None)
+        plan.set_hyper(0, {**good, "rounding_seed": 0.5}, None, None)
     with pytest.raises(RuntimeError, match="lr must be a 1-element tensor"):
-        plan.set_hyper(0, good, torch.zeros(2))
+        plan.set_hyper(0, good, torch.zeros(2), None)
+    with pytest.raises(RuntimeError, match="momentum must be a 1-element tensor"):
+        plan.set_hyper(0, good, None, torch.zeros(2))
     p = torch.zeros(3)
     p.grad = torch.ones(3)
     states = ([], []) if kind == "sgd" else ([torch.zeros(3)], [torch.zeros(3)])
     plan.add_bucket(1, [p], [], *states, [], [torch.zeros(())], False)
     plan.finalize()
-    plan.set_hyper(0, good, None)
+    plan.set_hyper(0, good, None, None)
     with pytest.raises(RuntimeError, match="no hyper-parameters were set for group 1"):
         plan.step(None, None, None)
     assert torch.equal(p, torch.zeros(3))
-    plan.set_hyper(1, {**good, "lr": 0.5} if kind == "sgd" else {**good, "lr": 0.5, "beta2": 0.5}, None)
+    plan.set_hyper(1, {**good, "lr": 0.5} if kind == "sgd" else {**good, "lr": 0.5, "beta2": 0.5}, None, None)
     assert plan.step(None, None, None) == 0
     assert torch.all(p < 0)
 

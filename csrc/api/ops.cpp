@@ -93,10 +93,10 @@ void sgd_step_(at::TensorList params, at::TensorList grads, at::TensorList maste
   using Opt = const std::optional<at::Tensor>&;
   static auto handle =
       op<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
-              double, Opt, double, double, double, bool, bool, Opt, Opt, Opt,
+              double, Opt, double, Opt, double, double, bool, bool, Opt, Opt, Opt,
               std::optional<at::TensorList>, std::optional<int64_t>)>("ampfuse::sgd_step_");
   handle.call(params, grads, master_params, momentum_buffers, steps, o.lr, o.lr_tensor,
-              o.momentum, o.dampening, o.weight_decay, o.nesterov, o.maximize, sc.grad_scale,
+              o.momentum, o.momentum_tensor, o.dampening, o.weight_decay, o.nesterov, o.maximize, sc.grad_scale,
               sc.found_inf, sc.clip_coef, momentum_absmax, o.rounding_seed);
 }
 
@@ -108,10 +108,10 @@ void adam_step_(at::TensorList params, at::TensorList grads, at::TensorList mast
   using L = at::TensorList;
   using OL = std::optional<at::TensorList>;
   static auto handle =
-      op<void(L, L, L, L, L, L, L, double, Opt, double, double, double, double, bool, bool, bool,
+      op<void(L, L, L, L, L, L, L, double, Opt, double, Opt, double, double, double, bool, bool, bool,
               Opt, Opt, Opt, OL, OL, OL, std::optional<int64_t>)>("ampfuse::adam_step_");
   handle.call(params, grads, master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, o.lr,
-              o.lr_tensor, o.beta1, o.beta2, o.eps, o.weight_decay, o.amsgrad, o.maximize,
+              o.lr_tensor, o.beta1, o.beta1_tensor, o.beta2, o.eps, o.weight_decay, o.amsgrad, o.maximize,
               o.decoupled_weight_decay, sc.grad_scale, sc.found_inf, sc.clip_coef, absmax.exp_avg,
               absmax.exp_avg_sq, absmax.max_exp_avg_sq, o.rounding_seed);
 }

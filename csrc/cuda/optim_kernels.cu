@@ -33,6 +33,7 @@ struct CudaMath {
 // Scalars the GradScaler hands over (device pointers, read once per block).
 struct ScaleArgs {
   const float* lr_tensor;
+  const float* momentum_tensor;
   const float* grad_scale;
   const float* found_inf;
   const float* clip_coef;
@@ -256,8 +257,9 @@ struct GradPrep {
 // in device memory, or of the by-value metadata); the step is the last list.
 template <class Kind, int N, typename Body>
 __device__ __forceinline__ void for_each_chunk(const TableMeta<N>& meta, const ScaleArgs& sa,
-                                               const typename Kind::Hyper& hyper, const Body& body) {
+                                               const typename Kind::Hyper& given, const Body& body) {
   if (sa.found_inf != nullptr && *sa.found_inf != 0.0f) return;  // skipped: touch nothing
+  const typename Kind::Hyper hyper = with_momentum(given, sa.momentum_tensor);
   const double lr = sa.lr_tensor ? static_cast<double>(*sa.lr_tensor) : hyper.lr;
   const float grad_scale = sa.grad_scale ? *sa.grad_scale : 1.0f;
   const GradPrep prep{grad_scale, sa.grad_scale != nullptr && grad_scale != 1.0f,
@@ -420,7 +422,7 @@ int launch_rows(const OptimArgs& a, void* workspace, const LaunchContext& ctx, c
     const cudaError_t err = cudaMemsetAsync(workspace, 0, optim_workspace(a, ctx), stream_of(ctx));
     if (err != cudaSuccess) return err;
   }
-  const ScaleArgs sa{a.lr_tensor, a.grad_scale, a.found_inf, a.clip_coef,
+  const ScaleArgs sa{a.lr_tensor, a.momentum_tensor, a.grad_scale, a.found_inf, a.clip_coef,
                      static_cast<unsigned int*>(workspace)};
   return launch(tensors, sa);
 }

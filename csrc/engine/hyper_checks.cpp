@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <optional>
+
 #include "engine/optimizer_state.h"
 #include "engine/scaler_rules.h"
 #include "engine/step_checks.h"
@@ -23,6 +25,18 @@ struct Namer {
 
 double number_option(const c10::IValue& v, const std::string& name) {
   TORCH_CHECK_VALUE(is_number(v), name, " must be a number, got ", repr(v), ".");
+  return number(v);
+}
+
+// A number, or a 1-element tensor whose value the step reads on the device (nullopt: not checked
+// here, as a tensor lr).
+std::optional<double> number_or_tensor_option(const c10::IValue& v, const std::string& name) {
+  if (v.isTensor()) {
+    TORCH_CHECK_VALUE(v.toTensor().numel() == 1, name, " must be a number or a 1-element tensor, got shape ",
+                      shape_repr(v.toTensor()), ".");
+    return std::nullopt;
+  }
+  TORCH_CHECK_VALUE(is_number(v), name, " must be a number or a 1-element tensor, got ", repr(v), ".");
   return number(v);
 }
 
@@ -83,12 +97,13 @@ void check_group_hyper(const std::string& optimizer, const c10::Dict<std::string
   }
   if (sgd) {
     if (!has("momentum")) return;
-    const double momentum = number_option(values.at("momentum"), name("momentum"));
+    // a tensor momentum (a schedule cycles it on the device) counts as > 0 here
+    const std::optional<double> momentum = number_or_tensor_option(values.at("momentum"), name("momentum"));
     const double dampening = number_option(values.at("dampening"), name("dampening"));
     const double weight_decay = number_option(values.at("weight_decay"), name("weight_decay"));
-    check_at_least_zero(momentum, name("momentum"));
+    if (momentum) check_at_least_zero(*momentum, name("momentum"));
     check_at_least_zero(weight_decay, name("weight_decay"));
-    TORCH_CHECK_VALUE(!values.at("nesterov").toBool() || (momentum > 0.0 && dampening == 0.0), group,
+    TORCH_CHECK_VALUE(!values.at("nesterov").toBool() || (momentum.value_or(1.0) > 0.0 && dampening == 0.0), group,
                       ": nesterov momentum requires a momentum > 0 and zero dampening.");
     return;
   }
@@ -98,7 +113,10 @@ void check_group_hyper(const std::string& optimizer, const c10::Dict<std::string
                     (betas.isList() && betas.toListRef().size() == 2);
   TORCH_CHECK_VALUE(pair, name("betas"), " must be a pair of numbers, got ", repr(betas), ".");
   const auto items = betas.isTuple() ? betas.toTupleRef().elements().vec() : betas.toListRef().vec();
-  for (int64_t k = 0; k < 2; ++k) check_unit_interval(number_option(items[k], name("betas", k)), name("betas", k));
+  // betas[0] may be a tensor (a schedule cycles it on the device)
+  const std::optional<double> beta1 = number_or_tensor_option(items[0], name("betas", 0));
+  if (beta1) check_unit_interval(*beta1, name("betas", 0));
+  check_unit_interval(number_option(items[1], name("betas", 1)), name("betas", 1));
   for (const char* key : {"eps", "weight_decay"}) {
     check_at_least_zero(number_option(values.at(key), name(key)), name(key));
   }

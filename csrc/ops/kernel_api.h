@@ -129,6 +129,8 @@ struct OptimArgs {
   bool quantized_state;
   QuantFormat state_format[3];
   const float* lr_tensor;   // 1 element, or null: the hyper-parameters' lr
+  // 1 element, or null: the hyper-parameters' momentum (SGD) / beta1 (Adam)
+  const float* momentum_tensor;
   const float* grad_scale;  // grads are divided by it, or null
   const float* found_inf;   // or null
   const float* clip_coef;   // grads are multiplied by it, or null

@@ -52,13 +52,13 @@ OptimDTypes optim_dtypes(const detail::OptimLists& l);
 // param's strides).
 void sgd_rows(const Backend& b, const kernels::OptimTensor* rows, int64_t n,
               const OptimDTypes& dt, const SgdHyper& h, const c10::Device& device,
-              const std::optional<at::Tensor>& lr_tensor,
+              const detail::HyperTensors& hyper_tensors,
               const std::optional<at::Tensor>& grad_scale,
               const std::optional<at::Tensor>& found_inf,
               const std::optional<at::Tensor>& clip_coef);
 void adam_rows(const Backend& b, const kernels::OptimTensor* rows, int64_t n,
                const OptimDTypes& dt, const AdamHyper& h, const c10::Device& device,
-               const std::optional<at::Tensor>& lr_tensor,
+               const detail::HyperTensors& hyper_tensors,
                const std::optional<at::Tensor>& grad_scale,
                const std::optional<at::Tensor>& found_inf,
                const std::optional<at::Tensor>& clip_coef);
@@ -71,12 +71,12 @@ void accumulate_rows(const Backend& b, float* const* accumulators,
 
 // sgd_step_ / adam_step_ with validated, overlap-checked lists on `device`.
 void sgd_step(const Backend& b, const detail::OptimLists& l, const SgdHyper& h,
-              const c10::Device& device, const std::optional<at::Tensor>& lr_tensor,
+              const c10::Device& device, const detail::HyperTensors& hyper_tensors,
               const std::optional<at::Tensor>& grad_scale,
               const std::optional<at::Tensor>& found_inf,
               const std::optional<at::Tensor>& clip_coef);
 void adam_step(const Backend& b, const detail::OptimLists& l, const AdamHyper& h,
-               const c10::Device& device, const std::optional<at::Tensor>& lr_tensor,
+               const c10::Device& device, const detail::HyperTensors& hyper_tensors,
                const std::optional<at::Tensor>& grad_scale,
                const std::optional<at::Tensor>& found_inf,
                const std::optional<at::Tensor>& clip_coef);

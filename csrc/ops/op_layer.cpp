@@ -135,7 +135,7 @@ void launch_optim(const Backend& b, const kernels::OptimTensor* rows, int64_t n,
                   const core::OptimDTypes& dt, const Hyper& h, const c10::Device& device,
                   int (*kernels::KernelTable::*entry)(const kernels::OptimArgs&, const Hyper&,
                                                       void*, const kernels::LaunchContext&),
-                  const std::optional<at::Tensor>& lr_tensor,
+                  const detail::HyperTensors& hyper_tensors,
                   const std::optional<at::Tensor>& grad_scale,
                   const std::optional<at::Tensor>& found_inf,
                   const std::optional<at::Tensor>& clip_coef, const char* op) {
@@ -152,7 +152,8 @@ void launch_optim(const Backend& b, const kernels::OptimTensor* rows, int64_t n,
                           dt.state,
                           dt.quantized,
                           {dt.formats[0], dt.formats[1], dt.formats[2]},
-                          const_ptr_or_null<float>(lr_tensor),
+                          const_ptr_or_null<float>(hyper_tensors.lr),
+                          const_ptr_or_null<float>(hyper_tensors.momentum),
                           const_ptr_or_null<float>(grad_scale),
                           const_ptr_or_null<float>(found_inf),
                           const_ptr_or_null<float>(clip_coef)};
@@ -168,7 +169,7 @@ void optim_step_impl(const Backend& b, const detail::OptimLists& l, const Hyper&
                      const c10::Device& device,
                      int (*kernels::KernelTable::*entry)(const kernels::OptimArgs&, const Hyper&,
                                                          void*, const kernels::LaunchContext&),
-                     const std::optional<at::Tensor>& lr_tensor,
+                     const detail::HyperTensors& hyper_tensors,
                      const std::optional<at::Tensor>& grad_scale,
                      const std::optional<at::Tensor>& found_inf,
                      const std::optional<at::Tensor>& clip_coef, const char* op) {
@@ -193,11 +194,11 @@ void optim_step_impl(const Backend& b, const detail::OptimLists& l, const Hyper&
     }
   }
   launch_optim(b, tensors.data(), static_cast<int64_t>(n), core::optim_dtypes(l), h, device, entry,
-               lr_tensor, grad_scale, found_inf, clip_coef, op);
+               hyper_tensors, grad_scale, found_inf, clip_coef, op);
   for (const auto& r : copies) r.finish();
 }
 
-void check_optim_overlap(const detail::OptimLists& l, const std::optional<at::Tensor>& lr_tensor,
+void check_optim_overlap(const detail::OptimLists& l, const detail::HyperTensors& hyper_tensors,
                          const std::optional<at::Tensor>& grad_scale,
                          const std::optional<at::Tensor>& found_inf,
                          const std::optional<at::Tensor>& clip_coef) {
@@ -208,7 +209,8 @@ void check_optim_overlap(const detail::OptimLists& l, const std::optional<at::Te
   for (size_t k = 0; k < l.states.size(); ++k) overlap.add(l.states[k], l.state_names[k], true);
   for (size_t k = 0; k < l.absmaxes.size(); ++k) overlap.add(l.absmaxes[k], l.absmax_names[k], true);
   overlap.add(l.steps, "steps", true);
-  overlap.add(lr_tensor, "lr_tensor", false);
+  overlap.add(hyper_tensors.lr, "lr_tensor", false);
+  overlap.add(hyper_tensors.momentum, hyper_tensors.momentum_name, false);
   overlap.add(grad_scale, "grad_scale", false);
   overlap.add(found_inf, "found_inf", false);
   overlap.add(clip_coef, "clip_coef", false);
@@ -235,40 +237,40 @@ std::tuple<at::Tensor, at::Tensor> unscale_check_impl(
 namespace core {
 
 void sgd_step(const Backend& b, const detail::OptimLists& l, const SgdHyper& h,
-              const c10::Device& device, const std::optional<at::Tensor>& lr_tensor,
+              const c10::Device& device, const detail::HyperTensors& hyper_tensors,
               const std::optional<at::Tensor>& grad_scale,
               const std::optional<at::Tensor>& found_inf,
               const std::optional<at::Tensor>& clip_coef) {
-  optim_step_impl(b, l, h, device, &kernels::KernelTable::sgd_step, lr_tensor, grad_scale,
+  optim_step_impl(b, l, h, device, &kernels::KernelTable::sgd_step, hyper_tensors, grad_scale,
                   found_inf, clip_coef, "sgd_step_");
 }
 
 void adam_step(const Backend& b, const detail::OptimLists& l, const AdamHyper& h,
-               const c10::Device& device, const std::optional<at::Tensor>& lr_tensor,
+               const c10::Device& device, const detail::HyperTensors& hyper_tensors,
                const std::optional<at::Tensor>& grad_scale,
                const std::optional<at::Tensor>& found_inf,
                const std::optional<at::Tensor>& clip_coef) {
-  optim_step_impl(b, l, h, device, &kernels::KernelTable::adam_step, lr_tensor, grad_scale,
+  optim_step_impl(b, l, h, device, &kernels::KernelTable::adam_step, hyper_tensors, grad_scale,
                   found_inf, clip_coef, "adam_step_");
 }
 
 void sgd_rows(const Backend& b, const kernels::OptimTensor* rows, int64_t n,
               const OptimDTypes& dt, const SgdHyper& h, const c10::Device& device,
-              const std::optional<at::Tensor>& lr_tensor,
+              const detail::HyperTensors& hyper_tensors,
               const std::optional<at::Tensor>& grad_scale,
               const std::optional<at::Tensor>& found_inf,
               const std::optional<at::Tensor>& clip_coef) {
-  launch_optim(b, rows, n, dt, h, device, &kernels::KernelTable::sgd_step, lr_tensor, grad_scale,
+  launch_optim(b, rows, n, dt, h, device, &kernels::KernelTable::sgd_step, hyper_tensors, grad_scale,
                found_inf, clip_coef, "sgd_step_");
 }
 
 void adam_rows(const Backend& b, const kernels::OptimTensor* rows, int64_t n,
                const OptimDTypes& dt, const AdamHyper& h, const c10::Device& device,
-               const std::optional<at::Tensor>& lr_tensor,
+               const detail::HyperTensors& hyper_tensors,
                const std::optional<at::Tensor>& grad_scale,
                const std::optional<at::Tensor>& found_inf,
                const std::optional<at::Tensor>& clip_coef) {
-  launch_optim(b, rows, n, dt, h, device, &kernels::KernelTable::adam_step, lr_tensor, grad_scale,
+  launch_optim(b, rows, n, dt, h, device, &kernels::KernelTable::adam_step, hyper_tensors, grad_scale,
                found_inf, clip_coef, "adam_step_");
 }
 
@@ -442,7 +444,7 @@ void core::accumulate_rows(const Backend& b, float* const* accumulators,
 void sgd_step(const Backend& b, at::TensorList params, at::TensorList grads,
               at::TensorList master_params, at::TensorList momentum_buffers, at::TensorList steps,
               double lr, const std::optional<at::Tensor>& lr_tensor, double momentum,
-              double dampening, double weight_decay, bool nesterov, bool maximize,
+              const std::optional<at::Tensor>& momentum_tensor, double dampening, double weight_decay, bool nesterov, bool maximize,
               const std::optional<at::Tensor>& grad_scale,
               const std::optional<at::Tensor>& found_inf,
               const std::optional<at::Tensor>& clip_coef, at::TensorList momentum_absmax,
@@ -450,19 +452,21 @@ void sgd_step(const Backend& b, at::TensorList params, at::TensorList grads,
   const detail::OptimLists l{params, grads, master_params, {momentum_buffers},
                              {"momentum_buffers"}, steps, {momentum_absmax},
                              {"momentum_absmax"}, {false}};
+  const detail::HyperTensors ht{lr_tensor, momentum_tensor, "momentum_tensor"};
   const c10::Device device =
-      detail::check_optim_args(l, lr_tensor, grad_scale, found_inf, clip_coef);
+      detail::check_optim_args(l, ht, grad_scale, found_inf, clip_coef);
   const SgdHyper h{lr, momentum, dampening, weight_decay, nesterov, maximize,
                    rounding_seed.has_value(), rounding_seed.value_or(0)};
-  detail::check_sgd_hyper(h, l);
-  check_optim_overlap(l, lr_tensor, grad_scale, found_inf, clip_coef);
-  core::sgd_step(b, l, h, device, lr_tensor, grad_scale, found_inf, clip_coef);
+  detail::check_sgd_hyper(h, l, momentum_tensor.has_value());
+  check_optim_overlap(l, ht, grad_scale, found_inf, clip_coef);
+  core::sgd_step(b, l, h, device, ht, grad_scale, found_inf, clip_coef);
 }
 
 void adam_step(const Backend& b, at::TensorList params, at::TensorList grads,
                at::TensorList master_params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr,
-               const std::optional<at::Tensor>& lr_tensor, double beta1, double beta2, double eps,
+               const std::optional<at::Tensor>& lr_tensor, double beta1,
+               const std::optional<at::Tensor>& beta1_tensor, double beta2, double eps,
                double weight_decay, bool amsgrad, bool maximize, bool decoupled_weight_decay,
                const std::optional<at::Tensor>& grad_scale,
                const std::optional<at::Tensor>& found_inf,
@@ -478,13 +482,13 @@ void adam_step(const Backend& b, at::TensorList params, at::TensorList grads,
                              {exp_avg_absmax, exp_avg_sq_absmax, max_exp_avg_sq_absmax},
                              {"exp_avg_absmax", "exp_avg_sq_absmax", "max_exp_avg_sq_absmax"},
                              {false, true, true}};
-  const c10::Device device =
-      detail::check_optim_args(l, lr_tensor, grad_scale, found_inf, clip_coef);
+  const detail::HyperTensors ht{lr_tensor, beta1_tensor, "beta1_tensor"};
+  const c10::Device device = detail::check_optim_args(l, ht, grad_scale, found_inf, clip_coef);
   const AdamHyper h{lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay,
                     rounding_seed.has_value(), rounding_seed.value_or(0)};
   detail::check_adam_hyper(h, l);
-  check_optim_overlap(l, lr_tensor, grad_scale, found_inf, clip_coef);
-  core::adam_step(b, l, h, device, lr_tensor, grad_scale, found_inf, clip_coef);
+  check_optim_overlap(l, ht, grad_scale, found_inf, clip_coef);
+  core::adam_step(b, l, h, device, ht, grad_scale, found_inf, clip_coef);
 }
 
 namespace {

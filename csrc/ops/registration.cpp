@@ -69,19 +69,21 @@ TORCH_LIBRARY(ampfuse, m) {
   // steps are per-param fp32 counters. rounding_seed: bf16 params without masters are written
   // rounded stochastically (unbiased; the draws a hash of the seed, the param's step count, the
   // element's index and the param's bits before the update: reproducible on every backend), else
-  // to nearest.
+  // to nearest. lr_tensor / momentum_tensor (adam_step_: beta1_tensor): 1-element fp32 tensors on
+  // the params' device read at the step instead of lr / momentum (beta1), for schedules that write
+  // them on the device; a momentum_tensor means momentum buffers (as momentum != 0).
   m.def(
       "sgd_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] master_params, "
       "Tensor(c!)[] momentum_buffers, Tensor(d!)[] steps, *, float lr, Tensor? lr_tensor=None, "
-      "float momentum=0., float dampening=0., float weight_decay=0., bool nesterov=False, "
-      "bool maximize=False, Tensor? grad_scale=None, Tensor? found_inf=None, "
-      "Tensor? clip_coef=None, Tensor(e!)[]? momentum_absmax=None, int? rounding_seed=None) -> ()");
+      "float momentum=0., Tensor? momentum_tensor=None, float dampening=0., "
+      "float weight_decay=0., bool nesterov=False, bool maximize=False, Tensor? grad_scale=None, "
+      "Tensor? found_inf=None, Tensor? clip_coef=None, Tensor(e!)[]? momentum_absmax=None, int? rounding_seed=None) -> ()");
   // Fused Adam/AdamW step (torch.optim.Adam/AdamW semantics), same conventions as sgd_step_.
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] master_params, "
       "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, "
       "Tensor(f!)[] steps, *, float lr, Tensor? lr_tensor=None, float beta1=0.9, "
-      "float beta2=0.999, float eps=1e-8, float weight_decay=0., bool amsgrad=False, "
+      "Tensor? beta1_tensor=None, float beta2=0.999, float eps=1e-8, float weight_decay=0., bool amsgrad=False, "
       "bool maximize=False, bool decoupled_weight_decay=False, Tensor? grad_scale=None, "
       "Tensor? found_inf=None, Tensor? clip_coef=None, Tensor(g!)[]? exp_avg_absmax=None, "
       "Tensor(h!)[]? exp_avg_sq_absmax=None, Tensor(i!)[]? max_exp_avg_sq_absmax=None, "

@@ -428,6 +428,17 @@ AMPFUSE_HOST_DEVICE V adam_update(V p, V g, V& m, V& v, V& vmax, const AdamScala
   return p + V(-s.step.step_size) * m / denom;
 }
 
+// The hyper-parameters with the momentum (SGD) or beta1 (Adam) a device value gives, when one
+// does (read once per call, as the lr tensor).
+AMPFUSE_HOST_DEVICE SgdHyper with_momentum(SgdHyper h, const float* momentum) {
+  if (momentum != nullptr) h.momentum = static_cast<double>(*momentum);
+  return h;
+}
+AMPFUSE_HOST_DEVICE AdamHyper with_momentum(AdamHyper h, const float* beta1) {
+  if (beta1 != nullptr) h.beta1 = static_cast<double>(*beta1);
+  return h;
+}
+
 AMPFUSE_HOST_DEVICE SgdScalars sgd_scalars(const SgdHyper& h, double lr, float step_before) {
   return SgdScalars{static_cast<float>(lr),
                     static_cast<float>(h.momentum),

@@ -75,31 +75,35 @@ StepPlan::StepPlan(const std::string& kind) {
   adam_ = kind == "adam";
 }
 
-StepPlan::GroupHyper& StepPlan::hyper_slot(int64_t group, const std::optional<at::Tensor>& lr) {
+StepPlan::GroupHyper& StepPlan::hyper_slot(int64_t group, const std::optional<at::Tensor>& lr,
+                                           const std::optional<at::Tensor>& momentum) {
   TORCH_CHECK(group >= 0, "StepPlan.set_hyper: group must be >= 0, got ", group, ".");
   TORCH_CHECK(!lr || lr->numel() == 1, "StepPlan.set_hyper: lr must be a 1-element tensor, got "
               "shape ", lr->sizes(), ".");
+  TORCH_CHECK(!momentum || momentum->numel() == 1, "StepPlan.set_hyper: momentum must be a 1-element "
+              "tensor, got shape ", momentum->sizes(), ".");
   if (static_cast<size_t>(group) >= hyper_.size()) hyper_.resize(group + 1);
   return hyper_[group];
 }
 
-void StepPlan::set_sgd_hyper(int64_t group, const SgdHyper& hyper, std::optional<at::Tensor> lr) {
+void StepPlan::set_sgd_hyper(int64_t group, const SgdHyper& hyper, std::optional<at::Tensor> lr,
+                             std::optional<at::Tensor> momentum) {
   TORCH_CHECK(!adam_, "StepPlan.set_hyper: an adam plan takes Adam hyper-parameters.");
-  auto& slot = hyper_slot(group, lr);
-  slot = GroupHyper{true, hyper, {}, std::move(lr)};
+  auto& slot = hyper_slot(group, lr, momentum);
+  slot = GroupHyper{true, hyper, {}, std::move(lr), std::move(momentum)};
 }
 
-void StepPlan::set_adam_hyper(int64_t group, const AdamHyper& hyper,
-                              std::optional<at::Tensor> lr) {
+void StepPlan::set_adam_hyper(int64_t group, const AdamHyper& hyper, std::optional<at::Tensor> lr,
+                              std::optional<at::Tensor> momentum) {
   TORCH_CHECK(adam_, "StepPlan.set_hyper: an sgd plan takes SGD hyper-parameters.");
-  auto& slot = hyper_slot(group, lr);
-  slot = GroupHyper{true, {}, hyper, std::move(lr)};
+  auto& slot = hyper_slot(group, lr, momentum);
+  slot = GroupHyper{true, {}, hyper, std::move(lr), std::move(momentum)};
 }
 
 std::vector<std::string> StepPlan::hyper_names() const { return adam_ ? kAdamNames : kSgdNames; }
 
 void StepPlan::set_hyper(int64_t group, const c10::Dict<std::string, double>& hyper,
-                         std::optional<at::Tensor> lr) {
+                         std::optional<at::Tensor> lr, std::optional<at::Tensor> momentum) {
   const auto& names = adam_ ? kAdamNames : kSgdNames;
   auto listed = [&names] {
     std::string out;
@@ -132,10 +136,10 @@ void StepPlan::set_hyper(int64_t group, const c10::Dict<std::string, double>& hy
   if (adam_) {
     set_adam_hyper(group,
                    AdamHyper{v[0], v[1], v[2], v[3], v[4], flag(5), flag(6), flag(7), flag(8), seed(9)},
-                   std::move(lr));
+                   std::move(lr), std::move(momentum));
   } else {
     set_sgd_hyper(group, SgdHyper{v[0], v[1], v[2], v[3], flag(4), flag(5), flag(6), seed(7)},
-                  std::move(lr));
+                  std::move(lr), std::move(momentum));
   }
 }
 
@@ -188,7 +192,7 @@ void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
   b.absmaxes[1] = std::move(absmax1);
   b.absmaxes[2] = std::move(absmax2);
   const detail::OptimLists l = optim_lists(adam_, params, probe, masters, b.states, b.absmaxes, steps);
-  detail::check_optim_args(l, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+  detail::check_optim_args(l, {}, std::nullopt, std::nullopt, std::nullopt);
   for (const auto& p : params) {
     b.geom_at.push_back(b.geom.size());
     b.geom.insert(b.geom.end(), p.sizes().begin(), p.sizes().end());
@@ -597,8 +601,10 @@ int64_t StepPlan::step(const std::optional<at::Tensor>& grad_scale,
     stale = stale || (*t && touches_written(**t));
   }
   for (const auto& h : hyper_) {
-    // an lr tensor resized in place: the owner's checks name it
-    stale = stale || (h.lr && (h.lr->numel() != 1 || touches_written(*h.lr)));
+    // an lr (momentum) tensor resized in place: the owner's checks name it
+    for (const auto* t : {&h.lr, &h.momentum}) {
+      stale = stale || (*t && ((*t)->numel() != 1 || touches_written(**t)));
+    }
   }
   if (stale) {
     release_grads();
@@ -614,26 +620,28 @@ int64_t StepPlan::step(const std::optional<at::Tensor>& grad_scale,
     if (adam_) {
       detail::check_adam_hyper(adam_hyper(b), l);
     } else {
-      detail::check_sgd_hyper(sgd_hyper(b), l);
+      detail::check_sgd_hyper(sgd_hyper(b), l, hyper_[b.group].momentum.has_value());
     }
   }
   for (auto& b : buckets_) {
     const detail::OptimLists l = lists(b);
-    const auto lr_tensor = scalar_on(hyper_[b.group].lr, b.device);
+    const detail::HyperTensors ht{scalar_on(hyper_[b.group].lr, b.device),
+                                  scalar_on(hyper_[b.group].momentum, b.device),
+                                  adam_ ? "beta1_tensor" : "momentum_tensor"};
     const auto gs = scalar_on(grad_scale, b.device);
     const auto fi = scalar_on(found_inf, b.device);
     const auto cc = scalar_on(clip_coef, b.device);
     const auto n = static_cast<int64_t>(b.params.size());
     if (adam_ && b.use_rows) {
-      core::adam_rows(*b.backend, b.rows.data(), n, b.dtypes, adam_hyper(b), b.device, lr_tensor,
+      core::adam_rows(*b.backend, b.rows.data(), n, b.dtypes, adam_hyper(b), b.device, ht,
                       gs, fi, cc);
     } else if (adam_) {
-      core::adam_step(*b.backend, l, adam_hyper(b), b.device, lr_tensor, gs, fi, cc);
+      core::adam_step(*b.backend, l, adam_hyper(b), b.device, ht, gs, fi, cc);
     } else if (b.use_rows) {
-      core::sgd_rows(*b.backend, b.rows.data(), n, b.dtypes, sgd_hyper(b), b.device, lr_tensor,
+      core::sgd_rows(*b.backend, b.rows.data(), n, b.dtypes, sgd_hyper(b), b.device, ht,
                      gs, fi, cc);
     } else {
-      core::sgd_step(*b.backend, l, sgd_hyper(b), b.device, lr_tensor, gs, fi, cc);
+      core::sgd_step(*b.backend, l, sgd_hyper(b), b.device, ht, gs, fi, cc);
     }
   }
   release_grads();

@@ -44,11 +44,14 @@ class StepPlan : public torch::CustomClassHolder {
 
   // The hyper-parameters of param group `group`, kept until set again: typed (the C++ surface) or
   // by name (Python: `hyper_names()` of the kind, each exactly once; flags as 0 or 1). `lr`: the
-  // group's lr tensor (1 element, read at every step), or none (hyper.lr is used).
-  void set_sgd_hyper(int64_t group, const SgdHyper& hyper, std::optional<at::Tensor> lr);
-  void set_adam_hyper(int64_t group, const AdamHyper& hyper, std::optional<at::Tensor> lr);
+  // group's lr tensor (1 element, read at every step), or none (hyper.lr is used); `momentum`:
+  // likewise SGD's momentum / Adam's beta1.
+  void set_sgd_hyper(int64_t group, const SgdHyper& hyper, std::optional<at::Tensor> lr,
+                     std::optional<at::Tensor> momentum = std::nullopt);
+  void set_adam_hyper(int64_t group, const AdamHyper& hyper, std::optional<at::Tensor> lr,
+                      std::optional<at::Tensor> momentum = std::nullopt);
   void set_hyper(int64_t group, const c10::Dict<std::string, double>& hyper,
-                 std::optional<at::Tensor> lr);
+                 std::optional<at::Tensor> lr, std::optional<at::Tensor> momentum);
   std::vector<std::string> hyper_names() const;
 
   // One bucket of param group `group`: same device, param dtype, gradient dtype (the params' own,
@@ -93,8 +96,10 @@ class StepPlan : public torch::CustomClassHolder {
     SgdHyper sgd{};
     AdamHyper adam{};
     std::optional<at::Tensor> lr;
+    std::optional<at::Tensor> momentum;
   };
-  GroupHyper& hyper_slot(int64_t group, const std::optional<at::Tensor>& lr);
+  GroupHyper& hyper_slot(int64_t group, const std::optional<at::Tensor>& lr,
+                         const std::optional<at::Tensor>& momentum);
   std::vector<GroupHyper> hyper_;
 
   struct Span {

@@ -255,7 +255,7 @@ ScaleRuleParams check_update_scale_args(const at::Tensor& scale, const at::Tenso
                          ceiling};
 }
 
-c10::Device check_optim_args(const OptimLists& l, const std::optional<at::Tensor>& lr_tensor,
+c10::Device check_optim_args(const OptimLists& l, const HyperTensors& hyper_tensors,
                              const std::optional<at::Tensor>& grad_scale,
                              const std::optional<at::Tensor>& found_inf,
                              const std::optional<at::Tensor>& clip_coef) {
@@ -378,22 +378,27 @@ c10::Device check_optim_args(const OptimLists& l, const std::optional<at::Tensor
       check_scalar_tensor(st, step_name.c_str(), c10::kFloat, *device);
     }
   }
-  if (lr_tensor) check_scalar_tensor(*lr_tensor, "lr_tensor", c10::kFloat, *device);
+  if (hyper_tensors.lr) check_scalar_tensor(*hyper_tensors.lr, "lr_tensor", c10::kFloat, *device);
+  if (hyper_tensors.momentum) {
+    check_scalar_tensor(*hyper_tensors.momentum, hyper_tensors.momentum_name, c10::kFloat, *device);
+  }
   if (grad_scale) check_scalar_tensor(*grad_scale, "grad_scale", c10::kFloat, *device);
   if (found_inf) check_scalar_tensor(*found_inf, "found_inf", c10::kFloat, *device);
   if (clip_coef) check_scalar_tensor(*clip_coef, "clip_coef", c10::kFloat, *device);
   return *device;
 }
 
-void check_sgd_hyper(const SgdHyper& h, const OptimLists& l) {
+void check_sgd_hyper(const SgdHyper& h, const OptimLists& l, bool momentum_tensor) {
   TORCH_CHECK(h.lr >= 0.0, "lr must be >= 0, got ", h.lr, ".");
   TORCH_CHECK(h.momentum >= 0.0, "momentum must be >= 0, got ", h.momentum, ".");
   TORCH_CHECK(h.weight_decay >= 0.0, "weight_decay must be >= 0, got ", h.weight_decay, ".");
-  TORCH_CHECK(!h.nesterov || (h.momentum > 0.0 && h.dampening == 0.0),
+  const bool has_momentum = momentum_tensor || h.momentum != 0.0;
+  TORCH_CHECK(!h.nesterov || ((momentum_tensor || h.momentum > 0.0) && h.dampening == 0.0),
               "nesterov momentum requires a momentum > 0 and zero dampening.");
-  const bool need_buffers = h.momentum != 0.0 && !l.params.empty();
+  const bool need_buffers = has_momentum && !l.params.empty();
   TORCH_CHECK(!need_buffers || !l.states[0].empty(),
-              "momentum_buffers must have one tensor per param when momentum != 0.");
+              "momentum_buffers must have one tensor per param when momentum != 0 or momentum_tensor is "
+              "given.");
 }
 
 void check_adam_hyper(const AdamHyper& h, const OptimLists& l) {

@@ -91,8 +91,16 @@ struct OptimLists {
 // or nullopt for another dtype.
 std::optional<QuantFormat> state_quant_format(c10::ScalarType dtype, bool nonnegative);
 
+// The hyper-parameters a fused step reads on the device (1-element fp32 tensors, or none): the
+// lr, and SGD's momentum / Adam's beta1 (named `momentum_name` in messages).
+struct HyperTensors {
+  std::optional<at::Tensor> lr;
+  std::optional<at::Tensor> momentum;
+  const char* momentum_name = "momentum_tensor";
+};
+
 // Validates the lists of sgd_step_/adam_step_ and the optional scalar tensors. Returns the device.
-c10::Device check_optim_args(const OptimLists& l, const std::optional<at::Tensor>& lr_tensor,
+c10::Device check_optim_args(const OptimLists& l, const HyperTensors& hyper_tensors,
                              const std::optional<at::Tensor>& grad_scale,
                              const std::optional<at::Tensor>& found_inf,
                              const std::optional<at::Tensor>& clip_coef);
@@ -121,7 +129,8 @@ class OverlapCheck {
 };
 
 // Hyper-parameter checks (torch's rules) and which state lists the configuration requires.
-void check_sgd_hyper(const SgdHyper& h, const OptimLists& l);
+// `momentum_tensor`: the momentum is a device value (> 0 as far as the checks go: buffers needed).
+void check_sgd_hyper(const SgdHyper& h, const OptimLists& l, bool momentum_tensor = false);
 void check_adam_hyper(const AdamHyper& h, const OptimLists& l);
 
 }  // namespace ampfuse::detail

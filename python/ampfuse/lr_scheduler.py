@@ -46,8 +46,8 @@ __all__ = [
 
 _F64 = torch.float64
 # State that is code or live references, never saved.
-_UNSAVED = ("optimizer", "_scaler", "_lr_tensors", "_values", "lr_lambdas", "_schedulers", "_milestones_t", "_starts_t",
-            "_lengths_t")
+_UNSAVED = ("optimizer", "_scaler", "_lr_tensors", "_momentum_tensors", "_values", "lr_lambdas", "_schedulers",
+            "_milestones_t", "_starts_t", "_lengths_t")
 
 
 def _device_of(optimizer: Optimizer) -> torch.device:
@@ -81,6 +81,7 @@ class LRScheduler(_torch.LRScheduler):
         device = _device_of(optimizer)
         self._taken = torch.zeros((), dtype=_count_dtype(device), device=device)
         self._lr_tensors: list[torch.Tensor] = []
+        self._momentum_tensors: list[torch.Tensor | None] = []
         self._values: list[torch.Tensor] = []
         if last_epoch == -1:
             for group in optimizer.param_groups:
@@ -99,6 +100,11 @@ class LRScheduler(_torch.LRScheduler):
 
     def _factors_at(self, t: torch.Tensor) -> list[torch.Tensor]:
         raise TypeError(f"{type(self).__name__} has no multiplicative form.")
+
+    def _momenta_at(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Each group's momentum (SGD) / beta1 (Adam) at count ``t``, for a schedule that cycles
+        it (:class:`OneCycleLR`); None: the schedule leaves them alone."""
+        return None
 
     def sees_skips(self) -> bool:
         """Whether :meth:`step` can tell a skipped step: the optimizer reports its skip flag
@@ -153,6 +159,31 @@ class LRScheduler(_torch.LRScheduler):
             mine.copy_(value, non_blocking=True)
             self._values.append(value)
         self._last_lr = self._values  # type: ignore[assignment]
+        momenta = self._momenta_at(self._taken)
+        if momenta is not None:
+            self._write_momenta(momenta)
+
+    def _write_momenta(self, values: Sequence[torch.Tensor]) -> None:
+        """Each group's momentum / beta1 tensor (a 0-dim fp32 tensor on the group's device, as the
+        lr's; made on first use or when the group's value was replaced) set in place to its value:
+        ``group["momentum"]``, or ``group["betas"][0]`` for optimizers with betas."""
+        groups = self.optimizer.param_groups
+        use_beta1 = "betas" in self.optimizer.defaults
+        if len(self._momentum_tensors) != len(groups):
+            self._momentum_tensors = [None] * len(groups)
+        for i, (group, value) in enumerate(zip(groups, values)):
+            mine = self._momentum_tensors[i]
+            current = group["betas"][0] if use_beta1 else group["momentum"]
+            if mine is None or current is not mine:
+                params = group["params"]
+                device = params[0].device if params else self._taken.device
+                mine = torch.zeros((), dtype=torch.float32, device=device)
+                self._momentum_tensors[i] = mine
+                if use_beta1:
+                    group["betas"] = (mine, *group["betas"][1:])
+                else:
+                    group["momentum"] = mine
+            mine.copy_(torch.as_tensor(value, dtype=self._taken.dtype, device=self._taken.device), non_blocking=True)
 
     def get_last_lr(self) -> list[float]:  # type: ignore[override]
         """The learning rates the last :meth:`step` wrote, as floats (a host read, here only)."""
@@ -186,6 +217,15 @@ class LRScheduler(_torch.LRScheduler):
         self.__dict__.update(state)
         self._taken.copy_(torch.as_tensor(taken, dtype=self._taken.dtype))
         self._write(self._lrs_at(self._taken))
+
+
+def _per_group(groups: list[dict[str, Any]], name: str, value: Any) -> list[Any]:
+    """One value per param group: a list or tuple of as many, or one value for all (torch's rule)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != len(groups):
+            raise ValueError(f"expected {len(groups)} values for {name}, got {len(value)}")
+        return list(value)
+    return [value] * len(groups)
 
 
 def _pow(base: float, e: torch.Tensor) -> torch.Tensor:
@@ -370,19 +410,19 @@ class CosineAnnealingWarmRestarts(LRScheduler):
 
 
 class OneCycleLR(LRScheduler):
-    """``torch.optim.lr_scheduler.OneCycleLR`` (the 1cycle policy) for the learning rate.
-    ``cycle_momentum=True`` is refused: the fused steps take momentum and betas as host values, so
-    a device schedule cannot cycle them. Past ``total_steps`` taken steps the learning rate stays
-    at the end of the last phase (torch raises there, which needs the count on the host)."""
+    """``torch.optim.lr_scheduler.OneCycleLR`` (the 1cycle policy). With ``cycle_momentum``
+    (torch's default) each group's momentum -- SGD's ``momentum``, or ``betas[0]`` of an optimizer
+    with betas -- becomes a 0-dim fp32 device tensor too, written in place at every step from the
+    count of taken steps, which the fused step reads on the device as it reads the lr (ampfuse's
+    optimizers; torch's SGD/Adam take it on the CPU). Past ``total_steps`` taken steps the learning
+    rate and momentum stay at the end of the last phase (torch raises there, which needs the count
+    on the host)."""
 
     def __init__(self, optimizer: Optimizer, max_lr: float | list[float], total_steps: int | None = None,
                  epochs: int | None = None, steps_per_epoch: int | None = None, pct_start: float = 0.3,
                  anneal_strategy: str = "cos", cycle_momentum: bool = True, base_momentum: float | list[float] = 0.85,
                  max_momentum: float | list[float] = 0.95, div_factor: float = 25.0, final_div_factor: float = 1e4,
                  three_phase: bool = False, last_epoch: int = -1, *, scaler: Any = None) -> None:
-        if cycle_momentum:
-            raise ValueError("OneCycleLR: cycle_momentum=True is not supported by a device schedule (momentum and betas "
-                             "are host values of the fused step); pass cycle_momentum=False.")
         if total_steps is not None:
             if total_steps <= 0 or not isinstance(total_steps, int):
                 raise ValueError(f"Expected positive integer total_steps, but got {total_steps}")
@@ -400,23 +440,33 @@ class OneCycleLR(LRScheduler):
         if anneal_strategy not in ("cos", "linear"):
             raise ValueError(f"anneal_strategy must be one of 'cos' or 'linear', instead got {anneal_strategy}")
         self.anneal_strategy = anneal_strategy
-        self.cycle_momentum = False
+        # (end step, lr from, lr to, momentum from, momentum to), as torch's phases
         if three_phase:
-            self._phases = [(float(pct_start * self.total_steps) - 1, "initial_lr", "max_lr"),
-                            (float(2 * pct_start * self.total_steps) - 2, "max_lr", "initial_lr"),
-                            (self.total_steps - 1, "initial_lr", "min_lr")]
+            self._phases = [(float(pct_start * self.total_steps) - 1, "initial_lr", "max_lr", "max_momentum", "base_momentum"),
+                            (float(2 * pct_start * self.total_steps) - 2, "max_lr", "initial_lr", "base_momentum",
+                             "max_momentum"),
+                            (self.total_steps - 1, "initial_lr", "min_lr", "max_momentum", "max_momentum")]
         else:
-            self._phases = [(float(pct_start * self.total_steps) - 1, "initial_lr", "max_lr"),
-                            (self.total_steps - 1, "max_lr", "min_lr")]
+            self._phases = [(float(pct_start * self.total_steps) - 1, "initial_lr", "max_lr", "max_momentum", "base_momentum"),
+                            (self.total_steps - 1, "max_lr", "min_lr", "base_momentum", "max_momentum")]
         groups = optimizer.param_groups
-        max_lrs = list(max_lr) if isinstance(max_lr, (list, tuple)) else [max_lr] * len(groups)
-        if len(max_lrs) != len(groups):
-            raise ValueError(f"expected {len(groups)} values for max_lr, got {len(max_lrs)}")
+        per_group = functools.partial(_per_group, groups)
+        max_lrs = per_group("max_lr", max_lr)
+        if cycle_momentum:  # every check before a group changes
+            if "momentum" not in optimizer.defaults and "betas" not in optimizer.defaults:
+                raise ValueError("optimizer must support momentum or beta1 with `cycle_momentum` option enabled")
+            momenta = list(zip(per_group("max_momentum", max_momentum), per_group("base_momentum", base_momentum)))
+            self.use_beta1 = "betas" in optimizer.defaults
+        self.cycle_momentum = cycle_momentum
         if last_epoch == -1:
             for m, group in zip(max_lrs, groups):
                 group["initial_lr"] = m / div_factor
                 group["max_lr"] = m
                 group["min_lr"] = group["initial_lr"] / final_div_factor
+            if cycle_momentum:
+                for (high, low), group in zip(momenta, groups):
+                    group["max_momentum"] = high
+                    group["base_momentum"] = low
         super().__init__(optimizer, last_epoch, scaler=scaler)
 
     def _anneal(self, start: float, end: float, pct: torch.Tensor) -> torch.Tensor:
@@ -424,16 +474,25 @@ class OneCycleLR(LRScheduler):
             return end + (start - end) / 2.0 * (torch.cos(math.pi * pct) + 1)
         return (end - start) * pct + start
 
-    def _lrs_at(self, t):
+    def _at(self, t: torch.Tensor, first: int) -> list[torch.Tensor]:
+        """Each group's value at count ``t`` of the phases' keys ``first`` (lr) or ``first + 2``
+        (momentum): the phase of ``t`` annealed from its start to its end."""
         out = []
         for group in self.optimizer.param_groups:
-            lr, start = None, 0.0
-            for i, (end, a, b) in enumerate(self._phases):
-                value = self._anneal(group[a], group[b], (t - start) / (end - start))
-                lr = value if lr is None else torch.where(t <= start, lr, value)
+            value, start = None, 0.0
+            for phase in self._phases:
+                end, a, b = phase[0], phase[first], phase[first + 1]
+                v = self._anneal(group[a], group[b], (t - start) / (end - start))
+                value = v if value is None else torch.where(t <= start, value, v)
                 start = end
-            out.append(lr)
+            out.append(value)
         return out
+
+    def _lrs_at(self, t):
+        return self._at(t, 1)
+
+    def _momenta_at(self, t):
+        return self._at(t, 3) if self.cycle_momentum else None
 
 
 class _Composite(LRScheduler):
@@ -450,6 +509,9 @@ class _Composite(LRScheduler):
             if not isinstance(s, LRScheduler):
                 raise TypeError(f"{name}: schedulers[{i}] must be an ampfuse.lr_scheduler schedule, got "
                                 f"{type(s).__name__}{hint}.")
+            if s._momenta_at(s.taken_steps) is not None:
+                raise ValueError(f"{name}: schedulers[{i}] ({type(s).__name__}) cycles the momentum, which a "
+                                 f"composite schedule does not; build it with cycle_momentum=False.")
             if s.optimizer is not optimizer:
                 raise ValueError(f"{name} expects all schedulers to belong to the same optimizer, but got scheduler "
                                  f"{type(s).__name__} at index {i} has {s.optimizer}, which is different from "

@@ -319,7 +319,7 @@ def sgd_step_(
     steps: Sequence[torch.Tensor],
     *,
     lr: float | torch.Tensor,
-    momentum: float = 0.0,
+    momentum: float | torch.Tensor = 0.0,
     dampening: float = 0.0,
     weight_decay: float = 0.0,
     nesterov: bool = False,
@@ -341,6 +341,9 @@ def sgd_step_(
             buffer is initialised to the gradient on the first step actually taken (``steps[i] == 0``).
         steps: 1-element fp32 counters, incremented by one.
         lr: float, or a 1-element fp32 tensor on the params' device (capturable schedules).
+        momentum: float, or a 1-element fp32 tensor on the params' device, read at the step (a
+            schedule that cycles it on the device); a tensor means momentum buffers, whatever
+            its value.
         grad_scale: grads are divided by it. clip_coef: and multiplied by it.
         found_inf: if non-zero, nothing at all is modified (params, masters, buffers, steps).
         momentum_absmax: with 8-bit buffers (``torch.uint8``, ``torch.float8_e4m3fn`` or
@@ -354,10 +357,12 @@ def sgd_step_(
             every backend, and again after a checkpoint. None: rounded to nearest.
     """
     lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+    momentum_tensor = momentum if isinstance(momentum, torch.Tensor) else None
     _dtensor_support()
     torch.ops.ampfuse.sgd_step_(
         params, grads, master_params, momentum_buffers, steps,
-        lr=0.0 if lr_tensor is not None else float(lr), lr_tensor=lr_tensor, momentum=momentum,
+        lr=0.0 if lr_tensor is not None else float(lr), lr_tensor=lr_tensor,
+        momentum=0.0 if momentum_tensor is not None else float(momentum), momentum_tensor=momentum_tensor,
         dampening=dampening, weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
         grad_scale=grad_scale, found_inf=found_inf, clip_coef=clip_coef,
         momentum_absmax=list(momentum_absmax), rounding_seed=rounding_seed,
@@ -374,7 +379,7 @@ def adam_step_(
     steps: Sequence[torch.Tensor],
     *,
     lr: float | torch.Tensor,
-    beta1: float = 0.9,
+    beta1: float | torch.Tensor = 0.9,
     beta2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
@@ -394,13 +399,16 @@ def adam_step_(
     Same conventions as :func:`sgd_step_`; ``exp_avgs``/``exp_avg_sqs`` (and ``max_exp_avg_sqs``
     with ``amsgrad``, else ``[]``) are fp32 or bf16, or all 8-bit codes, each list with its
     ``*_absmax`` list (the second moments in the ``nonnegative`` form of :func:`quantize_blocks`).
-    Bias corrections use each tensor's own step.
+    Bias corrections use each tensor's own step (and the step's beta1: ``beta1`` may be a
+    1-element fp32 tensor on the params' device, read at the step, as ``lr``).
     """
     lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+    beta1_tensor = beta1 if isinstance(beta1, torch.Tensor) else None
     _dtensor_support()
     torch.ops.ampfuse.adam_step_(
         params, grads, master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-        lr=0.0 if lr_tensor is not None else float(lr), lr_tensor=lr_tensor, beta1=beta1,
+        lr=0.0 if lr_tensor is not None else float(lr), lr_tensor=lr_tensor,
+        beta1=0.0 if beta1_tensor is not None else float(beta1), beta1_tensor=beta1_tensor,
         beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
         decoupled_weight_decay=decoupled_weight_decay, grad_scale=grad_scale,
         found_inf=found_inf, clip_coef=clip_coef, exp_avg_absmax=list(exp_avg_absmax),

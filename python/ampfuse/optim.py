@@ -276,13 +276,15 @@ def _hyper_snapshot(group: dict[str, Any]) -> tuple[tuple, tuple]:
 
 
 def _immutable_hyper(group: dict[str, Any]) -> bool:
-    """Whether no value of the group (params and the lr tensor aside: the owner checks the params
-    list, and the plan reads the lr tensor's value at every step) can change in place."""
+    """Whether no value of the group (params and the device values aside: the owner checks the
+    params list, and the plan reads the lr and momentum / beta1 tensors' values at every step)
+    can change in place."""
     for k, v in group.items():
         t = type(v)
-        if t in _IMMUTABLE_HYPER or k == "params" or (k == "lr" and isinstance(v, torch.Tensor)):
+        if t in _IMMUTABLE_HYPER or k == "params" or (k in ("lr", "momentum") and isinstance(v, torch.Tensor)):
             continue
-        if t is not tuple or not all(type(x) in _IMMUTABLE_HYPER for x in v):
+        if t is not tuple or not all(type(x) in _IMMUTABLE_HYPER or (k == "betas" and i == 0 and isinstance(x, torch.Tensor))
+                                     for i, x in enumerate(v)):
             return False
     return True
 
@@ -832,11 +834,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
             lr = group["lr"]
             tensor_lr = isinstance(lr, torch.Tensor)
             native.plan.set_hyper(gi, {"lr": 0.0 if tensor_lr else float(lr), **self._native_group_hyper(group)},
-                                  lr if tensor_lr else None)
+                                  lr if tensor_lr else None, self._momentum_tensor(group))
         native.hyper = snapshots if all(map(_immutable_hyper, self.param_groups)) else None
 
     def _native_group_hyper(self, group: dict[str, Any]) -> dict[str, float]:
-        """A group's hyper-parameters but lr, by the plan's names (``StepPlan.hyper_names()``)."""
+        """A group's hyper-parameters but lr, by the plan's names (``StepPlan.hyper_names()``);
+        a device value (:meth:`_momentum_tensor`) as 0."""
+        raise NotImplementedError
+
+    def _momentum_tensor(self, group: dict[str, Any]) -> torch.Tensor | None:
+        """The group's momentum (SGD) or beta1 (Adam) when it is a device value (a 1-element
+        tensor the step reads, as a tensor lr: a schedule cycles it on the device), else None."""
         raise NotImplementedError
 
     # ---- checkpoints -------------------------------------------------------------------------
@@ -1042,6 +1050,12 @@ def _attribute_scalar(value: Any) -> torch.Tensor | None:
     return torch.tensor(float(value), dtype=torch.float32)
 
 
+def _device_value(value: Any, params: list[torch.Tensor]) -> Any:
+    """A group's momentum / beta1 as the step op takes it: a tensor as a 0-dim fp32 tensor on the
+    params' device (moved without a sync), a number as it is."""
+    return _scalar_on(value, params[0].device) if isinstance(value, torch.Tensor) and params else value
+
+
 def _float_hyper(name: str, value: Any) -> float:
     """betas / weight_decay given as CPU tensors (torch accepts them) become numbers; the fused
     kernels take them as arguments, not device tensors."""
@@ -1098,8 +1112,13 @@ class SGD(_FusedOptimizer):
                 "nesterov": bool(group["nesterov"])}
     _native_state_keys = ("momentum_buffer",)
 
+    def _momentum_tensor(self, group: dict[str, Any]) -> torch.Tensor | None:
+        m = group["momentum"]
+        return m if isinstance(m, torch.Tensor) else None
+
     def _native_group_hyper(self, group: dict[str, Any]) -> dict[str, float]:
-        return {"momentum": float(group["momentum"]), "dampening": float(group["dampening"]),
+        m = group["momentum"]
+        return {"momentum": 0.0 if isinstance(m, torch.Tensor) else float(m), "dampening": float(group["dampening"]),
                 "weight_decay": float(group["weight_decay"]), "nesterov": float(bool(group["nesterov"])),
                 "maximize": float(bool(group["maximize"])), **_rounding_hyper(group)}
 
@@ -1143,12 +1162,13 @@ class SGD(_FusedOptimizer):
     _restart_on_create = True
 
     def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+        m = group["momentum"]
+        return ("momentum_buffer",) if isinstance(m, torch.Tensor) or m != 0 else ()
 
     def _run(self, group, lists, grads, s) -> None:
         ops.sgd_step_(
             lists["params"], grads, lists.get("masters", []), lists.get("momentum_buffer", []), lists["steps"],
-            lr=s["lr"], momentum=group["momentum"], dampening=group["dampening"],
+            lr=s["lr"], momentum=_device_value(group["momentum"], lists["params"]), dampening=group["dampening"],
             weight_decay=group["weight_decay"], nesterov=group["nesterov"], maximize=group["maximize"],
             grad_scale=s["grad_scale"], found_inf=s["found_inf"], clip_coef=s["clip_coef"],
             momentum_absmax=lists.get("momentum_buffer_absmax", ()), rounding_seed=_rounding_seed(group),
@@ -1251,9 +1271,13 @@ class Adam(_FusedOptimizer):
         return {key: _hyper_value(group[key]) for key in ("lr", "betas", "eps", "weight_decay")}
     _native_state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
+    def _momentum_tensor(self, group: dict[str, Any]) -> torch.Tensor | None:
+        beta1 = group["betas"][0]
+        return beta1 if isinstance(beta1, torch.Tensor) else None
+
     def _native_group_hyper(self, group: dict[str, Any]) -> dict[str, float]:
         beta1, beta2 = group["betas"]
-        return {"beta1": float(beta1), "beta2": float(beta2), "eps": float(group["eps"]),
+        return {"beta1": 0.0 if isinstance(beta1, torch.Tensor) else float(beta1), "beta2": float(beta2), "eps": float(group["eps"]),
                 "weight_decay": float(group["weight_decay"]), "amsgrad": float(bool(group["amsgrad"])),
                 "maximize": float(bool(group["maximize"])),
                 "decoupled_weight_decay": float(bool(group.get("decoupled_weight_decay", False))),
@@ -1272,7 +1296,7 @@ class Adam(_FusedOptimizer):
         ops.adam_step_(
             lists["params"], grads, lists.get("masters", []), lists["exp_avg"], lists["exp_avg_sq"],
             lists.get("max_exp_avg_sq", []), lists["steps"],
-            lr=s["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+            lr=s["lr"], beta1=_device_value(beta1, lists["params"]), beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
             amsgrad=group["amsgrad"], maximize=group["maximize"],
             decoupled_weight_decay=group.get("decoupled_weight_decay", False),
             grad_scale=s["grad_scale"], found_inf=s["found_inf"], clip_coef=s["clip_coef"],

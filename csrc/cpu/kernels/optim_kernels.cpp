@@ -474,9 +474,10 @@ void with_grad(const OptimArgs& a, const CallScalars& cs, const std::vector<type
 }
 
 template <class Kind>
-int run_kind(const OptimArgs& a, const typename Kind::Hyper& h) {
+int run_kind(const OptimArgs& a, const typename Kind::Hyper& hyper) {
   CallScalars cs;
-  if (!call_scalars(a, h, cs)) return 0;  // skipped step: nothing changes
+  if (!call_scalars(a, hyper, cs)) return 0;  // skipped step: nothing changes
+  const typename Kind::Hyper h = with_momentum(hyper, a.momentum_tensor);
   // Per tensor its scalars (bias corrections: two pow per step count). The step counters are
   // one small allocation each, requested a few tensors ahead; tensors usually share one count,
   // whose scalars are computed once.

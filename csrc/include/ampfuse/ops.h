@@ -102,6 +102,7 @@ struct SgdStepOptions {
   double lr = 1e-3;
   std::optional<at::Tensor> lr_tensor;  // overrides lr (CUDA-graph capturable schedules)
   double momentum = 0.0;
+  std::optional<at::Tensor> momentum_tensor;  // overrides momentum (and means momentum buffers)
   double dampening = 0.0;
   double weight_decay = 0.0;
   bool nesterov = false;
@@ -122,6 +123,7 @@ struct AdamStepOptions {
   double lr = 1e-3;
   std::optional<at::Tensor> lr_tensor;
   double beta1 = 0.9;
+  std::optional<at::Tensor> beta1_tensor;  // overrides beta1
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 0.0;
