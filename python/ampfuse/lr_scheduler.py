@@ -31,7 +31,7 @@ import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.optim import Optimizer
@@ -409,6 +409,12 @@ class CosineAnnealingWarmRestarts(LRScheduler):
         return [self.eta_min + (base - self.eta_min) * c for base in self.base_lrs]
 
 
+class _OneCyclePhase(NamedTuple):
+    end: float  # the phase's last step
+    lr: tuple[str, str]  # the group keys it anneals lr from and to
+    momentum: tuple[str, str]  # and momentum
+
+
 class OneCycleLR(LRScheduler):
     """``torch.optim.lr_scheduler.OneCycleLR`` (the 1cycle policy). With ``cycle_momentum``
     (torch's default) each group's momentum -- SGD's ``momentum``, or ``betas[0]`` of an optimizer
@@ -440,15 +446,18 @@ class OneCycleLR(LRScheduler):
         if anneal_strategy not in ("cos", "linear"):
             raise ValueError(f"anneal_strategy must be one of 'cos' or 'linear', instead got {anneal_strategy}")
         self.anneal_strategy = anneal_strategy
-        # (end step, lr from, lr to, momentum from, momentum to), as torch's phases
+        # torch's phases: (end step, lr keys from/to, momentum keys from/to)
+        first = _OneCyclePhase(float(pct_start * self.total_steps) - 1, ("initial_lr", "max_lr"),
+                               ("max_momentum", "base_momentum"))
         if three_phase:
-            self._phases = [(float(pct_start * self.total_steps) - 1, "initial_lr", "max_lr", "max_momentum", "base_momentum"),
-                            (float(2 * pct_start * self.total_steps) - 2, "max_lr", "initial_lr", "base_momentum",
-                             "max_momentum"),
-                            (self.total_steps - 1, "initial_lr", "min_lr", "max_momentum", "max_momentum")]
+            self._phases = [first,
+                            _OneCyclePhase(float(2 * pct_start * self.total_steps) - 2, ("max_lr", "initial_lr"),
+                                           ("base_momentum", "max_momentum")),
+                            _OneCyclePhase(self.total_steps - 1, ("initial_lr", "min_lr"),
+                                           ("max_momentum", "max_momentum"))]
         else:
-            self._phases = [(float(pct_start * self.total_steps) - 1, "initial_lr", "max_lr", "max_momentum", "base_momentum"),
-                            (self.total_steps - 1, "max_lr", "min_lr", "base_momentum", "max_momentum")]
+            self._phases = [first, _OneCyclePhase(self.total_steps - 1, ("max_lr", "min_lr"),
+                                                  ("base_momentum", "max_momentum"))]
         groups = optimizer.param_groups
         per_group = functools.partial(_per_group, groups)
         max_lrs = per_group("max_lr", max_lr)
@@ -474,25 +483,27 @@ class OneCycleLR(LRScheduler):
             return end + (start - end) / 2.0 * (torch.cos(math.pi * pct) + 1)
         return (end - start) * pct + start
 
-    def _at(self, t: torch.Tensor, first: int) -> list[torch.Tensor]:
-        """Each group's value at count ``t`` of the phases' keys ``first`` (lr) or ``first + 2``
-        (momentum): the phase of ``t`` annealed from its start to its end."""
+    def _at(self, t: torch.Tensor, momentum: bool) -> list[torch.Tensor]:
+        """Each group's lr (or momentum) at count ``t``: the phase of ``t`` annealed from its start to
+        its end."""
         out = []
         for group in self.optimizer.param_groups:
-            value, start = None, 0.0
+            value: torch.Tensor | None = None
+            start = 0.0
             for phase in self._phases:
-                end, a, b = phase[0], phase[first], phase[first + 1]
-                v = self._anneal(group[a], group[b], (t - start) / (end - start))
+                a, b = phase.momentum if momentum else phase.lr
+                v = self._anneal(group[a], group[b], (t - start) / (phase.end - start))
                 value = v if value is None else torch.where(t <= start, value, v)
-                start = end
+                start = phase.end
+            assert value is not None  # there are always two or three phases
             out.append(value)
         return out
 
     def _lrs_at(self, t):
-        return self._at(t, 1)
+        return self._at(t, momentum=False)
 
     def _momenta_at(self, t):
-        return self._at(t, 3) if self.cycle_momentum else None
+        return self._at(t, momentum=True) if self.cycle_momentum else None
 
 
 class _Composite(LRScheduler):
