@@ -73,6 +73,16 @@ if(AMPFUSE_CUEMU_COVERAGE)
 endif()
 install(TARGETS ampfuse_cuemu LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
 
+# The emulated CUDA device: a PrivateUse1 backend over host memory (renamed "cuemu" by
+# ampfuse.testing.cuemu) whose tensors run torch's CPU kernels and ampfuse's CUDA kernel table
+# under the emulator, counting every synchronizing call. Loaded by Python only, never by libampfuse.
+add_library(ampfuse_cuemu_device SHARED csrc/cuemu/device.cpp)
+target_include_directories(ampfuse_cuemu_device PRIVATE csrc)
+target_compile_options(ampfuse_cuemu_device PRIVATE -Wall -Wextra -Wno-unused-parameter)
+target_link_libraries(ampfuse_cuemu_device PRIVATE ampfuse torch)
+set_target_properties(ampfuse_cuemu_device PROPERTIES INSTALL_RPATH "\$ORIGIN;\$ORIGIN/../../torch/lib")
+install(TARGETS ampfuse_cuemu_device LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
+
 # The emulator's own semantics (shuffles, votes, barriers, shared memory, atomics, error reports).
 if(AMPFUSE_BUILD_TESTS)
   add_executable(cuemu_selftest tests/cuemu/selftest.cu $<TARGET_OBJECTS:ampfuse_cuemu_runtime>)

@@ -31,8 +31,18 @@ HAS_CUDA = torch.cuda.is_available()
 EMULATED = os.environ.get("AMPFUSE_CPU_KERNELS") == "cuda-emulated"
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device on this machine")
 
-#: devices to parametrize over: CUDA tests are collected everywhere and skipped without a GPU
-DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+#: The emulated CUDA device (ampfuse.testing.cuemu), in the emulated pass of a test build without
+#: a GPU: CUDA's registration, guards and host/device copies, with the CUDA kernels emulated.
+HAS_CUEMU = False
+if EMULATED and not HAS_CUDA:
+    import ampfuse.testing.cuemu  # noqa: E402,F401
+
+    HAS_CUEMU = True
+requires_cuemu = pytest.mark.skipif(not HAS_CUEMU, reason="the emulated CUDA device runs in the emulated pass")
+
+#: devices to parametrize over: the CUDA tests are collected everywhere, run on a GPU where there
+#: is one and on the emulated CUDA device in the emulated pass, and are skipped otherwise
+DEVICES = ["cpu", pytest.param("cuemu", marks=requires_cuemu), pytest.param("cuda", marks=requires_cuda)]
 
 
 def _kernels_line() -> str:

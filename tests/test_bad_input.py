@@ -15,6 +15,7 @@ from torch import nn
 
 import ampfuse
 from ampfuse import ops
+from conftest import DEVICES
 
 CASES = []
 
@@ -78,7 +79,7 @@ def _unscale_case(name, pattern, make_args, fn_index=0):
         return (lambda: _UNSCALE_FNS[fn_index](tensors, fi, inv, **kw)), [*tensors, fi, inv]
 
 
-_unscale_case("other-device", r"tensors\[1\] is on meta but found_inf is on cpu", lambda: ([t(3), torch.empty(2, device="meta")], scalar(), scalar(0.5), {}))
+_unscale_case("other-device", r"tensors\[1\] is on meta but found_inf is on (cpu|cuemu:0|cuda:0)", lambda: ([t(3), torch.empty(2, device="meta")], scalar(), scalar(0.5), {}))
 _unscale_case("int64", r"tensors\[0\] has dtype torch.int64", lambda: ([torch.ones(2, dtype=torch.int64)], scalar(), scalar(0.5), {}))
 _unscale_case("bool", r"tensors\[0\] has dtype torch.bool", lambda: ([torch.ones(2, dtype=torch.bool)], scalar(), scalar(0.5), {}))
 _unscale_case("complex", r"tensors\[0\] has dtype torch.complex64", lambda: ([torch.ones(2, dtype=torch.complex64)], scalar(), scalar(0.5), {}))
@@ -460,8 +461,8 @@ _accumulator_case("loss-not-tensor", TypeError, "loss must be a tensor, got floa
 _accumulator_case("sparse-grad", RuntimeError, "GradAccumulator does not support sparse gradients", _sparse_in_window)
 _accumulator_case("load-steps", ValueError, "state_dict was saved with steps=5, this accumulator has steps=3",
                   lambda m, a: a.load_state_dict(dict(a.state_dict(), steps=5)))
-_accumulator_case("load-buffer", ValueError, r"buffers\['cpu'\] entry must be a float32 tensor of shape \[10\]",
-                  lambda m, a: a.load_state_dict(dict(a.state_dict(), buffers={"cpu": torch.zeros(3)})))
+_accumulator_case("load-buffer", ValueError, r"buffers\['(cpu|cuemu:0|cuda:0)'\] entry must be a float32 tensor of shape \[10\]",
+                  lambda m, a: a.load_state_dict(dict(a.state_dict(), buffers={str(m.weight.device): torch.zeros(3)})))
 _accumulator_case("load-micro_step", ValueError, r"micro_step must be an integer in \[0, 3\), got 7",
                   lambda m, a: a.load_state_dict(dict(a.state_dict(), micro_step=7)))
 _accumulator_case("load-scaler", ValueError, "the state dict's hysteresis must be an integer >= 1, got 0",
@@ -475,12 +476,22 @@ def test_at_least_sixty_cases():
     assert len(CASES) >= 60, len(CASES)
 
 
-@pytest.mark.parametrize("make, exc, pattern", CASES)
-def test_bad_input(make, exc, pattern):
-    call, watched = make()
-    before = [snapshot(x) for x in watched]
-    with pytest.raises(exc, match=pattern):
-        call()
-    after = [snapshot(x) for x in watched]
+def check_refused(make, exc, pattern, device: str = "cpu") -> None:
+    """Build the case's objects on `device` (torch's default device while it runs), call, and check
+    the error and that nothing changed."""
+    with torch.device(device):
+        call, watched = make()
+        before = [snapshot(x) for x in watched]
+        with pytest.raises(exc, match=pattern):
+            call()
+        after = [snapshot(x) for x in watched]
     for i, (a, b) in enumerate(zip(before, after)):
         assert same(a, b), f"argument {i} ({type(watched[i]).__name__}) changed"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("make, exc, pattern", CASES)
+def test_bad_input(make, exc, pattern, device, request):
+    if device == "cuemu" and "sparse" in request.node.callspec.id:
+        pytest.skip("sparse tensors on the emulated device would need torch's sparse kernels for its key")
+    check_refused(make, exc, pattern, device)

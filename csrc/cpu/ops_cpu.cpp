@@ -19,6 +19,7 @@
 #include <mutex>
 #include <string>
 
+#include "cpu/emulated.h"
 #include "cpu/kernels/kernels.h"
 #include "ops/op_core.h"
 #include "ops/op_layer.h"
@@ -83,6 +84,26 @@ const KernelTable* emulated_table(std::string& error) {
   return get();
 }
 
+}  // namespace
+
+const KernelTable& emulated_kernel_table() {
+  static std::string error;
+  static const KernelTable* t = emulated_table(error);
+  TORCH_CHECK(t != nullptr, "cannot load the emulated CUDA kernels: ", error);
+  return *t;
+}
+
+int emulated_num_sms() {
+  static const int sms = [] {
+    const char* env = std::getenv("AMPFUSE_CUEMU_SMS");
+    const int n = env ? std::atoi(env) : 1;
+    return n > 0 ? n : 1;
+  }();
+  return sms;
+}
+
+namespace {
+
 struct Selection {
   std::mutex mu;
   std::atomic<const KernelTable*> table{nullptr};
@@ -102,10 +123,11 @@ std::string select(const std::string& name, int num_sms) {
   if (name.empty() || name == "native") {
     s.table = &capability_table();
   } else if (name == "cuda-emulated") {
-    std::string error;
-    const KernelTable* t = emulated_table(error);
-    if (!t) return "AMPFUSE_CPU_KERNELS=cuda-emulated: cannot load the emulated CUDA kernels: " + error;
-    s.table = t;
+    try {
+      s.table = &emulated_kernel_table();
+    } catch (const c10::Error& e) {
+      return std::string("AMPFUSE_CPU_KERNELS=cuda-emulated: ") + e.what_without_backtrace();
+    }
   } else {
     return "AMPFUSE_CPU_KERNELS must be 'native' or 'cuda-emulated', got '" + name + "'";
   }
@@ -157,8 +179,7 @@ extern "C" __attribute__((visibility("default"))) const char* ampfuse_select_cpu
 }
 
 TORCH_LIBRARY_IMPL(ampfuse, CPU, m) {
-  ampfuse::ops::register_kernels<ampfuse::cpu::kBackend>(m);
-  ampfuse::ops::set_device_backend(c10::DeviceType::CPU, &ampfuse::cpu::kBackend);  // step plans
+  ampfuse::ops::register_device<ampfuse::cpu::kBackend>(m, c10::DeviceType::CPU);
 }
 
 // Sparse tensors reach the same entry points, whose validation rejects them with a clear message

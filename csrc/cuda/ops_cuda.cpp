@@ -56,8 +56,7 @@ extern "C" __attribute__((visibility("default"))) int ampfuse_limit_cuda_sms(int
 }
 
 TORCH_LIBRARY_IMPL(ampfuse, CUDA, m) {
-  ampfuse::ops::register_kernels<ampfuse::cuda::kBackend>(m);
-  ampfuse::ops::set_device_backend(c10::DeviceType::CUDA, &ampfuse::cuda::kBackend);  // step plans
+  ampfuse::ops::register_device<ampfuse::cuda::kBackend>(m, c10::DeviceType::CUDA);
 }
 
 // Sparse tensors reach the same entry points, whose validation rejects them with a clear message.

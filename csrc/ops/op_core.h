@@ -17,7 +17,6 @@ namespace ampfuse::ops {
 // The backend that runs tensors of `type` (registered by csrc/cpu and csrc/cuda at load time);
 // null when ampfuse has no kernels for it.
 const Backend* device_backend(c10::DeviceType type);
-void set_device_backend(c10::DeviceType type, const Backend* backend);
 
 namespace core {
 

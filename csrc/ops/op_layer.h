@@ -173,4 +173,15 @@ void register_kernels(torch::Library& m) {
          });
 }
 
+// The backend that step plans use for tensors of `type` (ops/op_core.h).
+void set_device_backend(c10::DeviceType type, const Backend* backend);
+
+// A device backend's whole registration, the same for every device that runs kernels (CPU, CUDA,
+// the emulated CUDA device): every op for the key of `type`, and the backend for step plans.
+template <const Backend& B>
+void register_device(torch::Library& m, c10::DeviceType type) {
+  register_kernels<B>(m);
+  set_device_backend(type, &B);
+}
+
 }  // namespace ampfuse::ops
