@@ -107,6 +107,14 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _host_to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """``t`` (host memory) on ``dev`` without making the host wait: a copy from pageable memory
+    waits for the device, one from pinned memory is queued."""
+    if dev.type == "cpu":
+        return t
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
 def _engine_value(v: Any) -> Any:
     """``v`` as the engine's checks take it: the values a checkpoint entry can hold pass as they
     are; anything else as its repr (refused, and named, by the check)."""
@@ -251,7 +259,7 @@ class GradScaler(torch.amp.GradScaler):
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
         self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
-        self._stats = torch.tensor(self._init_stats, dtype=torch.int64, device=dev)
+        self._stats = _host_to_device(torch.tensor(self._init_stats, dtype=torch.int64), dev)
 
     # ------------------------------------------------------------------------------------------
     # unscale / check
@@ -604,9 +612,8 @@ class GradScaler(torch.amp.GradScaler):
             return
         host = torch.empty(ops.NUM_SCALE_STATS, dtype=torch.int64, pin_memory=True)
         host.copy_(self._stats, non_blocking=True)
-        event = torch.cuda.Event() if self._stats.device.type == "cuda" else None
-        if event is not None:
-            event.record()
+        event = torch.Event(self._stats.device)  # the copy is done when this is
+        event.record()
         self._pending_stats.append((host, event))
 
     def _poll_min_scale(self, blocking: bool) -> None:
