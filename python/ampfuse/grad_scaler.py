@@ -259,7 +259,7 @@ class GradScaler(torch.amp.GradScaler):
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
         self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
-        self._stats = _host_to_device(torch.tensor(self._init_stats, dtype=torch.int64), dev)
+        self._stats = _host_to_device(torch.tensor(self._init_stats, dtype=torch.int64, device="cpu"), dev)
 
     # ------------------------------------------------------------------------------------------
     # unscale / check
@@ -610,7 +610,7 @@ class GradScaler(torch.amp.GradScaler):
             self._pending_stats.append((self._stats, None))
             self._poll_min_scale(blocking=False)
             return
-        host = torch.empty(ops.NUM_SCALE_STATS, dtype=torch.int64, pin_memory=True)
+        host = torch.empty(ops.NUM_SCALE_STATS, dtype=torch.int64, device="cpu", pin_memory=True)
         host.copy_(self._stats, non_blocking=True)
         event = torch.Event(self._stats.device)  # the copy is done when this is
         event.record()
