@@ -1,12 +1,15 @@
-"""Refused op calls on the GPU: each raises a RuntimeError naming the argument, and nothing crashes.
+"""Refused calls on the GPU: every case of the bad-input table (tests/test_bad_input.py) raises its
+error, naming the argument, with nothing changed, and nothing crashes.
 
-    python benchmarks/gpu_error_probe.py             # on the GPU machine
-    python benchmarks/gpu_error_probe.py --dry-run   # here: the CPU cases only, in this process
+    python benchmarks/gpu_error_probe.py             # on the GPU machine: cpu, then cuda
+    python benchmarks/gpu_error_probe.py --dry-run   # here: the cpu cases, in this process
+    AMPFUSE_CPU_KERNELS=cuda-emulated python benchmarks/gpu_error_probe.py --devices cuemu
+                                                     # here: the emulated CUDA device, in children
 
-Every case runs in a process of its own (a crash in one does not hide the others), on the CPU and
-on CUDA, so a failure on CUDA alone points at the CUDA path. A case that dies of a signal is run
-again under gdb when gdb is there, and its native backtrace is printed. Prints one JSON line
-(case -> "raised: ..." / "crashed: SIG..." / "no error") and exits 0 when every case raised.
+Each device's cases run in a child process, one after another; a case that kills its process is
+recorded as crashed (and run again alone under gdb when gdb is there, for its native backtrace),
+and a new child goes on with the next case, so a crash hides no other case. Prints one JSON line
+(case -> "raised" / "crashed: SIG..." / "failed: ...") and exits 0 when every case raised.
 """
 
 from __future__ import annotations
@@ -22,82 +25,109 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-# name -> code run with `torch`, `ampfuse` and `dev` defined; each must raise RuntimeError.
-CASES = {
-    "accumulate_grads_ accumulator dtype": (
-        "ampfuse.ops.accumulate_grads_([torch.zeros(10, device=dev).half()], [torch.zeros(10, device=dev).half()],"
-        " torch.zeros(1, device=dev))"),
-    "accumulate_grads_ list lengths": (
-        "ampfuse.ops.accumulate_grads_([torch.zeros(10, device=dev)], [], torch.zeros(1, device=dev))"),
-    "unscale_check_ found_inf dtype": (
-        "ampfuse.ops.unscale_check_([torch.zeros(10, device=dev)], torch.zeros(1, device=dev).half(),"
-        " torch.ones(1, device=dev))"),
-    "clip_coef max_norm": "ampfuse.ops.clip_coef(torch.ones((), device=dev), -1.0)",
-    "torch's own check (control)": "torch.zeros(2, device=dev).view(3)",
-}
+
+def _table():
+    """The bad-input table's cases: (id, make, exception type, message pattern)."""
+    for d in (os.path.join(ROOT, "python"), os.path.join(ROOT, "tests")):
+        if d not in sys.path:
+            sys.path.insert(0, d)
+    import test_bad_input
+
+    return test_bad_input, [(c.id, *c.values) for c in test_bad_input.CASES]
 
 
-def child(name: str, device: str) -> None:
+def run_cases(device: str, first: int, report, only: bool = False) -> None:
+    """Run the table's cases from index `first` (only that one if `only`) on `device`, reporting ("start", i) before each
+    case and ("done", i, result) after it."""
+    import pytest
+
+    mod, cases = _table()
+    if device == "cuemu":
+        import ampfuse.testing.cuemu  # noqa: F401
+    for i in range(first, first + 1 if only else len(cases)):
+        name, make, exc, pattern = cases[i]
+        report("start", i)
+        if device == "cuemu" and "sparse" in name:
+            report("done", i, "raised (sparse: not on the emulated device)")
+            continue
+        try:
+            mod.check_refused(make, exc, pattern, device)
+            result = "raised"
+        except (AssertionError, pytest.fail.Exception) as e:  # wrong error, or state changed
+            result = "failed: " + str(e).splitlines()[0][:200]
+        except BaseException as e:  # noqa: BLE001 - anything else is the finding
+            result = f"failed: {type(e).__name__}: " + str(e).splitlines()[0][:200]
+        report("done", i, result)
+
+
+def child(device: str, first: int, only: bool) -> None:
     import faulthandler
 
     faulthandler.enable()
-    sys.path.insert(0, os.path.join(ROOT, "python"))
-    import torch
 
-    import ampfuse
+    def report(kind, i, result=""):
+        print(f"{kind}\t{i}\t{result}", flush=True)
 
-    try:
-        exec(CASES[name], {"torch": torch, "ampfuse": ampfuse, "dev": device})
-    except RuntimeError as e:
-        print("raised: " + str(e).splitlines()[0][:200])
-        return
-    print("no error")
+    run_cases(device, first, report, only)
 
 
-def probe(name: str, device: str, in_process: bool) -> tuple[str, str]:
+def probe_device(device: str, in_process: bool) -> tuple[dict[str, str], list[str]]:
+    _, cases = _table()
+    names = [c[0] for c in cases]
+    results: dict[str, str] = {}
+    details: list[str] = []
     if in_process:  # the dry run: the cases run here, one import
-        import contextlib
-        import io
-
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            child(name, device)
-        return buf.getvalue().strip().splitlines()[-1], ""
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--device", device]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    out = p.stdout.strip().splitlines()
-    if p.returncode == 0 and out:
-        return out[-1], ""
-    if p.returncode < 0:
-        result = f"crashed: {signal.Signals(-p.returncode).name}"
-    else:
-        result = f"exit {p.returncode}"
-    detail = p.stderr[-3000:]
-    if p.returncode < 0 and shutil.which("gdb"):
-        g = subprocess.run(["gdb", "-batch", "-ex", "run", "-ex", "bt 40", "--args", *cmd],
-                           capture_output=True, text=True, timeout=300)
-        detail += "\n---- gdb\n" + "\n".join(l for l in g.stdout.splitlines() if l.startswith("#"))[-6000:]
-    return result, detail
+        run_cases(device, 0, lambda kind, i, result="": results.__setitem__(names[i], result)
+                  if kind == "done" else None)
+        return results, details
+    first = 0
+    while first < len(names):
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", str(first), "--device", device]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        started = first
+        for line in p.stdout.splitlines():
+            kind, i, result = (line.split("\t") + ["", ""])[:3]
+            if kind == "start":
+                started = int(i)
+            elif kind == "done":
+                results[names[int(i)]] = result
+        if p.returncode == 0:
+            break
+        crashed = names[started]
+        why = signal.Signals(-p.returncode).name if p.returncode < 0 else f"exit {p.returncode}"
+        results[crashed] = f"crashed: {why}"
+        detail = f"---- {device}: {crashed}: crashed: {why}\n" + p.stderr[-3000:]
+        if p.returncode < 0 and shutil.which("gdb"):
+            alone = [sys.executable, os.path.abspath(__file__), "--child", str(started), "--only", "--device", device]
+            g = subprocess.run(["gdb", "-batch", "-ex", "run", "-ex", "bt 40", "--args", *alone],
+                               capture_output=True, text=True, timeout=300)
+            detail += "\n---- gdb\n" + "\n".join(l for l in g.stdout.splitlines() if l.startswith("#"))[-6000:]
+        details.append(detail)
+        first = started + 1
+    return results, details
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true")
-    ap.add_argument("--child")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
+    ap.add_argument("--devices", default="cpu,cuda", help="comma-separated devices, each in child processes "
+                    "(default: cpu,cuda; cuemu: the emulated CUDA device of a test build)")
     a = ap.parse_args()
-    if a.child:
-        child(a.child, a.device)
+    if a.child is not None:
+        child(a.device, a.child, a.only)
         return 0
-    devices = ["cpu"] if a.dry_run else ["cpu", "cuda"]
+    devices = ["cpu"] if a.dry_run else a.devices.split(",")
     results, ok = {}, True
     for device in devices:
-        for name in CASES:
-            result, detail = probe(name, device, in_process=a.dry_run)
+        found, details = probe_device(device, in_process=a.dry_run)
+        for name, result in found.items():
             results[f"{device}: {name}"] = result
             ok &= result.startswith("raised")
-            if detail:
-                print(f"---- {device}: {name}: {result}\n{detail}", file=sys.stderr)
+        for d in details:
+            print(d, file=sys.stderr)
     print(json.dumps({"dry_run": a.dry_run, "cases": results}))
     return 0 if ok else 1
 
