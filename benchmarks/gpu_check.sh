@@ -9,26 +9,32 @@
 #                                                         # --collect-only added, and the plans
 #   STAGES="tests bench" ...                              # only those stages (default: all)
 #
-# Stages, each under its own cap; the caps add up to DEADLINE_S - RESERVE_S, so the whole script
-# ends inside DEADLINE_S (default 450 s) with the logs archive written (it is rewritten after every
-# stage too, so even a run killed from outside returns the logs of the stages it finished):
+# Stages, in the order of what they can tell (a cut-off run has done the most telling ones), each
+# under its own cap; the caps add up to DEADLINE_S - RESERVE_S, so the whole script ends inside
+# DEADLINE_S (default 540 s, inside the device's 10-minute command) with the logs archive written
+# (it is rewritten after every stage too, so even a run killed from outside returns the logs of
+# the stages it finished):
 #   probe      tools and versions (nvcc, compute-sanitizer, pytest-timeout), recorded
 #   build      libampfuse for sm_90 only, against the machine's torch
-#   errors     refused op calls on CPU and CUDA tensors, each in a process of its own: every one
-#              must raise (benchmarks/gpu_error_probe.py; a crash is rerun under gdb for its trace)
-#   tests      the kernel-level suite (tests/test_cuda_kernels.py) against the REAL CUDA table
+#   errors     every case of the bad-input table (tests/test_bad_input.py) on CPU and CUDA tensors:
+#              each must raise its message with nothing changed (benchmarks/gpu_error_probe.py;
+#              a crash is recorded, rerun alone under gdb for its trace, and the rest goes on)
+#   tests      every test with "cuda" in its name, the suites of the kernels that ran least on a
+#              GPU first (8-bit/FP8 state, stochastic rounding, schedules), then the kernel-level
+#              suite (tests/test_cuda_kernels.py) against the REAL CUDA table
 #              (AMPFUSE_KERNEL_TABLE=cuda: every case compared bitwise with the CPU kernels) and
-#              every other test with "cuda" in its name (not the cross-language, benchmark and demo
-#              tests, which need this repository's C++ test build or measure), one pytest per file
+#              the rest (not the cross-language, benchmark and demo tests, which need this
+#              repository's C++ test build or measure), one pytest per file
 #              (benchmarks/pytest_per_file.py), so a crash costs only its file
+#   bench      GPU benchmarks up to 1e8 parameters, the 8-bit, FP8 and stochastic-rounding steps
+#              first (bytes moved per param and % of the in-place stream), data generated on the
+#              GPU, the JSON rewritten after every case (a cut-off run still returns what it measured)
 #   fsdp2      FSDP2 + NCCL on one GPU: ampfuse's DTensor paths, sharded vs unsharded
 #   memcheck   compute-sanitizer memcheck on the fp16/bf16 + fp32-master paths, the unscale and the
 #              accumulation kernels (torch's caching allocator off: PYTORCH_NO_CUDA_MEMORY_CACHING=1)
 #   racecheck  compute-sanitizer racecheck (shared-memory hazards) on the block reductions and the
 #   synccheck  last-block tickets; synccheck (barriers); initcheck (reads of uninitialised global
 #   initcheck  memory: fresh workspace, norm partials) -- each on a small kernel-level selection
-#   bench      GPU benchmarks up to 1e8 parameters, data generated on the GPU, the JSON rewritten
-#              after every case (a cut-off run still returns what it measured)
 # Returns at most 8 files in $OUT: summary.txt, logs.tar.gz (every stage's log and the junit XML),
 # the benchmark JSON and its plot. Commit them under benchmarks/results/.
 set -uo pipefail
@@ -37,7 +43,7 @@ DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
 OUT=${OUT:-$PWD/gpu_out}
 PY=${PYTHON:-python3}
-DEADLINE_S=${DEADLINE_S:-450}
+DEADLINE_S=${DEADLINE_S:-540}
 RESERVE_S=15  # for the summary and the archive after the last stage
 export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -50,8 +56,8 @@ T0=$(date +%s)
 # gets the most: optim_kernels.cu alone, for sm_90 only, took about 90 s of one core on the
 # developers' 2-core machine (one nvcc per .cu file, so more cores do not shorten it).
 # (On the H200 machine the build took 61 s of 16 cores; initcheck needed more than 25 s.)
-declare -A CAP=([build]=100 [errors]=25 [tests]=90 [fsdp2]=30 [memcheck]=40 [racecheck]=25
-                [synccheck]=20 [initcheck]=40 [bench]=60)
+declare -A CAP=([build]=100 [errors]=40 [tests]=105 [bench]=120 [fsdp2]=30 [memcheck]=40 [racecheck]=25
+                [synccheck]=20 [initcheck]=40)
 CAP_SUM=0
 for s in "${!CAP[@]}"; do CAP_SUM=$(( CAP_SUM + CAP[$s] )); done
 if (( CAP_SUM > DEADLINE_S - RESERVE_S )); then
@@ -104,7 +110,7 @@ trap finish EXIT
 
 # ---- probe ----------------------------------------------------------------------------------------
 note "mode: $([ $DRY = 1 ] && echo 'dry run (no GPU: pytest command lines collected, not run)' || echo 'GPU')"
-note "caps: $(for s in build errors tests fsdp2 memcheck racecheck synccheck initcheck bench; do printf '%s=%s ' $s ${CAP[$s]}; done)(sum ${CAP_SUM}s, deadline ${DEADLINE_S}s)"
+note "caps: $(for s in build errors tests bench fsdp2 memcheck racecheck synccheck initcheck; do printf '%s=%s ' $s ${CAP[$s]}; done)(sum ${CAP_SUM}s, deadline ${DEADLINE_S}s)"
 note "machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1 || true)"
 note "python: $($PY -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")' 2>&1)"
 note "nvcc: $(nvcc --version 2>/dev/null | tail -1 || echo 'not found')"
@@ -118,7 +124,11 @@ note "pytest-timeout: $([ ${#TIMEOUT_ARGS[@]} -gt 0 ] && echo yes || echo no)"
 
 # ---- the pytest command lines (the dry run collects exactly these) --------------------------------
 PYTEST=($PY -m pytest -q -p no:cacheprovider -rfE "${TIMEOUT_ARGS[@]}")
-TEST_FILES=($(ls tests/test_*.py | grep -v -E "test_(cpp_crosslang|bench|demo)\.py$"))
+# The suites of the kernels that have run least on a GPU first (8-bit and FP8 state, stochastic
+# rounding, the device schedules), then the rest.
+FIRST_FILES=(tests/test_optim_8bit_state.py tests/test_quantization.py tests/test_optim_stochastic_rounding.py
+             tests/test_lr_scheduler.py)
+TEST_FILES=("${FIRST_FILES[@]}" $(ls tests/test_*.py | grep -v -E "test_(cpp_crosslang|bench|demo|optim_8bit_state|quantization|optim_stochastic_rounding|lr_scheduler)\.py$"))
 MEMCHECK=(tests/test_optim.py tests/test_ops.py tests/test_accumulation.py -x
           -k "cuda and (low_precision_params_with_masters and (adamw or sgd_nesterov) or skipped_steps_change_nothing and bfloat16 or unscale_check_matches_torch and True or accumulate_op_matches_reference)")
 # Block reductions, last-block tickets, per-tensor step counters, fresh (capture) workspace.
@@ -184,6 +194,15 @@ else
   grep -E '^(FAILED|ERROR)' "$LOGS/tests.log" | head -20 >>"$summary"
 fi
 
+# ---- bench ----------------------------------------------------------------------------------------
+if [ $DRY = 1 ]; then
+  stage bench $PY benchmarks/run.py --device cuda --plan-only --max-params 100000000 --out "$OUT"
+else
+  left=$(remaining)
+  stage bench $PY benchmarks/run.py --device cuda --no-progress --max-params 100000000 \
+    --deadline-s $(( (CAP[bench] < left ? CAP[bench] : left) - 10 )) --out "$OUT"
+fi
+grep -A40 "^| case" "$LOGS/bench.log" >>"$summary"
 # ---- fsdp2 ----------------------------------------------------------------------------------------
 # FSDP2 + NCCL on one GPU (world size 1 still runs every op through DTensor): sharded vs unsharded.
 if [ $DRY = 1 ]; then
@@ -201,13 +220,4 @@ sanitize synccheck synccheck "${KERNELS_SMALL[@]}"
 sanitize initcheck initcheck "${KERNELS_SMALL[@]}"
 [ $DRY = 1 ] && note "kernel selection (racecheck, synccheck, initcheck): $(grep -c '::' "$LOGS/initcheck.log") tests"
 
-# ---- bench ----------------------------------------------------------------------------------------
-if [ $DRY = 1 ]; then
-  stage bench $PY benchmarks/run.py --device cuda --plan-only --max-params 100000000 --out "$OUT"
-else
-  left=$(remaining)
-  stage bench $PY benchmarks/run.py --device cuda --no-progress --max-params 100000000 \
-    --deadline-s $(( (CAP[bench] < left ? CAP[bench] : left) - 10 )) --out "$OUT"
-fi
-grep -A40 "^| case" "$LOGS/bench.log" >>"$summary"
 note "done"

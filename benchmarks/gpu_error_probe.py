@@ -8,8 +8,9 @@ error, naming the argument, with nothing changed, and nothing crashes.
 
 Each device's cases run in a child process, one after another; a case that kills its process is
 recorded as crashed (and run again alone under gdb when gdb is there, for its native backtrace),
-and a new child goes on with the next case, so a crash hides no other case. Prints one JSON line
-(case -> "raised" / "crashed: SIG..." / "failed: ...") and exits 0 when every case raised.
+and a new child goes on with the next case, so a crash hides no other case. Prints one JSON line (the
+counts, the cases that did not raise, then every case -> "raised" / "crashed: SIG..." /
+"failed: ...") and exits 0 when every case raised.
 """
 
 from __future__ import annotations
@@ -128,7 +129,9 @@ def main() -> int:
             ok &= result.startswith("raised")
         for d in details:
             print(d, file=sys.stderr)
-    print(json.dumps({"dry_run": a.dry_run, "cases": results}))
+    bad = {k: v for k, v in results.items() if not v.startswith("raised")}
+    print(json.dumps({"dry_run": a.dry_run, "raised": len(results) - len(bad), "of": len(results),
+                      "not_raised": bad, "cases": results}))
     return 0 if ok else 1
 
 
