@@ -152,7 +152,7 @@ SANITIZED_LIB := $(abspath $(BUILD_DIR))/libampfuse_cuemu_sanitized.so
 # the kernel-level suite reach in this pass too (more tensors than one launch, grids smaller
 # than the chunks, skipped steps). Leaving them out keeps the pass short.
 RANDOM_SANITIZE_SELECT := -k "not every_dtype_offset_and_option"
-SANITIZE := LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
+SANITIZE := AMPFUSE_TEST_CUEMU=0 LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1 \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 AMPFUSE_CUEMU_LIBRARY=$(SANITIZED_LIB)
 

@@ -32,9 +32,10 @@ EMULATED = os.environ.get("AMPFUSE_CPU_KERNELS") == "cuda-emulated"
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device on this machine")
 
 #: The emulated CUDA device (ampfuse.testing.cuemu), in the emulated pass of a test build without
-#: a GPU: CUDA's registration, guards and host/device copies, with the CUDA kernels emulated.
+#: a GPU: CUDA's registration, guards and host/device copies, with the CUDA kernels emulated
+#: (AMPFUSE_TEST_CUEMU=0 leaves it out: the sanitizer pass, which checks the kernels themselves).
 HAS_CUEMU = False
-if EMULATED and not HAS_CUDA:
+if EMULATED and not HAS_CUDA and os.environ.get("AMPFUSE_TEST_CUEMU", "1") != "0":
     import ampfuse.testing.cuemu  # noqa: E402,F401
 
     HAS_CUEMU = True

@@ -386,6 +386,8 @@ struct Aliases {
   // an argument, else over the new memory.
   at::Tensor back(const at::Tensor& t) const {
     if (!t.defined() || !t.is_cpu()) return t;
+    TORCH_CHECK_NOT_IMPLEMENTED(t.layout() == c10::kStrided, "cuemu holds strided tensors only; this operator "
+                                "returned a ", t.layout(), " tensor.");
     auto it = by_storage.find(t.storage().unsafeGetStorageImpl());
     if (it != by_storage.end() && it->second.storage().data() == t.storage().data()) {
       auto out = at::detail::make_tensor<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(it->second.storage()),
