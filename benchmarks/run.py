@@ -580,10 +580,10 @@ def measure_case(device, case, layout, n, dtype, quick, rng) -> dict:
         row["torch_per_tensor_us"] = summary(tdiff)
         return row
     for name, c in row["candidates"].items():
-        moved = params * CANDIDATE_BYTES_PER_PARAM[name] if name in CANDIDATE_BYTES_PER_PARAM else nbytes
-        if name in CANDIDATE_BYTES_PER_PARAM:
-            c["bytes_per_param"] = CANDIDATE_BYTES_PER_PARAM[name]
-        c["gbps"] = moved / (c["ms"] / 1e3) / 1e9
+        own = CANDIDATE_BYTES_PER_PARAM.get(name)
+        if own is not None:
+            c["bytes_per_param"] = own
+        c["gbps"] = (params * own if own is not None else nbytes) / (c["ms"] / 1e3) / 1e9
         c["frac_inplace"] = c["gbps"] / inplace
     if case == "step_adamw_8bit":  # the headline: against the fastest 8-bit peer measured
         row["peers_missing"] = missing

@@ -314,6 +314,13 @@ at::Scalar local_scalar_dense(const at::Tensor& self) {
 
 // ---- every other operator: its CPU kernel over the same memory ----------------------------------
 
+// Indexing by tensors: its indices may be CPU tensors next to CUDA ones (elsewhere a CPU tensor of
+// more than one element next to device tensors is refused, as CUDA kernels refuse it).
+bool is_index(const c10::OperatorName& name) {
+  return name.name == "aten::index" || name.name == "aten::index_put_" || name.name == "aten::_index_put_impl_" ||
+         name.name == "aten::index_put";
+}
+
 // Operators whose output size depends on the data: on a GPU the host waits for the count.
 bool data_dependent(const c10::OperatorName& name, const torch::jit::Stack& args) {
   static const std::unordered_set<std::string> ops{
@@ -325,8 +332,7 @@ bool data_dependent(const c10::OperatorName& name, const torch::jit::Stack& args
     // without output_size, the sum of repeats
     return name.overload_name.rfind("Tensor", 0) == 0 && !args.empty() && args.back().isNone();
   }
-  if (name.name == "aten::index" || name.name == "aten::index_put_" || name.name == "aten::_index_put_impl_" ||
-      name.name == "aten::index_put") {
+  if (is_index(name)) {
     for (const c10::IValue& v : args) {
       if (!v.isList()) continue;
       for (const c10::IValue& e : v.toListRef()) {
@@ -337,13 +343,6 @@ bool data_dependent(const c10::OperatorName& name, const torch::jit::Stack& args
     }
   }
   return false;
-}
-
-// Arguments of index ops may be CPU tensors on CUDA; elsewhere a CPU tensor of more than one
-// element next to device tensors is refused, as CUDA kernels refuse it.
-bool allows_host_tensors(const c10::OperatorName& name) {
-  return name.name == "aten::index" || name.name == "aten::index_put_" || name.name == "aten::_index_put_impl_" ||
-         name.name == "aten::index_put";
 }
 
 struct Aliases {
@@ -389,13 +388,8 @@ struct Aliases {
     TORCH_CHECK_NOT_IMPLEMENTED(t.layout() == c10::kStrided, "cuemu holds strided tensors only; this operator "
                                 "returned a ", t.layout(), " tensor.");
     auto it = by_storage.find(t.storage().unsafeGetStorageImpl());
-    if (it != by_storage.end() && it->second.storage().data() == t.storage().data()) {
-      auto out = at::detail::make_tensor<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(it->second.storage()),
-                                                          it->second.key_set(), t.dtype());
-      out.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
-      return out;
-    }
-    return device_tensor(device_storage_over(t.storage()), t);
+    const bool of_argument = it != by_storage.end() && it->second.storage().data() == t.storage().data();
+    return device_tensor(of_argument ? it->second.storage() : device_storage_over(t.storage()), t);
   }
   c10::IValue back(const c10::IValue& v) const {
     if (v.isTensor()) return back(v.toTensor());
@@ -429,7 +423,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const torch::jit::Stack originals(stack->begin() + first, stack->end());
   Aliases aliases;
   for (auto it = stack->begin() + first; it != stack->end(); ++it) *it = aliases.alias(*it);
-  TORCH_CHECK(!aliases.host_tensor || aliases.pairs.empty() || allows_host_tensors(schema.operator_name()),
+  TORCH_CHECK(!aliases.host_tensor || aliases.pairs.empty() || is_index(schema.operator_name()),
               "Expected all tensors to be on the same device, but found at least two devices, cuemu:0 and cpu! "
               "(when checking arguments for ", schema.operator_name(), ")");
   if (data_dependent(schema.operator_name(), originals)) {

@@ -84,7 +84,6 @@ class Sync:
 
 
 _HOOK_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
-_recording = threading.local()
 _recorders: list[list[Sync]] = []
 _recorders_lock = threading.Lock()
 
