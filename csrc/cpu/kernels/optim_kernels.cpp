@@ -4,6 +4,7 @@
 // state) and written once (param, master, state). The math is in fp32 on float vectors; a
 // tensor's last elements that do not fill a vector go through the same code with partial loads
 // and stores (the kernels are compiled with -ffp-contract=off: no silent FMA).
+#include "cpu/kernels/quant_codec.h"
 #include "cpu/kernels/vec_utils.h"
 
 #include <algorithm>
@@ -369,11 +370,14 @@ void optim_chunk(const OptimArgs& a, const CallScalars& cs, const typename Kind:
   if (i < end) optim_lanes<Kind, T, G, MK, S>(param, grad, master, state, i, end - i, cs, s, read, write, rnd);
 }
 
-// 8-bit state (OptimArgs::quantized_state): chunk c block by block. Each state's block is
-// dequantized into an fp32 staging row, the vector update above runs over the staging rows as
-// fp32 state, and each row is requantized with its new absmax (ops/rules.h). Chunks start at
-// multiples of kChunkElements, a multiple of kQuantBlock, so blocks never straddle chunks.
-static_assert(kChunkElements % kQuantBlock == 0);
+// 8-bit state (OptimArgs::quantized_state): chunk c a group of blocks at a time. Each state's
+// blocks are dequantized into an fp32 staging row, the vector update above runs over the staging
+// rows as fp32 state, and each block is requantized with its new absmax (ops/rules.h). Chunks
+// start at multiples of kChunkElements, a multiple of the group, so blocks never straddle chunks;
+// a group's rows (kGroupElements floats per state) stay in the L1 cache, and the codec's tables
+// are loaded once per group.
+constexpr int64_t kGroupElements = 8 * kQuantBlock;
+static_assert(kChunkElements % kGroupElements == 0);
 
 template <class Kind, typename T, typename G, MasterKind MK>
 void optim_chunk_quantized(const OptimArgs& a, const CallScalars& cs, const typename Kind::Scalars& s,
@@ -387,7 +391,7 @@ void optim_chunk_quantized(const OptimArgs& a, const CallScalars& cs, const type
   T* param = static_cast<T*>(o.param);
   const G* grad = static_cast<const G*>(o.grad);
   auto* master = static_cast<Storage*>(o.master);
-  alignas(64) float staging[NS][kQuantBlock];
+  alignas(64) float staging[NS][kGroupElements];
   float* rows[NS];
   const QuantTable* table[NS];
   for (int k = 0; k < NS; ++k) {
@@ -397,13 +401,13 @@ void optim_chunk_quantized(const OptimArgs& a, const CallScalars& cs, const type
   const bool read = Kind::reads_state(s);
   const bool write = Kind::writes_state(s);
   const uint32_t key = MK == MasterKind::Stochastic ? rounding_key(cs.rounding_seed, *o.step) : 0u;
-  for (int64_t b0 = begin; b0 < end; b0 += kQuantBlock) {
-    const int64_t n = std::min<int64_t>(kQuantBlock, end - b0);
+  for (int64_t b0 = begin; b0 < end; b0 += kGroupElements) {
+    const int64_t n = std::min<int64_t>(kGroupElements, end - b0);
     const int64_t block = b0 / kQuantBlock;
     if (read) {
       for (int k = 0; k < NS; ++k) {
-        decode_block_cpu(static_cast<const uint8_t*>(o.state[k]) + b0, n, o.absmax[k][block], *table[k],
-                         a.state_format[k], staging[k]);
+        decode_blocks_cpu(static_cast<const uint8_t*>(o.state[k]) + b0, n, o.absmax[k] + block, *table[k],
+                          a.state_format[k], staging[k]);
       }
     }
     T* p = param + b0;
@@ -415,10 +419,9 @@ void optim_chunk_quantized(const OptimArgs& a, const CallScalars& cs, const type
     if (i < n) optim_lanes<Kind, T, G, MK, float>(p, g, m, rows, i, n - i, cs, s, read, write, rnd);
     if (!write) continue;
     for (int k = 0; k < NS; ++k) {
-      const float absmax = block_absmax_cpu(staging[k], n);
-      o.absmax[k][block] = absmax;
-      encode_block_cpu(staging[k], n, absmax, *table[k], a.state_format[k], Kind::nonnegative(k),
-                       static_cast<uint8_t*>(o.state[k]) + b0);
+      block_absmax_cpu(staging[k], n, o.absmax[k] + block);
+      encode_blocks_cpu(staging[k], n, o.absmax[k] + block, *table[k], a.state_format[k], Kind::nonnegative(k),
+                        static_cast<uint8_t*>(o.state[k]) + b0);
     }
   }
 }

@@ -2,6 +2,7 @@
 // a flat fp32 run to bytes + one absmax per block and back, by the rules of ops/rules.h. One
 // parallel pass over whole blocks; each block's absmax is its own reduction, so the results do
 // not depend on the thread count.
+#include "cpu/kernels/quant_codec.h"
 #include "cpu/kernels/vec_utils.h"
 
 #include <algorithm>
@@ -19,23 +20,21 @@ using kernels::QuantizeArgs;
 // Blocks per parallel work item: kChunkElements elements, as the other passes.
 constexpr int64_t kBlocksPerItem = kChunkElements / kQuantBlock;
 
+// fn(first block, first element, end element) per work item of whole blocks.
 template <typename Fn>
 void parallel_blocks(int64_t numel, const Fn& fn) {
   const int64_t blocks = (numel + kQuantBlock - 1) / kQuantBlock;
   at::parallel_for(0, blocks, kBlocksPerItem, [&](int64_t b, int64_t e) {
-    for (int64_t k = b; k < e; ++k) {
-      const int64_t begin = k * kQuantBlock;
-      fn(k, begin, std::min(numel, begin + kQuantBlock));
-    }
+    fn(b, b * kQuantBlock, std::min(numel, e * kQuantBlock));
   });
 }
 
 int quantize(const QuantizeArgs& a, const LaunchContext&) {
   const QuantTable& table = quant_table(a.format);
   parallel_blocks(a.numel, [&](int64_t k, int64_t begin, int64_t end) {
-    const float absmax = block_absmax_cpu(a.values + begin, end - begin);
-    a.absmax[k] = absmax;
-    encode_block_cpu(a.values + begin, end - begin, absmax, table, a.format, a.nonnegative, a.codes + begin);
+    block_absmax_cpu(a.values + begin, end - begin, a.absmax + k);
+    encode_blocks_cpu(a.values + begin, end - begin, a.absmax + k, table, a.format, a.nonnegative,
+                      a.codes + begin);
   });
   return 0;
 }
@@ -43,7 +42,7 @@ int quantize(const QuantizeArgs& a, const LaunchContext&) {
 int dequantize(const DequantizeArgs& a, const LaunchContext&) {
   const QuantTable& table = quant_table(a.format);
   parallel_blocks(a.numel, [&](int64_t k, int64_t begin, int64_t end) {
-    decode_block_cpu(a.codes + begin, end - begin, a.absmax[k], table, a.format, a.values + begin);
+    decode_blocks_cpu(a.codes + begin, end - begin, a.absmax + k, table, a.format, a.values + begin);
   });
   return 0;
 }

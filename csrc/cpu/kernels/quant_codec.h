@@ -1,0 +1,307 @@
+// The 8-bit block-scaled form on the CPU: quant_encode and quant_decode (ops/rules.h) over a block,
+// bit for bit, without the rule's search. Compiled once per capability (see vec_utils.h).
+//
+// Encoding computes a first guess g of a magnitude's table index by arithmetic, the index at or
+// one below the rule's, and corrects it with one comparison: index = g + (a > up_to[g]), where
+// up_to[g] is the largest magnitude the rule gives an index <= g (found from quant_encode itself
+// when the table is built, so the two agree by construction wherever the guess is in range):
+//   E4M3 / E5M2   the fp8 code of a * 448 (57344) truncated: the float's exponent and top mantissa
+//                 bits, or for fp8 subnormals the scaled value's integer part
+//   dynamic maps  the decade d by six comparisons with 10^-6 .. 10^-1, then the entry below a in
+//                 the decade's even split: base[d] + floor(a * scale[d] + offset[d])
+// The guess is off only near a table entry, where the rule's index is then g or g + 1 either way.
+// Decoding is entries[index] * absmax with the sign as a bit. The AVX-512 copy keeps every table
+// in registers (cross-lane permutes instead of gathers); the others are loops the compiler
+// vectorises.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+#include "cpu/kernels/kernels.h"
+
+namespace ampfuse::cpu {
+namespace CPU_CAPABILITY {
+
+struct alignas(64) QuantTable {
+  float entries[256];  // quant_table_entry, 0 past the format's size
+  float up_to[256];    // the largest magnitude in [0, 1] with an index <= g; +inf from the last index
+  // dynamic maps, per decade d (0: below 1e-6, ..., 6: from 0.1)
+  float decade_start[8];  // 10^(d-7) as a float, from d = 1
+  float scale[16];
+  float offset[16];
+  int32_t base[16];  // the index before the decade's first entry
+};
+
+// The guess for a magnitude s in [0, 1] (callers clamp; NaN as 0).
+inline int32_t quant_guess(const QuantTable& t, QuantFormat f, float s) {
+  if (f == QuantFormat::E4M3 || f == QuantFormat::E5M2) {
+    const bool e4 = f == QuantFormat::E4M3;
+    const float v = s * (e4 ? 448.0f : 57344.0f);
+    const bool normal = v >= (e4 ? 0x1p-6f : 0x1p-14f);
+    return normal ? static_cast<int32_t>(float_bits(v) >> (e4 ? 20 : 21)) - (e4 ? 960 : 448)
+                  : static_cast<int32_t>(v * (e4 ? 512.0f : 65536.0f));
+  }
+  int32_t d = 0;
+  for (int j = 1; j < 7; ++j) d += s >= t.decade_start[j] ? 1 : 0;
+  return t.base[d] + static_cast<int32_t>(s * t.scale[d] + t.offset[d]);
+}
+
+inline const QuantTable& quant_table(QuantFormat f) {
+  static const auto tables = [] {
+    std::array<QuantTable, 4> t{};
+    for (int k = 0; k < 4; ++k) {
+      const auto format = static_cast<QuantFormat>(k);
+      const int n = quant_table_size(format);
+      QuantTable& q = t[k];
+      for (int i = 0; i < 256; ++i) q.entries[i] = i < n ? quant_table_entry(format, i) : 0.0f;
+      // the index quant_encode gives magnitude bits `u` (without the sign bit of a signed map)
+      auto index_of = [&](uint32_t u) {
+        const int c = quant_encode(bits_float(u), 1.0f, q.entries, format, false);
+        return format == QuantFormat::Dynamic8Unsigned ? c : c & 0x7F;
+      };
+      constexpr uint32_t kOne = 0x3F800000u;
+      for (int g = 0; g < 256; ++g) {
+        if (g >= n - 1) {
+          q.up_to[g] = INFINITY;
+          continue;
+        }
+        if (index_of(kOne) <= g) {
+          q.up_to[g] = 1.0f;
+          continue;
+        }
+        uint32_t good = 0, bad = kOne;  // index(good) <= g < index(bad); the index is monotone
+        while (bad - good > 1) {
+          const uint32_t mid = good + (bad - good) / 2;
+          (index_of(mid) <= g ? good : bad) = mid;
+        }
+        q.up_to[g] = bits_float(good);
+      }
+      const bool sign = format == QuantFormat::Dynamic8Signed;
+      int32_t base = 1;
+      for (int d = 0; d < 7; ++d) {
+        const int steps = sign ? (d == 6 ? 63 : 1 << d) : 2 << d;
+        const double width = 0.9 * std::pow(10.0, d - 6);  // of the decade [0.1 D, D], D = 10^(d-6)
+        q.decade_start[d] = static_cast<float>(std::pow(10.0, d - 7));
+        q.scale[d] = static_cast<float>(steps / width);
+        q.offset[d] = static_cast<float>(0.5 - steps / 9.0);
+        q.base[d] = base - 1;
+        base += steps;
+      }
+    }
+    return t;
+  }();
+  return tables[static_cast<int>(f)];
+}
+
+// The absmax of each block of x[0, n) (quant_block_absmax of its largest magnitude; NaN if any
+// is NaN): the largest magnitude's bits, as a magnitude's bits order as its value and a NaN's lie
+// above inf's. An integer max, so the loop vectorises.
+inline void block_absmax_cpu(const float* x, int64_t n, float* absmax) {
+  for (int64_t b0 = 0; b0 < n; b0 += kQuantBlock) {
+    const int64_t end = std::min(n, b0 + kQuantBlock);
+    uint32_t m = 0;
+    for (int64_t e = b0; e < end; ++e) {
+      uint32_t b;
+      std::memcpy(&b, x + e, sizeof b);
+      m = std::max(m, b & 0x7FFFFFFFu);
+    }
+    absmax[b0 / kQuantBlock] = quant_block_absmax(bits_float(m));
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+
+// table[idx] for idx in [0, 16 * kRegs), the table held in kRegs registers: a two-register
+// permute per 32 entries picks by the index's low five bits, mask blends by its higher bits.
+template <int kRegs>
+struct RegTable {
+  static_assert(kRegs == 8 || kRegs == 16);
+  __m512 r[kRegs];
+  explicit RegTable(const float* t) {
+    for (int j = 0; j < kRegs; ++j) r[j] = _mm512_load_ps(t + 16 * j);
+  }
+  __m512 operator()(__m512i idx) const {
+    __m512 v[kRegs / 2];
+    for (int j = 0; j < kRegs / 2; ++j) v[j] = _mm512_permutex2var_ps(r[2 * j], idx, r[2 * j + 1]);
+    for (int bit = 32, n = kRegs / 2; n > 1; bit *= 2, n /= 2) {
+      const __mmask16 high = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(bit));
+      for (int j = 0; j < n / 2; ++j) v[j] = _mm512_mask_blend_ps(high, v[2 * j], v[2 * j + 1]);
+    }
+    return v[0];
+  }
+};
+
+template <QuantFormat F>
+struct Codec16 {
+  static constexpr bool kSigned = F != QuantFormat::Dynamic8Unsigned;
+  static constexpr bool kFp8 = F == QuantFormat::E4M3 || F == QuantFormat::E5M2;
+  static constexpr int kRegs = F == QuantFormat::Dynamic8Unsigned ? 16 : 8;
+  const QuantTable& t;
+  explicit Codec16(const QuantTable& table) : t(table) {}
+
+  __m512i guess(__m512 s) const {
+    if constexpr (kFp8) {
+      constexpr bool e4 = F == QuantFormat::E4M3;
+      const __m512 v = _mm512_mul_ps(s, _mm512_set1_ps(e4 ? 448.0f : 57344.0f));
+      const __mmask16 normal = _mm512_cmp_ps_mask(v, _mm512_set1_ps(e4 ? 0x1p-6f : 0x1p-14f), _CMP_GE_OQ);
+      const __m512i sub = _mm512_cvttps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(e4 ? 512.0f : 65536.0f)));
+      const __m512i nor = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(v), e4 ? 20 : 21),
+                                           _mm512_set1_epi32(e4 ? 960 : 448));
+      return _mm512_mask_mov_epi32(sub, normal, nor);
+    } else {
+      __m512i d = _mm512_setzero_si512();
+      for (int j = 1; j < 7; ++j) {
+        const __mmask16 m = _mm512_cmp_ps_mask(s, _mm512_set1_ps(t.decade_start[j]), _CMP_GE_OQ);
+        d = _mm512_mask_add_epi32(d, m, d, _mm512_set1_epi32(1));
+      }
+      const __m512 scale = _mm512_permutexvar_ps(d, _mm512_load_ps(t.scale));
+      const __m512 offset = _mm512_permutexvar_ps(d, _mm512_load_ps(t.offset));
+      const __m512i base = _mm512_permutexvar_epi32(d, _mm512_load_si512(t.base));
+      return _mm512_add_epi32(base, _mm512_cvttps_epi32(_mm512_add_ps(_mm512_mul_ps(s, scale), offset)));
+    }
+  }
+
+  // the codes of x (16 values) in a block of absmax `absmax`, as 32-bit lanes
+  template <bool kNonnegative>
+  __m512i encode(__m512 x, __m512 absmax, const RegTable<kRegs>& up_to) const {
+    const __m512 zero = _mm512_setzero_ps();
+    const __mmask16 negative = _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ);
+    __m512 a = _mm512_div_ps(_mm512_abs_ps(x), absmax);
+    if constexpr (kNonnegative) a = _mm512_mask_mov_ps(a, negative, zero);
+    const __mmask16 positive = _mm512_cmp_ps_mask(a, zero, _CMP_GT_OQ);  // not 0, not NaN
+    const __m512 s = _mm512_min_ps(_mm512_max_ps(a, zero), _mm512_set1_ps(1.0f));  // NaN: 0
+    const __m512i g = guess(s);
+    const __mmask16 up = _mm512_cmp_ps_mask(a, up_to(g), _CMP_GT_OQ);
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i idx = _mm512_maskz_mov_epi32(positive, _mm512_mask_add_epi32(g, up, g, one));
+    if constexpr (kNonnegative) idx = _mm512_mask_max_epi32(idx, positive, idx, one);
+    if constexpr (kSigned) {
+      const __mmask16 set = negative & _mm512_test_epi32_mask(idx, idx);
+      idx = _mm512_mask_or_epi32(idx, set, idx, _mm512_set1_epi32(0x80));
+    }
+    return idx;
+  }
+
+  __m512 decode(__m512i c, __m512 absmax, const RegTable<kRegs>& entries) const {
+    const __m512i idx = kSigned ? _mm512_and_si512(c, _mm512_set1_epi32(0x7F)) : c;
+    const __m512 v = _mm512_mul_ps(entries(idx), absmax);
+    if constexpr (!kSigned) return v;
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), sign));
+  }
+};
+
+template <QuantFormat F, bool kNonnegative>
+void encode_blocks_as(const float* x, int64_t n, const float* absmax, const QuantTable& t, uint8_t* out) {
+  const Codec16<F> codec(t);
+  const RegTable<Codec16<F>::kRegs> up_to(t.up_to);
+  for (int64_t e = 0; e < n; e += 16) {
+    const __mmask16 k = e + 16 <= n ? __mmask16(0xFFFF) : __mmask16((1u << (n - e)) - 1);
+    const __m512 m = _mm512_set1_ps(absmax[e / kQuantBlock]);
+    const __m512i c = codec.template encode<kNonnegative>(_mm512_maskz_loadu_ps(k, x + e), m, up_to);
+    _mm512_mask_cvtepi32_storeu_epi8(out + e, k, c);
+  }
+}
+
+template <QuantFormat F>
+void decode_blocks_as(const uint8_t* codes, int64_t n, const float* absmax, const QuantTable& t, float* out) {
+  const Codec16<F> codec(t);
+  const RegTable<Codec16<F>::kRegs> entries(t.entries);
+  for (int64_t e = 0; e < n; e += 16) {
+    const __mmask16 k = e + 16 <= n ? __mmask16(0xFFFF) : __mmask16((1u << (n - e)) - 1);
+    const __m512 m = _mm512_set1_ps(absmax[e / kQuantBlock]);
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes + e));
+    _mm512_mask_storeu_ps(out + e, k, codec.decode(c, m, entries));
+  }
+}
+
+#else
+
+// Branch-free, 32-bit lanes throughout (the bytes narrowed after), so that the compiler
+// vectorises the loops (table reads become gathers).
+template <QuantFormat F, bool kNonnegative>
+void encode_block_as(const float* __restrict x, int64_t n, float absmax, const QuantTable& __restrict t,
+                     uint8_t* __restrict out) {
+  constexpr bool kSigned = F != QuantFormat::Dynamic8Unsigned;
+  int32_t code[kQuantBlock];
+  for (int64_t e = 0; e < n; ++e) {
+    const float v = x[e];
+    const float q = std::fabs(v) / absmax;
+    const float a = (kNonnegative && v < 0.0f) ? 0.0f : q;
+    const bool positive = a > 0.0f;  // not 0, not NaN
+    const float s = positive ? std::min(a, 1.0f) : 0.0f;
+    const int32_t g = quant_guess(t, F, s);
+    int32_t idx = positive ? g + static_cast<int32_t>(a > t.up_to[g]) : 0;
+    idx = (kNonnegative && idx == 0 && positive) ? 1 : idx;
+    code[e] = idx | ((kSigned && v < 0.0f && idx != 0) ? 0x80 : 0);
+  }
+  for (int64_t e = 0; e < n; ++e) out[e] = static_cast<uint8_t>(code[e]);
+}
+
+template <QuantFormat F, bool kNonnegative>
+void encode_blocks_as(const float* x, int64_t n, const float* absmax, const QuantTable& t, uint8_t* out) {
+  for (int64_t b0 = 0; b0 < n; b0 += kQuantBlock) {
+    encode_block_as<F, kNonnegative>(x + b0, std::min(kQuantBlock, n - b0), absmax[b0 / kQuantBlock], t,
+                                     out + b0);
+  }
+}
+
+// (a gather per value; the sign applied as a bit)
+template <QuantFormat F>
+void decode_blocks_as(const uint8_t* codes, int64_t n, const float* absmax, const QuantTable& t, float* out) {
+  constexpr bool kSigned = F != QuantFormat::Dynamic8Unsigned;
+  for (int64_t e = 0; e < n; ++e) {
+    const uint32_t c = codes[e];
+    const float v = t.entries[kSigned ? (c & 0x7Fu) : c] * absmax[e / kQuantBlock];
+    uint32_t b;
+    std::memcpy(&b, &v, sizeof b);
+    b ^= kSigned ? (c & 0x80u) << 24 : 0u;
+    std::memcpy(out + e, &b, sizeof b);
+  }
+}
+
+#endif
+
+// quant_encode (ops/rules.h) of x[0, n), a run of blocks from a block's start, block b of absmax
+// absmax[b].
+inline void encode_blocks_cpu(const float* x, int64_t n, const float* absmax, const QuantTable& t,
+                              QuantFormat f, bool nonnegative, uint8_t* out) {
+  using Q = QuantFormat;
+  switch (f) {
+    case Q::Dynamic8Signed:
+      return nonnegative ? encode_blocks_as<Q::Dynamic8Signed, true>(x, n, absmax, t, out)
+                         : encode_blocks_as<Q::Dynamic8Signed, false>(x, n, absmax, t, out);
+    case Q::Dynamic8Unsigned:
+      return nonnegative ? encode_blocks_as<Q::Dynamic8Unsigned, true>(x, n, absmax, t, out)
+                         : encode_blocks_as<Q::Dynamic8Unsigned, false>(x, n, absmax, t, out);
+    case Q::E4M3:
+      return nonnegative ? encode_blocks_as<Q::E4M3, true>(x, n, absmax, t, out)
+                         : encode_blocks_as<Q::E4M3, false>(x, n, absmax, t, out);
+    case Q::E5M2:
+      return nonnegative ? encode_blocks_as<Q::E5M2, true>(x, n, absmax, t, out)
+                         : encode_blocks_as<Q::E5M2, false>(x, n, absmax, t, out);
+  }
+}
+
+// quant_decode (ops/rules.h) of the codes of a run of blocks, as encode_blocks_cpu.
+inline void decode_blocks_cpu(const uint8_t* codes, int64_t n, const float* absmax, const QuantTable& t,
+                              QuantFormat f, float* out) {
+  using Q = QuantFormat;
+  switch (f) {
+    case Q::Dynamic8Signed: return decode_blocks_as<Q::Dynamic8Signed>(codes, n, absmax, t, out);
+    case Q::Dynamic8Unsigned: return decode_blocks_as<Q::Dynamic8Unsigned>(codes, n, absmax, t, out);
+    case Q::E4M3: return decode_blocks_as<Q::E4M3>(codes, n, absmax, t, out);
+    case Q::E5M2: return decode_blocks_as<Q::E5M2>(codes, n, absmax, t, out);
+  }
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace ampfuse::cpu
