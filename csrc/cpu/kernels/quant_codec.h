@@ -199,12 +199,17 @@ struct Codec16 {
   }
 };
 
+// The lanes of the 16 from element e that lie before n.
+inline __mmask16 lanes_from(int64_t e, int64_t n) {
+  return e + 16 <= n ? __mmask16(0xFFFF) : __mmask16((1u << (n - e)) - 1);
+}
+
 template <QuantFormat F, bool kNonnegative>
 void encode_blocks_as(const float* x, int64_t n, const float* absmax, const QuantTable& t, uint8_t* out) {
   const Codec16<F> codec(t);
   const RegTable<Codec16<F>::kRegs> up_to(t.up_to);
   for (int64_t e = 0; e < n; e += 16) {
-    const __mmask16 k = e + 16 <= n ? __mmask16(0xFFFF) : __mmask16((1u << (n - e)) - 1);
+    const __mmask16 k = lanes_from(e, n);
     const __m512 m = _mm512_set1_ps(absmax[e / kQuantBlock]);
     const __m512i c = codec.template encode<kNonnegative>(_mm512_maskz_loadu_ps(k, x + e), m, up_to);
     _mm512_mask_cvtepi32_storeu_epi8(out + e, k, c);
@@ -216,7 +221,7 @@ void decode_blocks_as(const uint8_t* codes, int64_t n, const float* absmax, cons
   const Codec16<F> codec(t);
   const RegTable<Codec16<F>::kRegs> entries(t.entries);
   for (int64_t e = 0; e < n; e += 16) {
-    const __mmask16 k = e + 16 <= n ? __mmask16(0xFFFF) : __mmask16((1u << (n - e)) - 1);
+    const __mmask16 k = lanes_from(e, n);
     const __m512 m = _mm512_set1_ps(absmax[e / kQuantBlock]);
     const __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes + e));
     _mm512_mask_storeu_ps(out + e, k, codec.decode(c, m, entries));
