@@ -88,14 +88,22 @@ def markdown_table(result: dict) -> str:
     for r in rows:
         if r["case"] == "step_adamw_8bit":
             sb = r.get("state_bytes_per_param", {})
-            peer = (f"{_x(r['speedup_vs_best_peer'])} the fastest 8-bit peer ({r['best_peer']})"
-                    if "best_peer" in r else "no 8-bit peer measured")
+            peers, bf16 = _per_candidate(r.get("speedup_vs_best_peer")), _per_candidate(r.get("time_vs_bf16_moments"))
             missing = f" (not installed: {', '.join(r['peers_missing'])})" if r.get("peers_missing") else ""
+            parts = []
+            for name, what in (("ampfuse", "uint8 moments"), ("ampfuse-fp8", "FP8 moments")):
+                said = []
+                if name in peers:
+                    said.append(f"{_x(peers[name])} the fastest 8-bit peer ({r['best_peer']})")
+                if name in bf16:
+                    said.append(f"{_x(bf16[name])} the time of the bf16-moment step")
+                if said:
+                    parts.append(f"{what} " + " and ".join(said))
             lines.append("")
             lines.append(
-                f"8-bit moments at {_fmt_n(r['params'])} params: ampfuse (uint8 moments, exact remainder masters) "
-                f"{peer}{missing}; {r['bytes_per_param']:g} B/param moved per step; training state "
-                + ", ".join(f"{k} {v:g} B/param" for k, v in sb.items()) + "."
+                f"8-bit moments at {_fmt_n(r['params'])} params, exact remainder masters: "
+                + ("; ".join(parts) or "no 8-bit peer measured") + f"{missing}; {r['bytes_per_param']:g} B/param "
+                "moved per step; training state " + ", ".join(f"{k} {v:g} B/param" for k, v in sb.items()) + "."
             )
     for r in rows:
         if r["case"] == "small_model":
@@ -142,13 +150,22 @@ def load_targets() -> list[dict]:
         return json.load(f)["targets"]
 
 
+def _per_candidate(v: dict | None) -> dict:
+    """A per-candidate summary ({candidate: summary}); a bare summary is the uint8 candidate's."""
+    if not v:
+        return {}
+    return {"ampfuse": v} if "median" in v else v
+
+
 def _metric(row: dict, metric: str):
     if metric == "per_tensor_us":
         return row["per_tensor_us"]["median"]
     if metric == "speedup_vs_best_torch":
         return row["speedup_vs_best_torch"]["median"]
-    if metric == "speedup_vs_best_peer":
-        return row["speedup_vs_best_peer"]["median"] if "speedup_vs_best_peer" in row else None
+    name, _, cand = metric.partition(":")
+    if name in ("speedup_vs_best_peer", "time_vs_bf16_moments"):  # per own candidate (8-bit row)
+        c = _per_candidate(row.get(name)).get(cand or "ampfuse")
+        return c["median"] if c else None
     if metric.startswith("speedup_vs:"):
         return row["speedup_vs"][metric.split(":", 1)[1]]["median"]
     if metric == "frac_inplace":

@@ -33,6 +33,8 @@ Candidates (per case; the headline ratio is against the fastest torch candidate 
   found_inf), bf16 params and grads, the same tensors for every candidate:
     ampfuse        AdamW, uint8 moments (dynamic map, blocks of 256), 16-bit remainders
     ampfuse-fp8    AdamW, e4m3 first and e5m2 second moment, 16-bit remainders
+    ampfuse-bf16   AdamW, bf16 moments, 16-bit remainders (what the 8-bit moments replace;
+                   18 B moved per param)
     ampfuse-sr-8bit  AdamW, uint8 moments, stochastic rounding into the bf16 params (no master;
                    10 B moved per param)
     bnb-8bit       bitsandbytes.optim.AdamW8bit (updates the bf16 params directly)
@@ -388,6 +390,8 @@ def case_8bit(shapes, dtype, device, quick: bool) -> tuple[dict[str, Candidate],
                                                                 exp_avg_sq_dtype=torch.float8_e5m2)),
         "ampfuse-sr-8bit": opt_cand(lambda ps: ampfuse.optim.AdamW(ps, lr=1e-4, master_weights="stochastic",
                                                                     state_dtype=torch.uint8)),
+        "ampfuse-bf16": opt_cand(lambda ps: ampfuse.optim.AdamW(ps, lr=1e-4, master_weights="remainder",
+                                                                 state_dtype=torch.bfloat16)),
         "torch": opt_cand(lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)),
     }
     missing = []
@@ -404,8 +408,12 @@ def case_8bit(shapes, dtype, device, quick: bool) -> tuple[dict[str, Candidate],
 
 
 #: Bytes per parameter a candidate moves where it differs from its row's byte model (stochastic
-#: rounding keeps no remainder: read grad 2, param 2, m 1, v 1; write param, m, v).
-CANDIDATE_BYTES_PER_PARAM = {"ampfuse-sr-8bit": 10.0}
+#: rounding keeps no remainder: read grad 2, param 2, m 1, v 1; write param, m, v; bf16 moments:
+#: m and v 2 each way).
+CANDIDATE_BYTES_PER_PARAM = {"ampfuse-sr-8bit": 10.0, "ampfuse-bf16": 18.0}
+
+#: The 8-bit row's own candidates, each compared with the fastest peer and with the bf16 moments.
+OWN_8BIT = ("ampfuse", "ampfuse-fp8")
 
 
 def case_unscale(shapes, dtype, device, with_norm: bool):
@@ -543,7 +551,8 @@ def state_bytes_per_param(case: str, dtype: torch.dtype) -> dict[str, float] | N
     if case == "step_adamw_precision":
         return {"ampfuse": 2 + 2 + 2 + 4, "ampfuse-fp32-masters": 2 + 2 + 4 + 8, "torch (fp32 params, AMP)": 4 + 4 + 8}
     if case == "step_adamw_8bit":
-        return {"ampfuse": 2 + 2 + 2 + 2, "ampfuse-fp8": 2 + 2 + 2 + 2, "ampfuse-sr-8bit": 2 + 2 + 2, "bnb-8bit": 2 + 2 + 2,
+        return {"ampfuse": 2 + 2 + 2 + 2, "ampfuse-fp8": 2 + 2 + 2 + 2, "ampfuse-sr-8bit": 2 + 2 + 2,
+                "ampfuse-bf16": 2 + 2 + 2 + 4, "bnb-8bit": 2 + 2 + 2,
                 "torchao-8bit": 2 + 2 + 2, "torchao-fp8": 2 + 2 + 2, "torch": 2 + 2 + 4}
     return None
 
@@ -591,7 +600,10 @@ def measure_case(device, case, layout, n, dtype, quick, rng) -> dict:
         if peers:
             best_peer = min(peers, key=lambda k: row["candidates"][k]["ms"])
             row["best_peer"] = best_peer
-            row["speedup_vs_best_peer"] = summary([t / a for a, t in zip(samples["ampfuse"], samples[best_peer])])
+            row["speedup_vs_best_peer"] = {k: summary([t / a for a, t in zip(samples[k], samples[best_peer])])
+                                           for k in OWN_8BIT}
+        row["time_vs_bf16_moments"] = {k: summary([a / t for a, t in zip(samples[k], samples["ampfuse-bf16"])])
+                                       for k in OWN_8BIT}
     torch_names = [k for k in row["candidates"] if k.startswith("torch") and k not in PEERS_8BIT]
     best = min(torch_names, key=lambda k: row["candidates"][k]["ms"])
     row["best_torch"] = best

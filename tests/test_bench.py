@@ -38,6 +38,9 @@ def test_quick_benchmark_run(tmp_path):
             assert {"torch-A", "torch-A*"} <= set(r["candidates"])
         if r["case"] == "step_adamw_fp32":
             assert {"torch-B", "torch-B*"} <= set(r["candidates"])
+        if r["case"] == "step_adamw_8bit":  # each 8-bit candidate against the bf16 moments it replaces
+            assert {"ampfuse", "ampfuse-fp8", "ampfuse-bf16"} <= set(r["candidates"])
+            assert set(r["time_vs_bf16_moments"]) == {"ampfuse", "ampfuse-fp8"}
     # every CPU target is evaluated (measured rows in a quick run: only the size-independent ones pass or fail)
     ids = {t["id"] for t in res["targets"]}
     assert ids == {t["id"] for t in report.load_targets() if t["device"] in ("any", "cpu")}
@@ -59,6 +62,24 @@ def test_targets_evaluate_pass_and_fail():
     status = {t["id"]: t["status"] for t in report.evaluate_targets(res)}
     assert status["small-model-per-tensor"] == "FAIL"
     assert status["adamw-masters-vs-best-torch"] == "not measured"
+
+
+def test_8bit_targets_read_each_candidates_ratio():
+    def summ(v):
+        return {"median": v, "min": v, "max": v}
+
+    sb = {"ampfuse": 8}
+    row = {"case": "step_adamw_8bit", "params": 10**7, "dtype": "bfloat16", "state_bytes_per_param": sb,
+           "best_peer": "torchao-fp8",
+           "speedup_vs_best_peer": {"ampfuse": summ(1.2), "ampfuse-fp8": summ(1.6)},
+           "time_vs_bf16_moments": {"ampfuse": summ(1.4), "ampfuse-fp8": summ(1.2)}}
+    status = {t["id"]: t["status"] for t in report.evaluate_targets({"machine": {"device": "cpu"}, "rows": [row]})}
+    assert status["adamw-8bit-vs-best-peer"] == "FAIL" and status["adamw-fp8-vs-best-peer"] == "PASS"
+    assert status["adamw-8bit-vs-bf16-moments"] == "FAIL" and status["adamw-fp8-vs-bf16-moments"] == "PASS"
+    # a result without the peers or the bf16 candidate leaves those targets unmeasured
+    bare = {"case": "step_adamw_8bit", "params": 10**7, "dtype": "bfloat16", "state_bytes_per_param": sb}
+    status = {t["id"]: t["status"] for t in report.evaluate_targets({"machine": {"device": "cpu"}, "rows": [bare]})}
+    assert status["adamw-fp8-vs-best-peer"] == "not measured" and status["adamw-8bit-vs-bf16-moments"] == "not measured"
 
 
 def test_precision_quality_runs_every_choice_against_the_reference(tmp_path):

@@ -10,6 +10,9 @@ block, NaN blocks, absmax per block), the second-moment rules, argument errors, 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -132,6 +135,72 @@ def test_encoding_is_the_nearest_entry(dtype, nonnegative, seed):
         expected = reference_encode(block, m, table, signed, nonnegative)
         got = codes_of(codes)[b * BLOCK:(b + 1) * BLOCK]
         assert torch.equal(got, expected), (b, (got != expected).nonzero()[:5].tolist())
+
+
+def decision_values(dtype: torch.dtype, nonnegative: bool, ulps: int = 3) -> torch.Tensor:
+    """Magnitudes in [0, 1] at and beside every place where an encoder could decide differently
+    from the nearest-entry rule: each entry, each midpoint of two neighbours, each power of two and
+    each power of ten, with their `ulps` float neighbours on either side."""
+    table = reference_table(dtype, nonnegative)
+    finite = table[torch.isfinite(table)].double()
+    anchors = torch.cat([finite, (finite[1:] + finite[:-1]) / 2,
+                         torch.tensor([2.0**-k for k in range(0, 40)] + [10.0**-k for k in range(0, 10)],
+                                      dtype=torch.float64)]).float()
+    out, up, down = [anchors], anchors, anchors
+    for _ in range(ulps):
+        up, down = torch.nextafter(up, torch.tensor(2.0)), torch.nextafter(down, torch.tensor(-1.0))
+        out += [up, down]
+    v = torch.cat(out)
+    return v[(v >= 0) & (v <= 1)].unique()
+
+
+def encode_decision_values(dtype: torch.dtype, nonnegative: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """decision_values, both signs, in blocks that each hold 1.0 (so |x| / absmax is |x| itself):
+    the values and their codes."""
+    v = decision_values(dtype, nonnegative)
+    v = torch.cat([v, -v])
+    per = BLOCK - 1
+    blocks = [torch.cat([torch.ones(1), v[i:i + per]]) for i in range(0, v.numel(), per)]
+    x = torch.cat(blocks)
+    codes, _ = ops.quantize_blocks(x, dtype, nonnegative=nonnegative)
+    return x, codes_of(codes)
+
+
+@pytest.mark.parametrize(("dtype", "nonnegative"), FORMATS, ids=FORMAT_IDS)
+def test_values_beside_every_decision_encode_as_the_nearest_entry(dtype, nonnegative):
+    # An encoder that guesses an index by arithmetic and corrects it once (any fast one) errs, if
+    # at all, right at a midpoint, an entry, or where its guess changes rule (binades, decades).
+    x, got = encode_decision_values(dtype, nonnegative)
+    signed = not (dtype == torch.uint8 and nonnegative)
+    expected = reference_encode(x, 1.0, reference_table(dtype, nonnegative), signed, nonnegative)
+    bad = (got != expected).nonzero().reshape(-1)
+    assert bad.numel() == 0, [(float(x[i]), int(got[i]), int(expected[i])) for i in bad[:5]]
+
+
+_CAPABILITY_SCRIPT = """
+import sys, torch, ampfuse
+sys.path.insert(0, sys.argv[1])
+import test_quantization as t
+assert ampfuse.cpu_kernel_info()["kernels"] == sys.argv[2], ampfuse.cpu_kernel_info()
+torch.save([t.encode_decision_values(d, n)[1] for d, n in t.FORMATS], sys.argv[3])
+"""
+
+
+@pytest.mark.skipif(os.environ.get("AMPFUSE_CPU_KERNELS") == "cuda-emulated", reason="runs the CPU kernels, not the emulated CUDA ones")
+def test_every_cpu_capability_encodes_the_decisions_alike(tmp_path):
+    # The CPU kernels are compiled once per capability (DEFAULT, AVX2, AVX-512), each with its own
+    # vector code; the process runs one of them, so the others are run in child processes.
+    supported = ["DEFAULT", "AVX2", "AVX512"]
+    capability = torch.backends.cpu.get_cpu_capability()
+    runnable = supported[: supported.index(capability) + 1] if capability in supported else ["DEFAULT"]
+    ours = [encode_decision_values(d, n)[1] for d, n in FORMATS]
+    for cap in runnable:
+        out = tmp_path / f"{cap}.pt"
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=cap.lower())
+        subprocess.run([sys.executable, "-c", _CAPABILITY_SCRIPT, os.path.dirname(__file__), cap, str(out)],
+                       env=env, check=True)
+        for (dtype, nonnegative), theirs, mine in zip(FORMATS, torch.load(out), ours):
+            assert torch.equal(theirs, mine), (cap, dtype, nonnegative)
 
 
 def test_fp8_codes_are_the_fp8_numbers_of_the_scaled_values():

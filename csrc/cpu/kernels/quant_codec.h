@@ -7,8 +7,10 @@
 // when the table is built, so the two agree by construction wherever the guess is in range):
 //   E4M3 / E5M2   the fp8 code of a * 448 (57344) truncated: the float's exponent and top mantissa
 //                 bits, or for fp8 subnormals the scaled value's integer part
-//   dynamic maps  the decade d by six comparisons with 10^-6 .. 10^-1, then the entry below a in
-//                 the decade's even split: base[d] + floor(a * scale[d] + offset[d])
+//   dynamic maps  the decade d (the count of 10^-6 .. 10^-1 at or below a) from a's binary
+//                 exponent: a binade holds at most one decade start, so d is the binade's first
+//                 decade plus one comparison; then the entry below a in the decade's even split:
+//                 base[d] + floor(a * scale[d] + offset[d])
 // The guess is off only near a table entry, where the rule's index is then g or g + 1 either way.
 // Decoding is entries[index] * absmax with the sign as a bit. The AVX-512 copy keeps every table
 // in registers (cross-lane permutes instead of gathers); the others are loops the compiler
@@ -30,14 +32,21 @@
 namespace ampfuse::cpu {
 namespace CPU_CAPABILITY {
 
+// The binade index of a magnitude s in [0, 1]: its biased exponent less this, at least 0.
+constexpr int32_t kBinadeBias = 127 - 31;
+
 struct alignas(64) QuantTable {
   float entries[256];  // quant_table_entry, 0 past the format's size
   float up_to[256];    // the largest magnitude in [0, 1] with an index <= g; +inf from the last index
   // dynamic maps, per decade d (0: below 1e-6, ..., 6: from 0.1)
-  float decade_start[8];  // 10^(d-7) as a float, from d = 1
   float scale[16];
   float offset[16];
   int32_t base[16];  // the index before the decade's first entry
+  // per binade b (magnitudes [2^(b-31), 2^(b-30)), b = 0 also all below): the decade of its
+  // first value, and the start of the next decade where that lies in the binade (else +inf)
+  int32_t binade_decade[32];
+  float binade_next[32];
+  float decade_start[8];  // 10^(d-7) as a float, from d = 1; +inf at 7
 };
 
 // The guess for a magnitude s in [0, 1] (callers clamp; NaN as 0).
@@ -49,8 +58,8 @@ inline int32_t quant_guess(const QuantTable& t, QuantFormat f, float s) {
     return normal ? static_cast<int32_t>(float_bits(v) >> (e4 ? 20 : 21)) - (e4 ? 960 : 448)
                   : static_cast<int32_t>(v * (e4 ? 512.0f : 65536.0f));
   }
-  int32_t d = 0;
-  for (int j = 1; j < 7; ++j) d += s >= t.decade_start[j] ? 1 : 0;
+  const int32_t b = std::max(static_cast<int32_t>(float_bits(s) >> 23) - kBinadeBias, 0);
+  const int32_t d = t.binade_decade[b] + (s >= t.binade_next[b] ? 1 : 0);
   return t.base[d] + static_cast<int32_t>(s * t.scale[d] + t.offset[d]);
 }
 
@@ -95,6 +104,18 @@ inline const QuantTable& quant_table(QuantFormat f) {
         q.base[d] = base - 1;
         base += steps;
       }
+      q.decade_start[7] = INFINITY;
+      auto decade_of = [&](float v) {
+        int d = 0;
+        while (d < 6 && v >= q.decade_start[d + 1]) ++d;
+        return d;
+      };
+      for (int b = 0; b < 32; ++b) {
+        const float lo = b == 0 ? 0.0f : std::ldexp(1.0f, b - 31), hi = std::ldexp(1.0f, b - 30);
+        q.binade_decade[b] = decade_of(lo);
+        const float next = q.decade_start[q.binade_decade[b] + 1];
+        q.binade_next[b] = next < hi ? next : INFINITY;
+      }
     }
     return t;
   }();
@@ -125,14 +146,20 @@ template <int kRegs>
 struct RegTable {
   static_assert(kRegs == 8 || kRegs == 16);
   __m512 r[kRegs];
+  // (the loops unrolled by hand: left to the compiler, the 16-register table's stay loops over
+  // memory)
   explicit RegTable(const float* t) {
+#pragma GCC unroll 16
     for (int j = 0; j < kRegs; ++j) r[j] = _mm512_load_ps(t + 16 * j);
   }
   __m512 operator()(__m512i idx) const {
     __m512 v[kRegs / 2];
+#pragma GCC unroll 8
     for (int j = 0; j < kRegs / 2; ++j) v[j] = _mm512_permutex2var_ps(r[2 * j], idx, r[2 * j + 1]);
+#pragma GCC unroll 3
     for (int bit = 32, n = kRegs / 2; n > 1; bit *= 2, n /= 2) {
       const __mmask16 high = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(bit));
+#pragma GCC unroll 4
       for (int j = 0; j < n / 2; ++j) v[j] = _mm512_mask_blend_ps(high, v[2 * j], v[2 * j + 1]);
     }
     return v[0];
@@ -145,7 +172,17 @@ struct Codec16 {
   static constexpr bool kFp8 = F == QuantFormat::E4M3 || F == QuantFormat::E5M2;
   static constexpr int kRegs = F == QuantFormat::Dynamic8Unsigned ? 16 : 8;
   const QuantTable& t;
-  explicit Codec16(const QuantTable& table) : t(table) {}
+  __m512i binade_decade[2], base;
+  __m512 binade_next[2], scale, offset;
+  explicit Codec16(const QuantTable& table) : t(table) {
+    for (int j = 0; j < 2; ++j) {
+      binade_decade[j] = _mm512_load_si512(t.binade_decade + 16 * j);
+      binade_next[j] = _mm512_load_ps(t.binade_next + 16 * j);
+    }
+    base = _mm512_load_si512(t.base);
+    scale = _mm512_load_ps(t.scale);
+    offset = _mm512_load_ps(t.offset);
+  }
 
   __m512i guess(__m512 s) const {
     if constexpr (kFp8) {
@@ -157,15 +194,16 @@ struct Codec16 {
                                            _mm512_set1_epi32(e4 ? 960 : 448));
       return _mm512_mask_mov_epi32(sub, normal, nor);
     } else {
-      __m512i d = _mm512_setzero_si512();
-      for (int j = 1; j < 7; ++j) {
-        const __mmask16 m = _mm512_cmp_ps_mask(s, _mm512_set1_ps(t.decade_start[j]), _CMP_GE_OQ);
-        d = _mm512_mask_add_epi32(d, m, d, _mm512_set1_epi32(1));
-      }
-      const __m512 scale = _mm512_permutexvar_ps(d, _mm512_load_ps(t.scale));
-      const __m512 offset = _mm512_permutexvar_ps(d, _mm512_load_ps(t.offset));
-      const __m512i base = _mm512_permutexvar_epi32(d, _mm512_load_si512(t.base));
-      return _mm512_add_epi32(base, _mm512_cvttps_epi32(_mm512_add_ps(_mm512_mul_ps(s, scale), offset)));
+      const __m512i b = _mm512_max_epi32(
+          _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(s), 23), _mm512_set1_epi32(kBinadeBias)),
+          _mm512_setzero_si512());
+      const __m512i d0 = _mm512_permutex2var_epi32(binade_decade[0], b, binade_decade[1]);
+      const __m512 next = _mm512_permutex2var_ps(binade_next[0], b, binade_next[1]);
+      const __mmask16 up = _mm512_cmp_ps_mask(s, next, _CMP_GE_OQ);
+      const __m512i d = _mm512_mask_add_epi32(d0, up, d0, _mm512_set1_epi32(1));
+      const __m512 k = _mm512_permutexvar_ps(d, scale), o = _mm512_permutexvar_ps(d, offset);
+      return _mm512_add_epi32(_mm512_permutexvar_epi32(d, base),
+                              _mm512_cvttps_epi32(_mm512_add_ps(_mm512_mul_ps(s, k), o)));
     }
   }
 
