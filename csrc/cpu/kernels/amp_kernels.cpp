@@ -194,9 +194,13 @@ void unscale_all(const UnscaleCheckArgs& a, float inv, const std::vector<Chunk>&
                  std::vector<ChunkResult>& results) {
   parallel_chunks(chunks, [&](int64_t c) {
     const Chunk& ch = chunks[c];
-    // one cache line per vector of any dtype (inlined: see prefetch_bytes)
+    // one cache line per vector of any dtype (inlined: see prefetch_bytes), into the chunks that
+    // follow: inside a chunk the hardware prefetchers keep up, and the requests only took issue
+    // slots (fp32, 10M elements in GPT-2 shapes: 0.96x torch's unscale with them, 0.98x without;
+    // medians of 300 per-round ratios)
     auto ahead = [&](int64_t i) __attribute__((always_inline)) {
-      const auto [ac, aj] = ahead_of(chunks, c, ch.begin + i);  // inline: in-chunk is its first test
+      if (ch.begin + i + kAheadElements < ch.end) return;
+      const auto [ac, aj] = ahead_of(chunks, c, ch.begin + i);
       if (ac < 0) return;
       const TensorRef& r = a.tensors[chunks[ac].tensor];
       prefetch_bytes<64>(static_cast<const char*>(r.data) + aj * element_size(r.dtype));
