@@ -46,7 +46,6 @@ struct alignas(64) QuantTable {
   // first value, and the start of the next decade where that lies in the binade (else +inf)
   int32_t binade_decade[32];
   float binade_next[32];
-  float decade_start[8];  // 10^(d-7) as a float, from d = 1; +inf at 7
 };
 
 // The guess for a magnitude s in [0, 1] (callers clamp; NaN as 0).
@@ -95,25 +94,26 @@ inline const QuantTable& quant_table(QuantFormat f) {
       }
       const bool sign = format == QuantFormat::Dynamic8Signed;
       int32_t base = 1;
+      float decade_start[8];  // decade d from 10^(d-7) as a float (d >= 1); +inf at 7
       for (int d = 0; d < 7; ++d) {
         const int steps = sign ? (d == 6 ? 63 : 1 << d) : 2 << d;
         const double width = 0.9 * std::pow(10.0, d - 6);  // of the decade [0.1 D, D], D = 10^(d-6)
-        q.decade_start[d] = static_cast<float>(std::pow(10.0, d - 7));
+        decade_start[d] = static_cast<float>(std::pow(10.0, d - 7));
         q.scale[d] = static_cast<float>(steps / width);
         q.offset[d] = static_cast<float>(0.5 - steps / 9.0);
         q.base[d] = base - 1;
         base += steps;
       }
-      q.decade_start[7] = INFINITY;
+      decade_start[7] = INFINITY;
       auto decade_of = [&](float v) {
         int d = 0;
-        while (d < 6 && v >= q.decade_start[d + 1]) ++d;
+        while (d < 6 && v >= decade_start[d + 1]) ++d;
         return d;
       };
       for (int b = 0; b < 32; ++b) {
         const float lo = b == 0 ? 0.0f : std::ldexp(1.0f, b - 31), hi = std::ldexp(1.0f, b - 30);
         q.binade_decade[b] = decade_of(lo);
-        const float next = q.decade_start[q.binade_decade[b] + 1];
+        const float next = decade_start[q.binade_decade[b] + 1];
         q.binade_next[b] = next < hi ? next : INFINITY;
       }
     }
