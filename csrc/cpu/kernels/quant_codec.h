@@ -7,20 +7,27 @@
 // when the table is built, so the two agree by construction wherever the guess is in range):
 //   E4M3 / E5M2   the fp8 code of a * 448 (57344) truncated: the float's exponent and top mantissa
 //                 bits, or for fp8 subnormals the scaled value's integer part
-//   dynamic maps  the decade d (the count of 10^-6 .. 10^-1 at or below a) from a's binary
-//                 exponent: a binade holds at most one decade start, so d is the binade's first
-//                 decade plus one comparison; then the entry below a in the decade's even split:
-//                 base[d] + floor(a * scale[d] + offset[d])
+//   dynamic maps  the region r of a: the magnitudes the rule gives an index of decade r's even
+//                 split (region 0 also index 0, region 7 the last index, 1), bounded by up_to; a
+//                 binade holds at most one region start, so r is the binade's first region plus
+//                 one comparison. Then the entry at or below a in the decade's even split, at most
+//                 the region's last index: min(base[r] + floor(f), top[r]), f = a * scale[r] +
+//                 offset[r], the entries lying at integer f
 // The guess is off only near a table entry, where the rule's index is then g or g + 1 either way.
-// Decoding is entries[index] * absmax with the sign as a bit. The AVX-512 copy keeps every table
-// in registers (cross-lane permutes instead of gathers); the others are loops the compiler
-// vectorises.
+// Between a dynamic map's entries the rule's index is min(base[r] + floor(f + 1/2), top[r])
+// except near a midpoint (f + 1/2 within kNearMidpoint of an integer), as the rounding errors of
+// f and of the entries are some 1e-5 of a step: the AVX-512 copy takes that, and the correction
+// only for a group of 16 that holds a value near a midpoint.
+// Decoding is entries[index] * absmax with the sign as a bit. The AVX-512 copy keeps the tables it
+// reads for every value in registers (cross-lane permutes instead of gathers); the others are
+// loops the compiler vectorises.
 #pragma once
 
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -34,17 +41,21 @@ namespace CPU_CAPABILITY {
 
 // The binade index of a magnitude s in [0, 1]: its biased exponent less this, at least 0.
 constexpr int32_t kBinadeBias = 127 - 31;
+// How far from a midpoint (in steps of the decade's even split) a dynamic map's rounding is taken
+// as exact: some 100 times the rounding errors of f and of the entries.
+constexpr float kNearMidpoint = 0x1p-10f;
 
 struct alignas(64) QuantTable {
   float entries[256];  // quant_table_entry, 0 past the format's size
   float up_to[256];    // the largest magnitude in [0, 1] with an index <= g; +inf from the last index
-  // dynamic maps, per decade d (0: below 1e-6, ..., 6: from 0.1)
+  // dynamic maps, per region r (0: decade 1e-7..1e-6 and index 0, ..., 6: decade 0.1..1, 7: 1)
   float scale[16];
   float offset[16];
-  int32_t base[16];  // the index before the decade's first entry
-  // per binade b (magnitudes [2^(b-31), 2^(b-30)), b = 0 also all below): the decade of its
-  // first value, and the start of the next decade where that lies in the binade (else +inf)
-  int32_t binade_decade[32];
+  int32_t base[16];  // the index before the region's decade's first entry (region 7: its index)
+  int32_t top[16];   // the region's last index
+  // per binade b (magnitudes [2^(b-31), 2^(b-30)), b = 0 also all below): the region of its
+  // first value, and the start of the next region where that lies in the binade (else +inf)
+  int32_t binade_region[32];
   float binade_next[32];
 };
 
@@ -58,8 +69,8 @@ inline int32_t quant_guess(const QuantTable& t, QuantFormat f, float s) {
                   : static_cast<int32_t>(v * (e4 ? 512.0f : 65536.0f));
   }
   const int32_t b = std::max(static_cast<int32_t>(float_bits(s) >> 23) - kBinadeBias, 0);
-  const int32_t d = t.binade_decade[b] + (s >= t.binade_next[b] ? 1 : 0);
-  return t.base[d] + static_cast<int32_t>(s * t.scale[d] + t.offset[d]);
+  const int32_t r = t.binade_region[b] + (s >= t.binade_next[b] ? 1 : 0);
+  return std::min(t.base[r] + static_cast<int32_t>(s * t.scale[r] + t.offset[r]), t.top[r]);
 }
 
 inline const QuantTable& quant_table(QuantFormat f) {
@@ -92,29 +103,29 @@ inline const QuantTable& quant_table(QuantFormat f) {
         }
         q.up_to[g] = bits_float(good);
       }
+      if (format != QuantFormat::Dynamic8Signed && format != QuantFormat::Dynamic8Unsigned) continue;
       const bool sign = format == QuantFormat::Dynamic8Signed;
-      int32_t base = 1;
-      float decade_start[8];  // decade d from 10^(d-7) as a float (d >= 1); +inf at 7
-      for (int d = 0; d < 7; ++d) {
-        const int steps = sign ? (d == 6 ? 63 : 1 << d) : 2 << d;
-        const double width = 0.9 * std::pow(10.0, d - 6);  // of the decade [0.1 D, D], D = 10^(d-6)
-        decade_start[d] = static_cast<float>(std::pow(10.0, d - 7));
-        q.scale[d] = static_cast<float>(steps / width);
-        q.offset[d] = static_cast<float>(0.5 - steps / 9.0);
-        q.base[d] = base - 1;
+      float region_start[9];  // the smallest magnitude of region r (r >= 1); +inf at 8
+      for (int r = 0, base = 0; r < 8; ++r) {
+        const int steps = r == 7 ? 1 : sign ? (r == 6 ? 63 : 1 << r) : 2 << r;
+        const double width = 0.9 * std::pow(10.0, r - 6);  // of the decade [0.1 D, D], D = 10^(r-6)
+        q.scale[r] = r == 7 ? 0.0f : static_cast<float>(steps / width);
+        q.offset[r] = r == 7 ? 0.0f : static_cast<float>(0.5 - steps / 9.0);
+        q.base[r] = r == 7 ? n - 1 : base;
+        q.top[r] = r == 7 ? n - 1 : base + steps;
+        region_start[r] = r == 0 ? 0.0f : bits_float(float_bits(q.up_to[base]) + 1);
         base += steps;
       }
-      decade_start[7] = INFINITY;
-      auto decade_of = [&](float v) {
-        int d = 0;
-        while (d < 6 && v >= decade_start[d + 1]) ++d;
-        return d;
-      };
+      region_start[8] = INFINITY;
       for (int b = 0; b < 32; ++b) {
         const float lo = b == 0 ? 0.0f : std::ldexp(1.0f, b - 31), hi = std::ldexp(1.0f, b - 30);
-        q.binade_decade[b] = decade_of(lo);
-        const float next = decade_start[q.binade_decade[b] + 1];
+        int r = 0;
+        while (lo >= region_start[r + 1]) ++r;
+        q.binade_region[b] = r;
+        const float next = region_start[r + 1];
         q.binade_next[b] = next < hi ? next : INFINITY;
+        // (a binade holds at most one region start: the next lies past the binade's end)
+        if (next < hi && region_start[r + 2] < hi) std::abort();
       }
     }
     return t;
@@ -172,42 +183,56 @@ struct Codec16 {
   static constexpr bool kFp8 = F == QuantFormat::E4M3 || F == QuantFormat::E5M2;
   static constexpr int kRegs = F == QuantFormat::Dynamic8Unsigned ? 16 : 8;
   const QuantTable& t;
-  __m512i binade_decade[2], base;
+  __m512i binade_region[2], base, top;
   __m512 binade_next[2], scale, offset;
   explicit Codec16(const QuantTable& table) : t(table) {
     for (int j = 0; j < 2; ++j) {
-      binade_decade[j] = _mm512_load_si512(t.binade_decade + 16 * j);
+      binade_region[j] = _mm512_load_si512(t.binade_region + 16 * j);
       binade_next[j] = _mm512_load_ps(t.binade_next + 16 * j);
     }
     base = _mm512_load_si512(t.base);
+    top = _mm512_load_si512(t.top);
     scale = _mm512_load_ps(t.scale);
     offset = _mm512_load_ps(t.offset);
   }
 
-  __m512i guess(__m512 s) const {
-    if constexpr (kFp8) {
-      constexpr bool e4 = F == QuantFormat::E4M3;
-      const __m512 v = _mm512_mul_ps(s, _mm512_set1_ps(e4 ? 448.0f : 57344.0f));
-      const __mmask16 normal = _mm512_cmp_ps_mask(v, _mm512_set1_ps(e4 ? 0x1p-6f : 0x1p-14f), _CMP_GE_OQ);
-      const __m512i sub = _mm512_cvttps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(e4 ? 512.0f : 65536.0f)));
-      const __m512i nor = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(v), e4 ? 20 : 21),
-                                           _mm512_set1_epi32(e4 ? 960 : 448));
-      return _mm512_mask_mov_epi32(sub, normal, nor);
-    } else {
-      const __m512i b = _mm512_max_epi32(
-          _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(s), 23), _mm512_set1_epi32(kBinadeBias)),
-          _mm512_setzero_si512());
-      const __m512i d0 = _mm512_permutex2var_epi32(binade_decade[0], b, binade_decade[1]);
-      const __m512 next = _mm512_permutex2var_ps(binade_next[0], b, binade_next[1]);
-      const __mmask16 up = _mm512_cmp_ps_mask(s, next, _CMP_GE_OQ);
-      const __m512i d = _mm512_mask_add_epi32(d0, up, d0, _mm512_set1_epi32(1));
-      const __m512 k = _mm512_permutexvar_ps(d, scale), o = _mm512_permutexvar_ps(d, offset);
-      return _mm512_add_epi32(_mm512_permutexvar_epi32(d, base),
-                              _mm512_cvttps_epi32(_mm512_add_ps(_mm512_mul_ps(s, k), o)));
-    }
+  // the fp8 guess (quant_guess)
+  static __m512i fp8_guess(__m512 s) {
+    constexpr bool e4 = F == QuantFormat::E4M3;
+    const __m512 v = _mm512_mul_ps(s, _mm512_set1_ps(e4 ? 448.0f : 57344.0f));
+    const __mmask16 normal = _mm512_cmp_ps_mask(v, _mm512_set1_ps(e4 ? 0x1p-6f : 0x1p-14f), _CMP_GE_OQ);
+    const __m512i sub = _mm512_cvttps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(e4 ? 512.0f : 65536.0f)));
+    const __m512i nor = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(v), e4 ? 20 : 21),
+                                         _mm512_set1_epi32(e4 ? 960 : 448));
+    return _mm512_mask_mov_epi32(sub, normal, nor);
   }
 
-  // the codes of x (16 values) in a block of absmax `absmax`, as 32-bit lanes
+  // a dynamic map's index of magnitudes s in [0, 1] (see the top of the file): the rounding,
+  // corrected through up_to where a value lies near a midpoint (`a` the unclamped magnitudes)
+  __m512i dynamic_index(__m512 s, __m512 a) const {
+    const __m512i b = _mm512_max_epi32(
+        _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(s), 23), _mm512_set1_epi32(kBinadeBias)),
+        _mm512_setzero_si512());
+    const __m512i r0 = _mm512_permutex2var_epi32(binade_region[0], b, binade_region[1]);
+    const __m512 next = _mm512_permutex2var_ps(binade_next[0], b, binade_next[1]);
+    const __m512i r = _mm512_mask_add_epi32(r0, _mm512_cmp_ps_mask(s, next, _CMP_GE_OQ), r0, _mm512_set1_epi32(1));
+    const __m512 f = _mm512_add_ps(_mm512_mul_ps(s, _mm512_permutexvar_ps(r, scale)), _mm512_permutexvar_ps(r, offset));
+    const __m512 rounded = _mm512_add_ps(f, _mm512_set1_ps(0.5f));
+    const __m512i j = _mm512_cvttps_epi32(rounded);
+    const __m512 frac = _mm512_sub_ps(rounded, _mm512_cvtepi32_ps(j));
+    const __mmask16 near = _mm512_cmp_ps_mask(frac, _mm512_set1_ps(kNearMidpoint), _CMP_LT_OQ) |
+                           _mm512_cmp_ps_mask(frac, _mm512_set1_ps(1.0f - kNearMidpoint), _CMP_GT_OQ);
+    const __m512i first = _mm512_permutexvar_epi32(r, base), last = _mm512_permutexvar_epi32(r, top);
+    const __m512i idx = _mm512_min_epi32(_mm512_add_epi32(first, j), last);
+    if (near == 0) return idx;
+    // (rare: a gather of the guesses' corrections)
+    const __m512i g = _mm512_min_epi32(_mm512_add_epi32(first, _mm512_cvttps_epi32(f)), last);
+    const __mmask16 up = _mm512_cmp_ps_mask(a, _mm512_mask_i32gather_ps(a, near, g, t.up_to, 4), _CMP_GT_OQ);
+    return _mm512_mask_mov_epi32(idx, near, _mm512_mask_add_epi32(g, up, g, _mm512_set1_epi32(1)));
+  }
+
+  // the codes of x (16 values) in a block of absmax `absmax`, as 32-bit lanes (`up_to` read by
+  // the fp8 formats)
   template <bool kNonnegative>
   __m512i encode(__m512 x, __m512 absmax, const RegTable<kRegs>& up_to) const {
     const __m512 zero = _mm512_setzero_ps();
@@ -216,11 +241,17 @@ struct Codec16 {
     if constexpr (kNonnegative) a = _mm512_mask_mov_ps(a, negative, zero);
     const __mmask16 positive = _mm512_cmp_ps_mask(a, zero, _CMP_GT_OQ);  // not 0, not NaN
     const __m512 s = _mm512_min_ps(_mm512_max_ps(a, zero), _mm512_set1_ps(1.0f));  // NaN: 0
-    const __m512i g = guess(s);
-    const __mmask16 up = _mm512_cmp_ps_mask(a, up_to(g), _CMP_GT_OQ);
-    const __m512i one = _mm512_set1_epi32(1);
-    __m512i idx = _mm512_maskz_mov_epi32(positive, _mm512_mask_add_epi32(g, up, g, one));
-    if constexpr (kNonnegative) idx = _mm512_mask_max_epi32(idx, positive, idx, one);
+    __m512i idx;
+    if constexpr (kFp8) {
+      const __m512i g = fp8_guess(s);
+      const __mmask16 up = _mm512_cmp_ps_mask(a, up_to(g), _CMP_GT_OQ);
+      idx = _mm512_maskz_mov_epi32(positive, _mm512_mask_add_epi32(g, up, g, _mm512_set1_epi32(1)));
+    } else {
+      // (index 0 up to up_to[0], which the even split of region 0 does not give)
+      const __mmask16 above = _mm512_cmp_ps_mask(a, _mm512_set1_ps(t.up_to[0]), _CMP_GT_OQ);
+      idx = _mm512_maskz_mov_epi32(above, dynamic_index(s, a));
+    }
+    if constexpr (kNonnegative) idx = _mm512_mask_max_epi32(idx, positive, idx, _mm512_set1_epi32(1));
     if constexpr (kSigned) {
       const __mmask16 set = negative & _mm512_test_epi32_mask(idx, idx);
       idx = _mm512_mask_or_epi32(idx, set, idx, _mm512_set1_epi32(0x80));
