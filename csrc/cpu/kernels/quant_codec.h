@@ -14,10 +14,10 @@
 //                 the region's last index: min(base[r] + floor(f), top[r]), f = a * scale[r] +
 //                 offset[r], the entries lying at integer f
 // The guess is off only near a table entry, where the rule's index is then g or g + 1 either way.
-// Between a dynamic map's entries the rule's index is min(base[r] + floor(f + 1/2), top[r])
-// except near a midpoint (f + 1/2 within kNearMidpoint of an integer), as the rounding errors of
-// f and of the entries are some 1e-5 of a step: the AVX-512 copy takes that, and the correction
-// only for a group of 16 that holds a value near a midpoint.
+// Between a dynamic map's entries the rule's index is min(base[r] + f rounded to the nearest
+// integer, top[r]) except near a midpoint (f within kNearMidpoint of an integer plus 1/2), as
+// the rounding errors of f and of the entries are some 1e-5 of a step: the AVX-512 copy takes
+// that, and the correction only for a group of 16 that holds a value near a midpoint.
 // Decoding is entries[index] * absmax with the sign as a bit. The AVX-512 copy keeps the tables it
 // reads for every value in registers (cross-lane permutes instead of gathers); the others are
 // loops the compiler vectorises.
@@ -183,17 +183,16 @@ struct Codec16 {
   static constexpr bool kFp8 = F == QuantFormat::E4M3 || F == QuantFormat::E5M2;
   static constexpr int kRegs = F == QuantFormat::Dynamic8Unsigned ? 16 : 8;
   const QuantTable& t;
-  __m512i binade_region[2], base, top;
-  __m512 binade_next[2], scale, offset;
+  __m512i binade_region[2], top;
+  __m512 binade_next[2], scale, offset_base;  // offset_base: offset + base
   explicit Codec16(const QuantTable& table) : t(table) {
     for (int j = 0; j < 2; ++j) {
       binade_region[j] = _mm512_load_si512(t.binade_region + 16 * j);
       binade_next[j] = _mm512_load_ps(t.binade_next + 16 * j);
     }
-    base = _mm512_load_si512(t.base);
     top = _mm512_load_si512(t.top);
     scale = _mm512_load_ps(t.scale);
-    offset = _mm512_load_ps(t.offset);
+    offset_base = _mm512_add_ps(_mm512_load_ps(t.offset), _mm512_cvtepi32_ps(_mm512_load_si512(t.base)));
   }
 
   // the fp8 guess (quant_guess)
@@ -210,23 +209,23 @@ struct Codec16 {
   // a dynamic map's index of magnitudes s in [0, 1] (see the top of the file): the rounding,
   // corrected through up_to where a value lies near a midpoint (`a` the unclamped magnitudes)
   __m512i dynamic_index(__m512 s, __m512 a) const {
-    const __m512i b = _mm512_max_epi32(
-        _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(s), 23), _mm512_set1_epi32(kBinadeBias)),
-        _mm512_setzero_si512());
+    // (s's biased exponent lies in [0, 127], in the low half of its lane: a saturating 16-bit
+    // subtraction is the max with 0)
+    const __m512i b = _mm512_subs_epu16(_mm512_srli_epi32(_mm512_castps_si512(s), 23),
+                                        _mm512_set1_epi32(kBinadeBias));
     const __m512i r0 = _mm512_permutex2var_epi32(binade_region[0], b, binade_region[1]);
     const __m512 next = _mm512_permutex2var_ps(binade_next[0], b, binade_next[1]);
     const __m512i r = _mm512_mask_add_epi32(r0, _mm512_cmp_ps_mask(s, next, _CMP_GE_OQ), r0, _mm512_set1_epi32(1));
-    const __m512 f = _mm512_add_ps(_mm512_mul_ps(s, _mm512_permutexvar_ps(r, scale)), _mm512_permutexvar_ps(r, offset));
-    const __m512 rounded = _mm512_add_ps(f, _mm512_set1_ps(0.5f));
-    const __m512i j = _mm512_cvttps_epi32(rounded);
-    const __m512 frac = _mm512_sub_ps(rounded, _mm512_cvtepi32_ps(j));
-    const __mmask16 near = _mm512_cmp_ps_mask(frac, _mm512_set1_ps(kNearMidpoint), _CMP_LT_OQ) |
-                           _mm512_cmp_ps_mask(frac, _mm512_set1_ps(1.0f - kNearMidpoint), _CMP_GT_OQ);
-    const __m512i first = _mm512_permutexvar_epi32(r, base), last = _mm512_permutexvar_epi32(r, top);
-    const __m512i idx = _mm512_min_epi32(_mm512_add_epi32(first, j), last);
+    // base[r] + f (its error some 1e-5 of a step, fused or not): the index is its nearest
+    // integer, and a value near a midpoint is one whose distance to it is near 1/2
+    const __m512 fb = _mm512_fmadd_ps(s, _mm512_permutexvar_ps(r, scale), _mm512_permutexvar_ps(r, offset_base));
+    const __m512i last = _mm512_permutexvar_epi32(r, top);
+    const __m512i idx = _mm512_min_epi32(_mm512_cvt_roundps_epi32(fb, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), last);
+    const __m512 off = _mm512_abs_ps(_mm512_reduce_ps(fb, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __mmask16 near = _mm512_cmp_ps_mask(off, _mm512_set1_ps(0.5f - kNearMidpoint), _CMP_GT_OQ);
     if (near == 0) return idx;
-    // (rare: a gather of the guesses' corrections)
-    const __m512i g = _mm512_min_epi32(_mm512_add_epi32(first, _mm512_cvttps_epi32(f)), last);
+    // (rare: a gather of the guesses' corrections; base[r] + floor(f) as f lies near a midpoint)
+    const __m512i g = _mm512_min_epi32(_mm512_cvttps_epi32(fb), last);
     const __mmask16 up = _mm512_cmp_ps_mask(a, _mm512_mask_i32gather_ps(a, near, g, t.up_to, 4), _CMP_GT_OQ);
     return _mm512_mask_mov_epi32(idx, near, _mm512_mask_add_epi32(g, up, g, _mm512_set1_epi32(1)));
   }
@@ -277,7 +276,22 @@ template <QuantFormat F, bool kNonnegative>
 void encode_blocks_as(const float* x, int64_t n, const float* absmax, const QuantTable& t, uint8_t* out) {
   const Codec16<F> codec(t);
   const RegTable<Codec16<F>::kRegs> up_to(t.up_to);
-  for (int64_t e = 0; e < n; e += 16) {
+  // 64 values a store: their codes packed (codes lie in [0, 255], so the saturations keep them)
+  // and put back in order, each 128-bit lane having packed 4 codes of each 16
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  int64_t e = 0;
+  for (; e + 64 <= n; e += 64) {
+    __m512i c[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512 m = _mm512_set1_ps(absmax[(e + 16 * j) / kQuantBlock]);
+      c[j] = codec.template encode<kNonnegative>(_mm512_loadu_ps(x + e + 16 * j), m, up_to);
+    }
+    const __m512i bytes =
+        _mm512_packus_epi16(_mm512_packus_epi32(c[0], c[1]), _mm512_packus_epi32(c[2], c[3]));
+    _mm512_storeu_si512(out + e, _mm512_permutexvar_epi32(order, bytes));
+  }
+  for (; e < n; e += 16) {
     const __mmask16 k = lanes_from(e, n);
     const __m512 m = _mm512_set1_ps(absmax[e / kQuantBlock]);
     const __m512i c = codec.template encode<kNonnegative>(_mm512_maskz_loadu_ps(k, x + e), m, up_to);
