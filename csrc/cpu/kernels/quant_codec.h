@@ -19,8 +19,8 @@
 // the rounding errors of f and of the entries are some 1e-5 of a step: the AVX-512 copy takes
 // that, and the correction only for a group of 16 that holds a value near a midpoint.
 // Decoding is entries[index] * absmax with the sign as a bit. The AVX-512 copy keeps the tables it
-// reads for every value in registers (cross-lane permutes instead of gathers); the others are
-// loops the compiler vectorises.
+// reads for every value in registers (cross-lane permutes instead of gathers; the decode's as
+// 16-bit halves, 32 codes a permute); the others are loops the compiler vectorises.
 #pragma once
 
 #include <algorithm>
@@ -47,6 +47,7 @@ constexpr float kNearMidpoint = 0x1p-10f;
 
 struct alignas(64) QuantTable {
   float entries[256];  // quant_table_entry, 0 past the format's size
+  uint16_t entry_half[2][256];  // the entries' bits: low and high 16 bits
   float up_to[256];    // the largest magnitude in [0, 1] with an index <= g; +inf from the last index
   // dynamic maps, per region r (0: decade 1e-7..1e-6 and index 0, ..., 6: decade 0.1..1, 7: 1)
   float scale[16];
@@ -80,7 +81,11 @@ inline const QuantTable& quant_table(QuantFormat f) {
       const auto format = static_cast<QuantFormat>(k);
       const int n = quant_table_size(format);
       QuantTable& q = t[k];
-      for (int i = 0; i < 256; ++i) q.entries[i] = i < n ? quant_table_entry(format, i) : 0.0f;
+      for (int i = 0; i < 256; ++i) {
+        q.entries[i] = i < n ? quant_table_entry(format, i) : 0.0f;
+        q.entry_half[0][i] = static_cast<uint16_t>(float_bits(q.entries[i]));
+        q.entry_half[1][i] = static_cast<uint16_t>(float_bits(q.entries[i]) >> 16);
+      }
       // the index quant_encode gives magnitude bits `u` (without the sign bit of a signed map)
       auto index_of = [&](uint32_t u) {
         const int c = quant_encode(bits_float(u), 1.0f, q.entries, format, false);
@@ -151,29 +156,22 @@ inline void block_absmax_cpu(const float* x, int64_t n, float* absmax) {
 
 #if defined(CPU_CAPABILITY_AVX512)
 
-// table[idx] for idx in [0, 16 * kRegs), the table held in kRegs registers: a two-register
-// permute per 32 entries picks by the index's low five bits, mask blends by its higher bits.
-template <int kRegs>
+// table[idx] for idx in [0, 128), the table held in 8 registers: a two-register permute per 32
+// entries picks by the index's low five bits, mask blends by bits 5 and 6.
 struct RegTable {
-  static_assert(kRegs == 8 || kRegs == 16);
-  __m512 r[kRegs];
-  // (the loops unrolled by hand: left to the compiler, the 16-register table's stay loops over
-  // memory)
+  __m512 r[8];
   explicit RegTable(const float* t) {
-#pragma GCC unroll 16
-    for (int j = 0; j < kRegs; ++j) r[j] = _mm512_load_ps(t + 16 * j);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) r[j] = _mm512_load_ps(t + 16 * j);
   }
   __m512 operator()(__m512i idx) const {
-    __m512 v[kRegs / 2];
-#pragma GCC unroll 8
-    for (int j = 0; j < kRegs / 2; ++j) v[j] = _mm512_permutex2var_ps(r[2 * j], idx, r[2 * j + 1]);
-#pragma GCC unroll 3
-    for (int bit = 32, n = kRegs / 2; n > 1; bit *= 2, n /= 2) {
-      const __mmask16 high = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(bit));
-#pragma GCC unroll 4
-      for (int j = 0; j < n / 2; ++j) v[j] = _mm512_mask_blend_ps(high, v[2 * j], v[2 * j + 1]);
-    }
-    return v[0];
+    const __mmask16 bit5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+    const __mmask16 bit6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
+    const __m512 low = _mm512_mask_blend_ps(bit5, _mm512_permutex2var_ps(r[0], idx, r[1]),
+                                            _mm512_permutex2var_ps(r[2], idx, r[3]));
+    const __m512 high = _mm512_mask_blend_ps(bit5, _mm512_permutex2var_ps(r[4], idx, r[5]),
+                                             _mm512_permutex2var_ps(r[6], idx, r[7]));
+    return _mm512_mask_blend_ps(bit6, low, high);
   }
 };
 
@@ -181,7 +179,6 @@ template <QuantFormat F>
 struct Codec16 {
   static constexpr bool kSigned = F != QuantFormat::Dynamic8Unsigned;
   static constexpr bool kFp8 = F == QuantFormat::E4M3 || F == QuantFormat::E5M2;
-  static constexpr int kRegs = F == QuantFormat::Dynamic8Unsigned ? 16 : 8;
   const QuantTable& t;
   __m512i binade_region[2], top;
   __m512 binade_next[2], scale, offset_base;  // offset_base: offset + base
@@ -233,7 +230,7 @@ struct Codec16 {
   // the codes of x (16 values) in a block of absmax `absmax`, as 32-bit lanes (`up_to` read by
   // the fp8 formats)
   template <bool kNonnegative>
-  __m512i encode(__m512 x, __m512 absmax, const RegTable<kRegs>& up_to) const {
+  __m512i encode(__m512 x, __m512 absmax, const RegTable& up_to) const {
     const __m512 zero = _mm512_setzero_ps();
     const __mmask16 negative = _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ);
     __m512 a = _mm512_div_ps(_mm512_abs_ps(x), absmax);
@@ -257,14 +254,6 @@ struct Codec16 {
     }
     return idx;
   }
-
-  __m512 decode(__m512i c, __m512 absmax, const RegTable<kRegs>& entries) const {
-    const __m512i idx = kSigned ? _mm512_and_si512(c, _mm512_set1_epi32(0x7F)) : c;
-    const __m512 v = _mm512_mul_ps(entries(idx), absmax);
-    if constexpr (!kSigned) return v;
-    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
-    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), sign));
-  }
 };
 
 // The lanes of the 16 from element e that lie before n.
@@ -275,7 +264,7 @@ inline __mmask16 lanes_from(int64_t e, int64_t n) {
 template <QuantFormat F, bool kNonnegative>
 void encode_blocks_as(const float* x, int64_t n, const float* absmax, const QuantTable& t, uint8_t* out) {
   const Codec16<F> codec(t);
-  const RegTable<Codec16<F>::kRegs> up_to(t.up_to);
+  const RegTable up_to(t.up_to);  // (read by the fp8 formats, whose indices have 7 bits)
   // 64 values a store: their codes packed (codes lie in [0, 255], so the saturations keep them)
   // and put back in order, each 128-bit lane having packed 4 codes of each 16
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
@@ -299,15 +288,50 @@ void encode_blocks_as(const float* x, int64_t n, const float* absmax, const Quan
   }
 }
 
+// The entries' bits as two 16-bit halves (low, high), each a table of 64 words per register
+// pair: a decode reads 32 codes at once with word permutes, then interleaves the halves.
 template <QuantFormat F>
 void decode_blocks_as(const uint8_t* codes, int64_t n, const float* absmax, const QuantTable& t, float* out) {
-  const Codec16<F> codec(t);
-  const RegTable<Codec16<F>::kRegs> entries(t.entries);
-  for (int64_t e = 0; e < n; e += 16) {
-    const __mmask16 k = lanes_from(e, n);
-    const __m512 m = _mm512_set1_ps(absmax[e / kQuantBlock]);
-    const __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes + e));
-    _mm512_mask_storeu_ps(out + e, k, codec.decode(c, m, entries));
+  constexpr bool kSigned = F != QuantFormat::Dynamic8Unsigned;
+  constexpr int kRegs = kSigned ? 4 : 8;  // per half: a signed code's magnitude index has 7 bits
+  __m512i half[2][kRegs];
+  for (int h = 0; h < 2; ++h) {
+    for (int j = 0; j < kRegs; ++j) half[h][j] = _mm512_load_si512(t.entry_half[h] + 32 * j);
+  }
+  // float i of the 32 is words (low[i], high[i])
+  const __m512i first = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
+                                          0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002A000A, 0x002B000B,
+                                          0x002C000C, 0x002D000D, 0x002E000E, 0x002F000F);
+  const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+  for (int64_t e = 0; e < n; e += 32) {
+    const __mmask32 k = e + 32 <= n ? ~__mmask32(0) : (__mmask32(1) << (n - e)) - 1;
+    const __m256i bytes = _mm256_maskz_loadu_epi8(k, codes + e);
+    const __m512i c = _mm512_cvtepu8_epi16(bytes);
+    // (the permutes read an index's low 6 bits; bits 6 and 7 pick the register pair)
+    const __mmask32 bit6 = _mm512_test_epi16_mask(c, _mm512_set1_epi16(64));
+    const __mmask32 bit7 = kSigned ? 0 : _mm512_test_epi16_mask(c, _mm512_set1_epi16(128));
+    __m512i w[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i* r = half[h];
+      w[h] = _mm512_mask_blend_epi16(bit6, _mm512_permutex2var_epi16(r[0], c, r[1]),
+                                     _mm512_permutex2var_epi16(r[2], c, r[3]));
+      if constexpr (!kSigned) {
+        const __m512i upper = _mm512_mask_blend_epi16(bit6, _mm512_permutex2var_epi16(r[4], c, r[5]),
+                                                      _mm512_permutex2var_epi16(r[6], c, r[7]));
+        w[h] = _mm512_mask_blend_epi16(bit7, w[h], upper);
+      }
+    }
+    const __m512 m = _mm512_set1_ps(absmax[e / kQuantBlock]);  // (32 divides the block)
+    __m512 v0 = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_permutex2var_epi16(w[0], first, w[1])), m);
+    __m512 v1 = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_permutex2var_epi16(w[0], second, w[1])), m);
+    if constexpr (kSigned) {
+      const __mmask32 negative = _mm256_movepi8_mask(bytes);
+      const __m512 sign = _mm512_set1_ps(-0.0f);
+      v0 = _mm512_mask_xor_ps(v0, __mmask16(negative), v0, sign);
+      v1 = _mm512_mask_xor_ps(v1, __mmask16(negative >> 16), v1, sign);
+    }
+    _mm512_mask_storeu_ps(out + e, __mmask16(k), v0);
+    _mm512_mask_storeu_ps(out + e + 16, __mmask16(k >> 16), v1);
   }
 }
 
