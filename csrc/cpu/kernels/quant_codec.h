@@ -321,7 +321,8 @@ void decode_blocks_as(const uint8_t* codes, int64_t n, const float* absmax, cons
         w[h] = _mm512_mask_blend_epi16(bit7, w[h], upper);
       }
     }
-    const __m512 m = _mm512_set1_ps(absmax[e / kQuantBlock]);  // (32 divides the block)
+    static_assert(kQuantBlock % 32 == 0, "the 32 codes of a step share their block");
+    const __m512 m = _mm512_set1_ps(absmax[e / kQuantBlock]);
     __m512 v0 = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_permutex2var_epi16(w[0], first, w[1])), m);
     __m512 v1 = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_permutex2var_epi16(w[0], second, w[1])), m);
     if constexpr (kSigned) {
