@@ -193,13 +193,13 @@ def test_update_does_not_poll_or_copy_during_capture(monkeypatch):
     real_poll, real_copy = scaler._poll_min_scale, scaler._post_stats_copy
     monkeypatch.setattr(scaler, "_poll_min_scale", lambda blocking: (polled.append(blocking), real_poll(blocking)))
     monkeypatch.setattr(scaler, "_post_stats_copy", lambda: (polled.append("copy"), real_copy()))
-    monkeypatch.setattr(grad_scaler_module, "_capturing", lambda device: True)
+    monkeypatch.setattr(grad_scaler_module, "capturing", lambda device: True)
     for k in range(3):
         _scaled_backward(model, opt, scaler, 3)  # overflows: the scale hits its floor
         scaler.step(opt)
         scaler.update()
     assert polled == []
-    monkeypatch.setattr(grad_scaler_module, "_capturing", lambda device: False)
+    monkeypatch.setattr(grad_scaler_module, "capturing", lambda device: False)
     _scaled_backward(model, opt, scaler, 3)
     scaler.step(opt)
     with pytest.warns(RuntimeWarning, match="hit its floor"):

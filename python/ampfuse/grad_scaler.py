@@ -20,6 +20,7 @@ import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 
 from ampfuse import ops
+from ampfuse._transfer import capturing, host_to_device
 from ampfuse.optim import StepScaling, _check_grads_keys, _FusedOptimizer, _grads_source
 
 __all__ = ["GradScaler", "OverflowReport"]
@@ -99,20 +100,6 @@ def _fresh_optimizer_state() -> dict[str, Any]:
     # torch's _refresh_per_optimizer_state, defined here: torch.compile does not trace into
     # torch.amp, so update() must not call into it.
     return {"stage": OptState.READY, "found_inf_per_device": {}}
-
-
-def _capturing(device: torch.device) -> bool:
-    """Whether work queued now on ``device`` is being captured into a CUDA graph (then nothing
-    may wait for or read back the device: no event queries, no copies to the host)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _host_to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """``t`` (host memory) on ``dev`` without making the host wait: a copy from pageable memory
-    waits for the device, one from pinned memory is queued."""
-    if dev.type == "cpu":
-        return t
-    return t.pin_memory().to(dev, non_blocking=True)
 
 
 def _engine_value(v: Any) -> Any:
@@ -259,7 +246,7 @@ class GradScaler(torch.amp.GradScaler):
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
         self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
-        self._stats = _host_to_device(torch.tensor(self._init_stats, dtype=torch.int64, device="cpu"), dev)
+        self._stats = host_to_device(torch.tensor(self._init_stats, dtype=torch.int64, device="cpu"), dev)
 
     # ------------------------------------------------------------------------------------------
     # unscale / check
@@ -602,7 +589,7 @@ class GradScaler(torch.amp.GradScaler):
         or device-to-host copies there). check_min_scale() polls later."""
         if torch.compiler.is_compiling():
             return False
-        return self._stats is not None and not _capturing(self._stats.device)
+        return self._stats is not None and not capturing(self._stats.device)
 
     def _post_stats_copy(self) -> None:
         assert self._stats is not None

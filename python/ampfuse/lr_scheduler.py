@@ -1,111 +1,489 @@
-"""Learning-rate schedules on the device that advance only on taken steps.
+"""Learning-rate schedules on the device that advance only on taken steps: torch's own classes.
 
-Each class has the name and constructor of its ``torch.optim.lr_scheduler`` twin and gives the
-learning rates torch's would give if it were stepped only after the steps the optimizer really
-took. The schedule counts taken steps in a device tensor: ``sched.step()`` adds ``1`` when the
-optimizer's last step was taken and ``0`` when it was skipped (an inf/NaN gradient under a
-``GradScaler``), and writes each param group's learning rate from that count -- in closed form,
-in fp64 on the device, with torch ops only: no host read, so the whole step (and ``sched.step()``
-with it) can be captured in a CUDA graph.
+A device schedule runs torch's schedule class (``torch.optim.lr_scheduler``: any of them but
+``ReduceLROnPlateau``, user-written subclasses of ``LRScheduler`` included) on the host, over a
+shadow of the optimizer's param groups, ahead of training: the values it gives after ``k`` steps,
+for ``k`` from 0 to past the number of ``step()`` calls so far, fill a table on the device. The
+device counts the steps taken; ``sched.step()`` adds ``1`` when the optimizer's last step was
+taken and ``0`` when it was skipped (an inf/NaN gradient under a loss scaler), and copies each
+param group's learning rate (and momentum, for a schedule that cycles it) from the table's row
+at that count -- no host read, so the whole step, ``sched.step()`` included, can be captured in a
+CUDA graph. The values are torch's, computed in fp64 by torch's code and rounded once to the
+group's fp32 learning-rate tensor; :meth:`LRScheduler.state_dict` is the state torch's class has
+after the steps taken, so either side loads the other's checkpoints.
 
 Where the skip comes from, in this order: the optimizer's ``last_step_skipped`` (ampfuse's
 optimizers: the ``found_inf`` their last step was given), else the ``scaler`` the schedule was
 built with (an :class:`ampfuse.GradScaler`: its ``last_found_inf``, for torch's optimizers), else
 every step counts (as torch's schedules do).
 
-Each param group's ``lr`` becomes a 0-dim fp32 tensor on the group's device, written in place at
-every ``step()`` (so a captured graph or a step plan that holds it sees each new value); the
-optimizer must accept a tensor lr (ampfuse's do; torch's with ``capturable=True`` or
-``fused=True``, or on the CPU). :meth:`get_last_lr` reads the values only when called.
-``state_dict()``/``load_state_dict()`` keep the count of taken steps: a resumed run continues the
-schedule exactly.
-
-Beyond torch's classes: :func:`get_scheduler` and the ``get_*_schedule_with_warmup`` functions of
-the transformers library (its ``lr_scheduler_type`` names), and :func:`device_twin`, the device
-schedule of a torch (or transformers) schedule, which the integrations install.
+Each class below takes its torch twin's arguments, plus ``scaler=`` and ``horizon=`` (keywords);
+:func:`device_twin` turns a schedule already built (torch's, or the transformers library's) into
+a device schedule, and :func:`get_scheduler` builds the transformers library's by name.
 """
 
 from __future__ import annotations
 
-import functools
-import math
-from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+import collections
+import copy
+import inspect
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
 from torch.optim import lr_scheduler as _torch
 
+from ampfuse._transfer import capturing, copy_from_host
+
 __all__ = [
-    "LRScheduler", "LambdaLR", "ConstantLR", "LinearLR", "StepLR", "MultiStepLR", "ExponentialLR",
-    "PolynomialLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts", "OneCycleLR", "SequentialLR",
-    "ChainedScheduler", "get_scheduler", "get_linear_schedule_with_warmup", "get_cosine_schedule_with_warmup",
-    "get_constant_schedule", "get_constant_schedule_with_warmup", "device_twin", "counts_taken_steps",
+    "LRScheduler", "LambdaLR", "MultiplicativeLR", "ConstantLR", "LinearLR", "StepLR", "MultiStepLR",
+    "ExponentialLR", "PolynomialLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts", "CyclicLR", "OneCycleLR",
+    "SequentialLR", "ChainedScheduler", "device_twin", "get_scheduler", "counts_taken_steps", "DEFAULT_HORIZON",
 ]
 
-_F64 = torch.float64
-# State that is code or live references, never saved.
-_UNSAVED = ("optimizer", "_scaler", "_lr_tensors", "_momentum_tensors", "_values", "lr_lambdas", "_schedulers",
-            "_milestones_t", "_starts_t", "_lengths_t")
+#: Taken steps past the current ``step()`` call that the device table always covers, for a
+#: schedule with no length of its own: what a captured step can replay exactly.
+DEFAULT_HORIZON = 256
+_MAX_DEFAULT_HORIZON = 1 << 16  # a schedule's own length, as the default horizon, up to this
 
 
-def _device_of(optimizer: Optimizer) -> torch.device:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            return p.device
-    return torch.device("cpu")
+def _host(value: Any) -> Any:
+    """A param-group value as a host value (a one-element tensor as a number)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, tuple):
+        return tuple(_host(v) for v in value)
+    return value
 
 
-def _count_dtype(device: torch.device) -> torch.dtype:
-    """fp64 where the device has it (the counts and learning rates are computed in it)."""
-    return torch.float32 if device.type == "mps" else _F64
+def _fp32(x: Any) -> float:
+    return float(torch.tensor(x, dtype=torch.float32)) if isinstance(x, (int, float)) else x
+
+
+def _base_optimizer(optimizer: Any) -> Any:
+    """The optimizer that owns ``optimizer``'s param groups (a framework's wrapper shares them)."""
+    inner = getattr(optimizer, "optimizer", None)
+    while isinstance(inner, Optimizer) and inner.param_groups is optimizer.param_groups:
+        optimizer, inner = inner, getattr(inner, "optimizer", None)
+    return optimizer
+
+
+def _never_stepped(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError("the shadow of an optimizer's param groups is never stepped")
+
+
+_never_stepped._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+
+
+class _ShadowOptimizer(Optimizer):
+    """What torch's schedule classes step: host copies of an optimizer's param groups (their
+    ``params`` empty) and its ``defaults``. It is never stepped; torch's checks that the optimizer
+    stepped before its schedule pass."""
+
+    def __init__(self, optimizer: Optimizer) -> None:  # no Optimizer.__init__: there are no params
+        self.defaults = dict(optimizer.defaults)
+        self.param_groups = [{**{k: _host(v) for k, v in g.items() if k != "params"}, "params": []}
+                             for g in optimizer.param_groups]
+        self.state = collections.defaultdict(dict)
+        self.step = _never_stepped  # type: ignore[method-assign,assignment]
+        self._opt_called = True
+
+
+def _momentum_key(optimizer: Any) -> str:
+    return "betas" if "betas" in optimizer.defaults else "momentum"
+
+
+def _cycles_momentum(schedule: Any) -> bool:
+    """Whether ``schedule`` (or a schedule inside it) writes the groups' momentum / beta1."""
+    return bool(getattr(schedule, "cycle_momentum", False)) or any(
+        _cycles_momentum(s) for s in getattr(schedule, "_schedulers", ()))
+
+
+def _rehome(schedule: Any, shadow: Optimizer) -> None:
+    schedule.optimizer = shadow
+    for s in getattr(schedule, "_schedulers", ()):
+        _rehome(s, shadow)
+
+
+class _Timeline:
+    """The schedules of one optimizer: torch's classes stepped ahead on a shadow of its param
+    groups, the values of each count of taken steps, and their table on the device.
+
+    Row ``k`` holds every group's lr (and momentum / beta1 when a schedule cycles it) after ``k``
+    taken steps since row 0; each row steps every schedule once, in the order they were made (the
+    order a loop steps schedules chained back to back). The live schedules stand at the last row
+    computed; snapshots of their state every chunk of rows let any earlier row's state be rebuilt.
+    The device count of taken steps never exceeds the iterations stepped since row 0, which the
+    host knows, so the table is extended ahead of it without reading it.
+    """
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = weakref.ref(optimizer)
+        self.shadow = _ShadowOptimizer(optimizer)
+        self.schedules: list[Any] = []
+        self.device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+        self.count = torch.zeros((), dtype=torch.int64, device=self.device)  # taken steps since row 0
+        self.before = 0  # taken steps before row 0 (read when row 0 was set)
+        self.iterations = 0  # iterations stepped (host): the count is at most iterations - origin
+        self.origin = 0  # the iteration of row 0
+        self.horizon = 0
+        self.columns = 1  # lr, and the momentum when a schedule cycles it
+        self.rows = torch.empty(0, dtype=torch.float64)  # [capacity, groups, columns], host, fp64
+        self.n_rows = 0
+        self.held: list[list[float]] = []  # the last row's values
+        self.table: torch.Tensor | None = None  # the rows on the device, fp32
+        self.on_device = 0
+        self.captured: list[torch.Tensor] = []  # tables a CUDA graph may still read
+        self.snapshots: dict[int, Any] = {}
+        self.end: int | None = None  # the first row torch's classes raised on
+        self.error: BaseException | None = None
+        self.lr: list[torch.Tensor] = []
+        self.momentum: list[torch.Tensor] = []
+        self.edits: list[Callable[[], None]] = []
+
+    # ---- the live schedules' state --------------------------------------------------------------
+    def _state(self) -> Any:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.shadow.param_groups]
+        return copy.deepcopy((groups, [s.state_dict() for s in self.schedules]))
+
+    def _load(self, state: Any) -> None:
+        groups, schedules = copy.deepcopy(state)
+        for g, saved in zip(self.shadow.param_groups, groups):
+            g.clear()
+            g.update(saved, params=[])
+        for s, sd in zip(self.schedules, schedules):
+            s.load_state_dict(sd)
+
+    def _values(self) -> list[list[float]]:
+        key = _momentum_key(self.shadow)
+        out = []
+        for g in self.shadow.param_groups:
+            row = [float(g["lr"])]
+            if self.columns == 2:
+                row.append(float(g[key][0] if key == "betas" else g[key]))
+            out.append(row)
+        return out
+
+    def _last(self, k: int) -> int:
+        """The row that holds count ``k``'s values."""
+        last = self.n_rows - 1 if self.end is None else min(self.n_rows, self.end) - 1
+        return max(0, min(k, last))
+
+    def at(self, k: int, read: Callable[[], Any]) -> Any:
+        """``read()`` of the schedules as they stand after ``k`` taken steps since row 0."""
+        k = self._last(k)
+        start = max(j for j in self.snapshots if j <= k)
+        live = self._state()
+        try:
+            self._load(self.snapshots[start])
+            for _ in range(k - start):
+                for s in self.schedules:
+                    s.step()
+            return read()
+        finally:
+            self._load(live)
+
+    # ---- rows, on the host and on the device ----------------------------------------------------
+    def _compute(self, n: int) -> None:
+        if self.end is None and self.n_rows - 1 not in self.snapshots:
+            self.snapshots[self.n_rows - 1] = self._state()
+        new = []
+        for _ in range(n):
+            if self.end is None:
+                try:
+                    for s in self.schedules:
+                        s.step()
+                    new.append(self._values())
+                    continue
+                except Exception as e:  # torch's class refuses this step: raised when a call reaches it
+                    self.end, self.error = self.n_rows + len(new), e
+            new.append(new[-1] if new else self.held)
+        self._append(new)
+
+    def _append(self, values: list[list[list[float]]]) -> None:
+        rows = torch.tensor(values, dtype=torch.float64).reshape(len(values), -1, self.columns)
+        self.held = values[-1]
+        n = self.n_rows + rows.shape[0]
+        if self.rows.shape[0] < n or self.rows.shape[1:] != rows.shape[1:]:
+            grown = torch.empty((max(n, 2 * self.rows.shape[0]), *rows.shape[1:]), dtype=torch.float64)
+            if self.n_rows:
+                grown[:self.n_rows] = self.rows[:self.n_rows]
+            self.rows = grown
+        self.rows[self.n_rows:n] = rows
+        self.n_rows = n
+
+    def _upload(self) -> None:
+        if self.on_device == self.n_rows:
+            return
+        table = self.table
+        if table is None or table.shape[0] < self.n_rows or table.shape[1:] != self.rows.shape[1:]:
+            table = torch.empty((max(self.n_rows, 2 * self.on_device), *self.rows.shape[1:]), dtype=torch.float32,
+                                device=self.device)
+            if self.on_device:
+                table[:self.on_device].copy_(self.table[:self.on_device])  # type: ignore[index]
+            self.table = table
+        copy_from_host(table[self.on_device:self.n_rows], self.rows[self.on_device:self.n_rows].to(torch.float32))
+        self.on_device = self.n_rows
+
+    def cover(self) -> None:
+        """Rows up to ``horizon`` taken steps past the most the count can be now (none are added
+        while a CUDA graph is captured: its replays read the rows already there)."""
+        need = self.iterations - self.origin + 1 + self.horizon
+        if self.n_rows < need and not capturing(self.device):
+            self._compute(need + max(16, self.horizon // 4) - self.n_rows)
+        self._upload()
+
+    # ---- the device count and the groups' tensors -----------------------------------------------
+    def advance(self, skipped: torch.Tensor | None) -> None:
+        if skipped is None:
+            self.count.add_(1)
+        else:
+            flag = skipped.to(self.device, non_blocking=True).reshape(-1)[0]
+            self.count.add_((flag == 0).to(torch.int64))
+
+    def write(self) -> None:
+        """Each group's lr (and momentum) tensor set in place from the row at the device count."""
+        assert self.table is not None
+        if capturing(self.device) and (not self.captured or self.captured[-1] is not self.table):
+            self.captured.append(self.table)
+        row = self.table.index_select(0, self.count.clamp_max(self.on_device - 1).reshape(1))[0]
+        for i, t in enumerate(self.lr):
+            t.copy_(row[i, 0], non_blocking=True)
+        for i, t in enumerate(self.momentum):
+            t.copy_(row[i, 1], non_blocking=True)
+
+    def _replaced(self) -> bool:
+        """Whether a group's lr or momentum is no longer the tensor this timeline writes (the
+        optimizer's load_state_dict, or the user's own write)."""
+        groups = self.optimizer().param_groups  # type: ignore[union-attr]
+        if len(groups) != len(self.lr):
+            raise ValueError(f"the optimizer has {len(groups)} param groups, its schedules {len(self.lr)}; build the "
+                             "schedules after adding param groups.")
+        key = _momentum_key(self.shadow)
+        return any(g["lr"] is not t for g, t in zip(groups, self.lr)) or any(
+            (g[key][0] if key == "betas" else g[key]) is not t for g, t in zip(groups, self.momentum))
+
+    def _take_groups(self) -> None:
+        """The shadow takes each real group's values but those this timeline writes."""
+        mine = {id(t) for t in (*self.lr, *self.momentum)}
+        for real, shadow in zip(self.optimizer().param_groups, self.shadow.param_groups):  # type: ignore[union-attr]
+            for key, value in real.items():
+                if key == "params" or id(value) in mine:
+                    continue
+                if isinstance(value, tuple) and value and id(value[0]) in mine:
+                    value = (shadow[key][0], *value[1:])
+                value = _host(value)
+                if key == "lr" and _fp32(value) == _fp32(shadow["lr"]):
+                    continue  # the value written from the table: torch's fp64 value stands
+                shadow[key] = value
+
+    def _install(self) -> None:
+        """The groups' lr (and momentum) as 0-dim fp32 tensors this timeline writes in place."""
+        optimizer = self.optimizer()
+        assert optimizer is not None
+        key = _momentum_key(self.shadow)
+        for g, shadow in zip(optimizer.param_groups, self.shadow.param_groups):
+            if self.momentum and self.columns == 1:  # no schedule cycles it any more: a number again
+                g[key] = shadow[key]
+        self.lr, self.momentum = [], []
+        for g in optimizer.param_groups:
+            device = g["params"][0].device if g["params"] else self.device
+            lr = torch.zeros((), dtype=torch.float32, device=device)
+            g["lr"] = lr
+            self.lr.append(lr)
+            if self.columns == 2:
+                m = torch.zeros((), dtype=torch.float32, device=device)
+                if key == "betas":
+                    g["betas"] = (m, *g["betas"][1:])
+                else:
+                    g["momentum"] = m
+                self.momentum.append(m)
+
+    # ---- changes: a new schedule, a loaded state, the user's edits ------------------------------
+    def read_count(self) -> int:
+        """The count of taken steps since row 0: a host read, unless no step was made since."""
+        return 0 if self.iterations == self.origin else int(self.count)
+
+    def change(self, apply: Callable[[], Any], take_groups: bool = False) -> Any:
+        """``apply()`` to the schedules as they stand now (after the steps taken: one host read of
+        the count if steps were made since row 0), which then become row 0. If it raises, nothing
+        changed."""
+        k = self.read_count()
+        live = self._state()
+        self._load(self.at(k, self._state) if self.snapshots else live)
+        try:
+            if take_groups or (self.lr and self._replaced()):
+                self._take_groups()
+            before = self._state()
+            out = apply()
+            for edit in self.edits:
+                edit()
+        except BaseException:
+            self._load(live)
+            raise
+        finally:
+            self.edits = []
+        self.before += k
+        self._restart(before[0])
+        return out
+
+    def _restart(self, groups_before: list[dict[str, Any]]) -> None:
+        """Row 0 is the schedules' present state: the table, the count and the groups anew."""
+        optimizer = self.optimizer()
+        assert optimizer is not None
+        key = _momentum_key(self.shadow)
+        columns = 2 if any(_cycles_momentum(s) for s in self.schedules) else 1
+        for real, now, was in zip(optimizer.param_groups, self.shadow.param_groups, groups_before):
+            for k, v in now.items():  # keys a schedule set (initial_lr, max_lr, ...), as torch's leave them
+                if k not in ("params", "lr") and not (columns == 2 and k == key) and (k not in was or was[k] != v):
+                    real[k] = copy.deepcopy(v)
+        if columns != self.columns or not self.lr or self._replaced():
+            self.columns = columns
+            self._install()
+        self.snapshots, self.end, self.error = {}, None, None
+        self.n_rows, self.on_device, self.origin = 0, 0, self.iterations
+        self.count.zero_()
+        self._append([self._values()])
+        self.snapshots[0] = self._state()
+        self.cover()
+        self.write()
+
+    def before_step(self) -> None:
+        """Apply pending edits (a changed attribute of a schedule, a group's lr written by hand)
+        before the next step is counted: one host read of the count."""
+        if self.edits or self._replaced():
+            self.change(lambda: None)
+
+
+_TIMELINES: weakref.WeakKeyDictionary[Any, _Timeline] = weakref.WeakKeyDictionary()
+
+
+def _timeline_of(optimizer: Any) -> _Timeline:
+    optimizer = _base_optimizer(optimizer)
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"{type(optimizer).__name__} is not an Optimizer")
+    if optimizer not in _TIMELINES:
+        _TIMELINES[optimizer] = _Timeline(optimizer)
+    return _TIMELINES[optimizer]
+
+
+_OWN = frozenset({"optimizer", "_schedule", "_timeline", "_scaler", "_calls", "_first", "_step_count", "_parent"})
 
 
 class LRScheduler(_torch.LRScheduler):
-    """The device schedules' base: a device count of taken steps, and each group's learning rate
-    written from it at every :meth:`step`.
+    """A device schedule: torch's schedule class ``schedule`` stepped on the device's count of
+    taken steps. Build one by a class below (torch's name and arguments) or :func:`device_twin`.
 
-    Subclasses give the learning rates at a count ``t`` (a 0-dim device tensor) in
-    :meth:`_lrs_at`; schedules that scale each group's base lr by a factor give
-    :meth:`_factors_at` instead (and can then be chained, :class:`ChainedScheduler`).
+    Each param group's ``lr`` becomes a 0-dim fp32 tensor on the group's device, written in place
+    at every :meth:`step` (a step plan or a captured CUDA graph that holds it sees each new
+    value); so does its ``momentum`` (SGD) or ``betas[0]`` (optimizers with betas) under a
+    schedule that cycles it (``OneCycleLR``, ``CyclicLR``). The optimizer must take tensor values
+    there: ampfuse's do; torch's do on the CPU, or with ``capturable=True`` / ``fused=True``.
+
+    Keyword args (beyond torch's):
+        scaler: an :class:`ampfuse.GradScaler` whose ``last_found_inf`` tells skipped steps, for an
+            optimizer that does not report them itself (torch's).
+        horizon: taken steps past each :meth:`step` call that the device table covers (default:
+            the schedule's ``total_steps`` where it has one, else :data:`DEFAULT_HORIZON`). A step
+            captured in a CUDA graph replays exactly for this many steps; past it the learning
+            rates hold the last row's values.
     """
 
-    def __init__(self, optimizer: Optimizer, last_epoch: int = -1, *, scaler: Any = None) -> None:
-        if not isinstance(optimizer, Optimizer):
-            raise TypeError(f"{type(optimizer).__name__} is not an Optimizer")
+    _torch_class: type[_torch.LRScheduler] | None = None
+
+    def __init__(self, *args: Any, scaler: Any = None, horizon: int | None = None, **kwargs: Any) -> None:
+        cls = type(self)._torch_class
+        if cls is None:
+            raise TypeError("ampfuse.lr_scheduler.LRScheduler is the base class: build a named schedule (StepLR, ...) "
+                            "or turn a torch schedule into a device schedule with device_twin().")
+        found = [a for a in (*args, *kwargs.values()) if isinstance(a, Optimizer)]
+        parts = [s for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)) for s in a
+                 if isinstance(s, _torch.LRScheduler)]
+        if not found and not parts:
+            cls(*args, **kwargs)  # torch's own error for its arguments
+            raise TypeError(f"{cls.__name__}: no optimizer among the arguments.")
+        optimizer = found[0] if found else parts[0].optimizer
+        timeline = _timeline_of(optimizer)
+        subs = [s for s in parts if isinstance(s, LRScheduler)]
+        for s in subs:
+            if s._parent is not None:
+                raise ValueError(f"{cls.__name__}: {type(s).__name__} is already part of {type(s._parent).__name__}.")
+
+        def mapped(a: Any) -> Any:
+            if isinstance(a, Optimizer) and _base_optimizer(a) is _base_optimizer(optimizer):
+                return timeline.shadow
+            if isinstance(a, (list, tuple)) and any(isinstance(s, _torch.LRScheduler) for s in a):
+                return type(a)(s._schedule if isinstance(s, LRScheduler) else s for s in a)
+            return a
+
+        def build() -> Any:
+            theirs = [(s, s.optimizer) for s in parts if not isinstance(s, LRScheduler)
+                      and _base_optimizer(s.optimizer) is _base_optimizer(optimizer)]
+            for s, _ in theirs:
+                _rehome(s, timeline.shadow)
+            try:
+                made = cls(*map(mapped, args), **{k: mapped(v) for k, v in kwargs.items()})
+            except BaseException:
+                for s, owner in theirs:
+                    _rehome(s, owner)
+                raise
+            inner = {id(s._schedule if isinstance(s, LRScheduler) else s) for s in parts}
+            timeline.schedules = [s for s in timeline.schedules if id(s) not in inner] + [made]
+            return made
+
+        self._attach(optimizer, timeline, build, scaler, horizon, take_groups=any(
+            not isinstance(s, LRScheduler) for s in parts))
+        for s in subs:
+            object.__setattr__(s, "_parent", self)
+
+    def _attach(self, optimizer: Any, timeline: _Timeline, build: Callable[[], Any], scaler: Any,
+                horizon: int | None, take_groups: bool) -> None:
         if scaler is not None and not hasattr(scaler, "last_found_inf"):
             raise TypeError(f"scaler must be an ampfuse.GradScaler (it tells which steps were skipped), "
                             f"got {type(scaler).__name__}.")
-        self._scaler = scaler
-        device = _device_of(optimizer)
-        self._taken = torch.zeros((), dtype=_count_dtype(device), device=device)
-        self._lr_tensors: list[torch.Tensor] = []
-        self._momentum_tensors: list[torch.Tensor | None] = []
-        self._values: list[torch.Tensor] = []
-        if last_epoch == -1:
-            for group in optimizer.param_groups:
-                lr = group["lr"]
-                group.setdefault("initial_lr", float(lr) if isinstance(lr, torch.Tensor) else lr)
-        super().__init__(optimizer, last_epoch)
+        if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 0):
+            raise ValueError(f"horizon must be an integer >= 0, got {horizon!r}.")
+        schedule = timeline.change(build, take_groups=take_groups)
+        if horizon is None:
+            total = getattr(schedule, "total_steps", None)
+            horizon = min(total + 1, _MAX_DEFAULT_HORIZON) if isinstance(total, int) else DEFAULT_HORIZON
+            horizon = max(horizon, DEFAULT_HORIZON)
+        if horizon > timeline.horizon:
+            timeline.horizon = horizon
+            timeline.cover()
+        own = {"optimizer": optimizer, "_schedule": schedule, "_timeline": timeline, "_scaler": scaler,
+               "_calls": 0, "_first": timeline.iterations, "_step_count": 1, "_parent": None}
+        for name, value in own.items():
+            object.__setattr__(self, name, value)
 
-    # ---- the count and the learning rates --------------------------------------------------------
+    # ---- attributes: torch's schedule's, edits applied at the next step ------------------------
+    def __getattr__(self, name: str) -> Any:
+        schedule = self.__dict__.get("_schedule")
+        if schedule is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(schedule, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _OWN:
+            object.__setattr__(self, name, value)
+            return
+        schedule = self._schedule
+        self._timeline.edits.append(lambda: setattr(schedule, name, value))
+
+    @property
+    def last_epoch(self) -> int:  # type: ignore[override]
+        """torch's ``last_epoch`` after the steps taken (a host read of the count)."""
+        timeline = self._timeline
+        return timeline.at(timeline.read_count(), lambda: self._schedule.last_epoch)
+
     @property
     def taken_steps(self) -> torch.Tensor:
-        """The device count of taken steps the learning rates are computed from (0-dim)."""
-        return self._taken
+        """The device count of taken steps the learning rates are read at (0-dim int64)."""
+        return self._timeline.count + self._timeline.before
 
-    def _lrs_at(self, t: torch.Tensor) -> list[torch.Tensor]:
-        return [base * f for base, f in zip(self.base_lrs, self._factors_at(t))]
-
-    def _factors_at(self, t: torch.Tensor) -> list[torch.Tensor]:
-        raise TypeError(f"{type(self).__name__} has no multiplicative form.")
-
-    def _momenta_at(self, t: torch.Tensor) -> list[torch.Tensor] | None:
-        """Each group's momentum (SGD) / beta1 (Adam) at count ``t``, for a schedule that cycles
-        it (:class:`OneCycleLR`); None: the schedule leaves them alone."""
-        return None
-
+    # ---- stepping ------------------------------------------------------------------------------
     def sees_skips(self) -> bool:
         """Whether :meth:`step` can tell a skipped step: the optimizer reports its skip flag
         (ampfuse's optimizers), or the schedule was given a ``scaler``. Otherwise every call
@@ -120,560 +498,158 @@ class LRScheduler(_torch.LRScheduler):
 
     def step(self, epoch: int | None = None) -> None:
         """Count the optimizer's last step if it was taken, and write each group's learning rate
-        from the count (on the device: no host read)."""
+        (and momentum) from the table at the count: no host read.
+
+        Raises what torch's class raises where it refuses a step (a ``OneCycleLR`` stepped past
+        ``total_steps``, a bad argument), at the step where the count of taken steps reaches it,
+        nothing changed: the count is read on the host only at the calls that may reach it.
+        """
         if epoch is not None:
             raise ValueError(f"{type(self).__name__}.step(epoch) is not supported: a device schedule counts the "
                              "steps taken; call step() after each optimizer step.")
+        if self._parent is not None:
+            raise RuntimeError(f"{type(self).__name__} is part of {type(self._parent).__name__}: step that one.")
+        timeline = self._timeline
+        timeline.before_step()
+        iteration = self._first + self._calls + 1
+        skipped = self._skip_flag()
+        if timeline.end is not None and iteration - timeline.origin >= timeline.end and not capturing(timeline.device):
+            # the count may reach the step torch's class refused: read it (here only) to tell
+            taken = int(timeline.count)
+            if iteration > timeline.iterations:
+                taken += 1 if skipped is None or float(skipped.reshape(-1)[0]) == 0 else 0
+            if taken >= timeline.end:
+                assert timeline.error is not None
+                raise timeline.error
+        self._calls += 1
         self._step_count += 1
-        self.last_epoch += 1
-        if self._is_initial:
-            self._taken.fill_(float(self.last_epoch))
-        else:
-            flag = self._skip_flag()
-            if flag is None:
-                self._taken.add_(1.0)
-            else:
-                flag = flag.to(self._taken.device, non_blocking=True).reshape(-1)[0]
-                self._taken.add_((flag == 0).to(self._taken.dtype))
-        self._write(self._lrs_at(self._taken))
-
-    def _write(self, values: Sequence[torch.Tensor | float]) -> None:
-        """Each group's lr tensor (made on first use, or again when the optimizer's lr was replaced,
-        e.g. by its load_state_dict) set in place to its value."""
-        groups = self.optimizer.param_groups
-        if len(values) != len(groups):
-            raise ValueError(f"{type(self).__name__}: the optimizer has {len(groups)} param groups, the schedule "
-                             f"{len(values)}; build the schedule after adding param groups.")
-        if len(self._lr_tensors) != len(groups):
-            self._lr_tensors = [None] * len(groups)  # type: ignore[list-item]
-        self._values = []
-        for i, (group, value) in enumerate(zip(groups, values)):
-            mine = self._lr_tensors[i]
-            if mine is None or group["lr"] is not mine:
-                params = group["params"]
-                device = params[0].device if params else self._taken.device
-                mine = torch.zeros((), dtype=torch.float32, device=device)
-                self._lr_tensors[i] = mine
-                group["lr"] = mine
-            value = torch.as_tensor(value, dtype=self._taken.dtype, device=self._taken.device)
-            mine.copy_(value, non_blocking=True)
-            self._values.append(value)
-        self._last_lr = self._values  # type: ignore[assignment]
-        momenta = self._momenta_at(self._taken)
-        if momenta is not None:
-            self._write_momenta(momenta)
-
-    def _write_momenta(self, values: Sequence[torch.Tensor]) -> None:
-        """Each group's momentum / beta1 tensor (a 0-dim fp32 tensor on the group's device, as the
-        lr's; made on first use or when the group's value was replaced) set in place to its value:
-        ``group["momentum"]``, or ``group["betas"][0]`` for optimizers with betas."""
-        groups = self.optimizer.param_groups
-        use_beta1 = "betas" in self.optimizer.defaults
-        if len(self._momentum_tensors) != len(groups):
-            self._momentum_tensors = [None] * len(groups)
-        for i, (group, value) in enumerate(zip(groups, values)):
-            mine = self._momentum_tensors[i]
-            current = group["betas"][0] if use_beta1 else group["momentum"]
-            if mine is None or current is not mine:
-                params = group["params"]
-                device = params[0].device if params else self._taken.device
-                mine = torch.zeros((), dtype=torch.float32, device=device)
-                self._momentum_tensors[i] = mine
-                if use_beta1:
-                    group["betas"] = (mine, *group["betas"][1:])
-                else:
-                    group["momentum"] = mine
-            mine.copy_(torch.as_tensor(value, dtype=self._taken.dtype, device=self._taken.device), non_blocking=True)
+        if iteration > timeline.iterations:
+            timeline.iterations = iteration
+            timeline.advance(skipped)
+        timeline.cover()
+        timeline.write()
 
     def get_last_lr(self) -> list[float]:  # type: ignore[override]
-        """The learning rates the last :meth:`step` wrote, as floats (a host read, here only)."""
-        return [float(v) for v in self._values]
+        """torch's ``get_last_lr()`` after the steps taken: its fp64 values (a host read)."""
+        timeline = self._timeline
+        k = timeline.read_count()
+        if timeline.schedules[-1] is self._schedule and not timeline.edits:  # its values are the rows'
+            return timeline.rows[timeline._last(k), :, 0].tolist()
+        return timeline.at(k, lambda: list(self._schedule.get_last_lr()))
 
     def last_lr_tensors(self) -> list[torch.Tensor]:
-        """The learning rates the last :meth:`step` wrote, as copies of their device tensors (fp64
-        where the device has it): no host read."""
-        return [v.clone() for v in self._values]
+        """Copies of the groups' learning-rate tensors as the last :meth:`step` wrote them: no host read."""
+        return [t.clone() for t in self._timeline.lr]
 
-    # ---- checkpoints -------------------------------------------------------------------------------
+    # ---- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """As torch's: the schedule's attributes (not the optimizer, code or live tensors), with
-        ``_taken``, the count of taken steps."""
-        sd = {k: v for k, v in self.__dict__.items() if k not in _UNSAVED and k != "_last_lr"}
-        sd["_taken"] = self._taken.detach().clone()
-        return sd
+        """The state torch's class has after the steps taken (a host read of the count: a
+        checkpoint is a sync point): torch's class loads it, and ``torch.load(...,
+        weights_only=True)`` reads it wherever torch's own state reads so."""
+        timeline = self._timeline
+        return timeline.at(timeline.read_count(), lambda: copy.deepcopy(self._schedule.state_dict()))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (the count of taken steps included) and write the
-        learning rates at that count into the optimizer's groups."""
+        """Load a state of torch's class (saved by torch or by ampfuse), continuing from its steps
+        with the optimizer's param groups as they are now (as torch's class does: load the
+        optimizer's state first or after, either gives torch's values)."""
+        if self._parent is not None:
+            raise RuntimeError(f"{type(self).__name__} is part of {type(self._parent).__name__}: load that one's state.")
         state = dict(state_dict)
-        taken = state.pop("_taken", None)
-        if taken is None:
-            if "last_epoch" not in state:
-                raise KeyError(f"{type(self).__name__}.load_state_dict: the state has neither '_taken' nor 'last_epoch'.")
-            taken = float(state["last_epoch"])  # a torch schedule's state: every step counted
-        for key in _UNSAVED:
-            state.pop(key, None)
-        state.pop("_last_lr", None)
-        self.__dict__.update(state)
-        self._taken.copy_(torch.as_tensor(taken, dtype=self._taken.dtype))
-        self._write(self._lrs_at(self._taken))
-
-
-def _per_group(groups: list[dict[str, Any]], name: str, value: Any) -> list[Any]:
-    """One value per param group: a list or tuple of as many, or one value for all (torch's rule)."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != len(groups):
-            raise ValueError(f"expected {len(groups)} values for {name}, got {len(value)}")
-        return list(value)
-    return [value] * len(groups)
-
-
-def _pow(base: float, e: torch.Tensor) -> torch.Tensor:
-    # (full_like: a fill on the device, no host-to-device copy, so a CUDA-graph capture may record it)
-    return torch.pow(torch.full_like(e, base), e)
-
-
-class LambdaLR(LRScheduler):
-    """``torch.optim.lr_scheduler.LambdaLR``: lr = base lr * ``lr_lambda(t)``, with ``t`` the count
-    of taken steps as a 0-dim fp64 device tensor. The lambda must be written in torch ops (e.g.
-    ``torch.where(t < 100, t / 100, 1.0)``): Python control flow on ``t`` would read it on the host."""
-
-    def __init__(self, optimizer: Optimizer, lr_lambda: Callable | list[Callable], last_epoch: int = -1, *,
-                 scaler: Any = None) -> None:
-        n = len(optimizer.param_groups)
-        if isinstance(lr_lambda, (list, tuple)):
-            if len(lr_lambda) != n:
-                raise ValueError(f"Expected {n} lr_lambdas, but got {len(lr_lambda)}")
-            self.lr_lambdas = list(lr_lambda)
-        else:
-            self.lr_lambdas = [lr_lambda] * n
-        super().__init__(optimizer, last_epoch, scaler=scaler)
-
-    def _factors_at(self, t):
-        return [torch.as_tensor(f(t), dtype=t.dtype, device=t.device) for f in self.lr_lambdas]
-
-
-class ConstantLR(LRScheduler):
-    """``torch.optim.lr_scheduler.ConstantLR``: base lr * ``factor`` until ``total_iters`` taken steps."""
-
-    def __init__(self, optimizer: Optimizer, factor: float = 1.0 / 3, total_iters: int = 5, last_epoch: int = -1, *,
-                 scaler: Any = None) -> None:
-        if factor > 1.0 or factor < 0:
-            raise ValueError("Constant multiplicative factor expected to be between 0 and 1.")
-        self.factor, self.total_iters = factor, total_iters
-        super().__init__(optimizer, last_epoch, scaler=scaler)
-
-    def _factors_at(self, t):
-        f = self.factor + (t >= self.total_iters).to(t.dtype) * (1 - self.factor)
-        return [f] * len(self.base_lrs)
-
-
-class LinearLR(LRScheduler):
-    """``torch.optim.lr_scheduler.LinearLR``: the factor moves linearly from ``start_factor`` to
-    ``end_factor`` over ``total_iters`` taken steps."""
-
-    def __init__(self, optimizer: Optimizer, start_factor: float = 1.0 / 3, end_factor: float = 1.0,
-                 total_iters: int = 5, last_epoch: int = -1, *, scaler: Any = None) -> None:
-        if start_factor > 1.0 or start_factor <= 0:
-            raise ValueError("Starting multiplicative factor expected to be greater than 0 and less or equal to 1.")
-        if end_factor > 1.0 or end_factor < 0:
-            raise ValueError("Ending multiplicative factor expected to be between 0 and 1.")
-        self.start_factor, self.end_factor, self.total_iters = start_factor, end_factor, total_iters
-        super().__init__(optimizer, last_epoch, scaler=scaler)
-
-    def _factors_at(self, t):
-        f = self.start_factor + (self.end_factor - self.start_factor) * torch.clamp(t, max=self.total_iters) / self.total_iters
-        return [f] * len(self.base_lrs)
-
-
-class StepLR(LRScheduler):
-    """``torch.optim.lr_scheduler.StepLR``: base lr * ``gamma`` ** (taken steps // ``step_size``)."""
-
-    def __init__(self, optimizer: Optimizer, step_size: int, gamma: float = 0.1, last_epoch: int = -1, *,
-                 scaler: Any = None) -> None:
-        self.step_size, self.gamma = step_size, gamma
-        super().__init__(optimizer, last_epoch, scaler=scaler)
-
-    def _factors_at(self, t):
-        return [_pow(self.gamma, torch.div(t, self.step_size, rounding_mode="floor"))] * len(self.base_lrs)
-
-
-class MultiStepLR(LRScheduler):
-    """``torch.optim.lr_scheduler.MultiStepLR``: base lr * ``gamma`` per milestone passed (a
-    milestone given twice counts twice)."""
-
-    def __init__(self, optimizer: Optimizer, milestones: Sequence[int], gamma: float = 0.1, last_epoch: int = -1, *,
-                 scaler: Any = None) -> None:
-        self.milestones = Counter(milestones)
-        self.gamma = gamma
-        super().__init__(optimizer, last_epoch, scaler=scaler)
-
-    def _factors_at(self, t):
-        ms = _constant(self, "_milestones_t", sorted(self.milestones.elements()), t)
-        return [_pow(self.gamma, (ms <= t).sum().to(t.dtype))] * len(self.base_lrs)
-
-
-class ExponentialLR(LRScheduler):
-    """``torch.optim.lr_scheduler.ExponentialLR``: base lr * ``gamma`` ** taken steps."""
-
-    def __init__(self, optimizer: Optimizer, gamma: float, last_epoch: int = -1, *, scaler: Any = None) -> None:
-        self.gamma = gamma
-        super().__init__(optimizer, last_epoch, scaler=scaler)
-
-    def _factors_at(self, t):
-        return [_pow(self.gamma, t)] * len(self.base_lrs)
-
-
-class PolynomialLR(LRScheduler):
-    """``torch.optim.lr_scheduler.PolynomialLR``: base lr * (1 - min(t, ``total_iters``) /
-    ``total_iters``) ** ``power``."""
-
-    def __init__(self, optimizer: Optimizer, total_iters: int = 5, power: float = 1.0, last_epoch: int = -1, *,
-                 scaler: Any = None) -> None:
-        self.total_iters, self.power = total_iters, power
-        super().__init__(optimizer, last_epoch, scaler=scaler)
-
-    def _factors_at(self, t):
-        return [(1.0 - torch.clamp(t, max=self.total_iters) / self.total_iters) ** self.power] * len(self.base_lrs)
-
-
-def _constant(owner: Any, name: str, values: list[float] | Callable[[], list[float]], t: torch.Tensor) -> torch.Tensor:
-    """A schedule's table of constants on ``t``'s device, made once (on the first step, before any
-    CUDA-graph capture: a capture cannot record the host-to-device copy) and kept out of its state."""
-    cached = owner.__dict__.get(name)
-    if cached is None or cached.device != t.device or cached.dtype != t.dtype:
-        cached = torch.tensor(values() if callable(values) else values, dtype=t.dtype, device=t.device)
-        owner.__dict__[name] = cached
-    return cached
-
-
-def _cosine(t: torch.Tensor, period: torch.Tensor | float) -> torch.Tensor:
-    """(1 + cos(pi * t / period)) / 2."""
-    return (1 + torch.cos(math.pi * t / period)) / 2
-
-
-class CosineAnnealingLR(LRScheduler):
-    """``torch.optim.lr_scheduler.CosineAnnealingLR``: eta_min + (base lr - eta_min) *
-    (1 + cos(pi * t / ``T_max``)) / 2 (torch's closed form; its stepped form agrees)."""
-
-    def __init__(self, optimizer: Optimizer, T_max: int, eta_min: float = 0.0, last_epoch: int = -1, *,
-                 scaler: Any = None) -> None:
-        self.T_max, self.eta_min = T_max, eta_min
-        super().__init__(optimizer, last_epoch, scaler=scaler)
-
-    def _lrs_at(self, t):
-        c = _cosine(t, self.T_max)
-        return [self.eta_min + (base - self.eta_min) * c for base in self.base_lrs]
-
-    def _factors_at(self, t):
-        if self.eta_min != 0:
-            raise TypeError("CosineAnnealingLR with eta_min != 0 has no multiplicative form (it cannot be chained).")
-        return [_cosine(t, self.T_max)] * len(self.base_lrs)
-
-
-class CosineAnnealingWarmRestarts(LRScheduler):
-    """``torch.optim.lr_scheduler.CosineAnnealingWarmRestarts``: cosine annealing restarted after
-    ``T_0`` taken steps, each period ``T_mult`` times the one before."""
-
-    def __init__(self, optimizer: Optimizer, T_0: int, T_mult: int = 1, eta_min: float = 0.0, last_epoch: int = -1, *,
-                 scaler: Any = None) -> None:
-        if T_0 <= 0 or not isinstance(T_0, int):
-            raise ValueError(f"Expected positive integer T_0, but got {T_0}")
-        if T_mult < 1 or not isinstance(T_mult, int):
-            raise ValueError(f"Expected integer T_mult >= 1, but got {T_mult}")
-        if not isinstance(eta_min, (float, int)):
-            raise ValueError(f"Expected float or int eta_min, but got {eta_min} of type {type(eta_min)}")
-        self.T_0, self.T_mult, self.eta_min = T_0, T_mult, eta_min
-        super().__init__(optimizer, last_epoch, scaler=scaler)
-
-    def _starts(self) -> list[float]:
-        """The periods' starts, up to what an fp64 count can reach."""
-        starts, length = [0.0], float(self.T_0)
-        while starts[-1] < 2.0**53:
-            starts.append(starts[-1] + length)
-            length *= self.T_mult
-        return starts
-
-    def _period(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T_cur, T_i): steps into the current period and its length."""
-        if self.T_mult == 1:
-            return torch.remainder(t, self.T_0), torch.full_like(t, float(self.T_0))
-        s = _constant(self, "_starts_t", self._starts, t)
-        lengths = _constant(self, "_lengths_t", lambda: [self.T_0 * float(self.T_mult) ** k for k in range(len(s))], t)
-        n = (s <= t).sum() - 1
-        return t - s[n], lengths[n]
-
-    def _lrs_at(self, t):
-        t_cur, t_i = self._period(t)
-        c = _cosine(t_cur, t_i)
-        return [self.eta_min + (base - self.eta_min) * c for base in self.base_lrs]
-
-
-class _OneCyclePhase(NamedTuple):
-    end: float  # the phase's last step
-    lr: tuple[str, str]  # the group keys it anneals lr from and to
-    momentum: tuple[str, str]  # and momentum
-
-
-class OneCycleLR(LRScheduler):
-    """``torch.optim.lr_scheduler.OneCycleLR`` (the 1cycle policy). With ``cycle_momentum``
-    (torch's default) each group's momentum -- SGD's ``momentum``, or ``betas[0]`` of an optimizer
-    with betas -- becomes a 0-dim fp32 device tensor too, written in place at every step from the
-    count of taken steps, which the fused step reads on the device as it reads the lr (ampfuse's
-    optimizers; torch's SGD/Adam take it on the CPU). Past ``total_steps`` taken steps the learning
-    rate and momentum stay at the end of the last phase (torch raises there, which needs the count
-    on the host)."""
-
-    def __init__(self, optimizer: Optimizer, max_lr: float | list[float], total_steps: int | None = None,
-                 epochs: int | None = None, steps_per_epoch: int | None = None, pct_start: float = 0.3,
-                 anneal_strategy: str = "cos", cycle_momentum: bool = True, base_momentum: float | list[float] = 0.85,
-                 max_momentum: float | list[float] = 0.95, div_factor: float = 25.0, final_div_factor: float = 1e4,
-                 three_phase: bool = False, last_epoch: int = -1, *, scaler: Any = None) -> None:
-        if total_steps is not None:
-            if total_steps <= 0 or not isinstance(total_steps, int):
-                raise ValueError(f"Expected positive integer total_steps, but got {total_steps}")
-            self.total_steps = total_steps
-        elif epochs is not None and steps_per_epoch is not None:
-            if not isinstance(epochs, int) or epochs <= 0:
-                raise ValueError(f"Expected positive integer epochs, but got {epochs}")
-            if not isinstance(steps_per_epoch, int) or steps_per_epoch <= 0:
-                raise ValueError(f"Expected positive integer steps_per_epoch, but got {steps_per_epoch}")
-            self.total_steps = epochs * steps_per_epoch
-        else:
-            raise ValueError("You must define either total_steps OR (epochs AND steps_per_epoch)")
-        if pct_start < 0 or pct_start > 1 or not isinstance(pct_start, float):
-            raise ValueError(f"Expected float between 0 and 1 pct_start, but got {pct_start}")
-        if anneal_strategy not in ("cos", "linear"):
-            raise ValueError(f"anneal_strategy must be one of 'cos' or 'linear', instead got {anneal_strategy}")
-        self.anneal_strategy = anneal_strategy
-        # torch's phases: (end step, lr keys from/to, momentum keys from/to)
-        first = _OneCyclePhase(float(pct_start * self.total_steps) - 1, ("initial_lr", "max_lr"),
-                               ("max_momentum", "base_momentum"))
-        if three_phase:
-            self._phases = [first,
-                            _OneCyclePhase(float(2 * pct_start * self.total_steps) - 2, ("max_lr", "initial_lr"),
-                                           ("base_momentum", "max_momentum")),
-                            _OneCyclePhase(self.total_steps - 1, ("initial_lr", "min_lr"),
-                                           ("max_momentum", "max_momentum"))]
-        else:
-            self._phases = [first, _OneCyclePhase(self.total_steps - 1, ("max_lr", "min_lr"),
-                                                  ("base_momentum", "max_momentum"))]
-        groups = optimizer.param_groups
-        per_group = functools.partial(_per_group, groups)
-        max_lrs = per_group("max_lr", max_lr)
-        if cycle_momentum:  # every check before a group changes
-            if "momentum" not in optimizer.defaults and "betas" not in optimizer.defaults:
-                raise ValueError("optimizer must support momentum or beta1 with `cycle_momentum` option enabled")
-            momenta = list(zip(per_group("max_momentum", max_momentum), per_group("base_momentum", base_momentum)))
-            self.use_beta1 = "betas" in optimizer.defaults
-        self.cycle_momentum = cycle_momentum
-        if last_epoch == -1:
-            for m, group in zip(max_lrs, groups):
-                group["initial_lr"] = m / div_factor
-                group["max_lr"] = m
-                group["min_lr"] = group["initial_lr"] / final_div_factor
-            if cycle_momentum:
-                for (high, low), group in zip(momenta, groups):
-                    group["max_momentum"] = high
-                    group["base_momentum"] = low
-        super().__init__(optimizer, last_epoch, scaler=scaler)
-
-    def _anneal(self, start: float, end: float, pct: torch.Tensor) -> torch.Tensor:
-        if self.anneal_strategy == "cos":
-            return end + (start - end) / 2.0 * (torch.cos(math.pi * pct) + 1)
-        return (end - start) * pct + start
-
-    def _at(self, t: torch.Tensor, momentum: bool) -> list[torch.Tensor]:
-        """Each group's lr (or momentum) at count ``t``: the phase of ``t`` annealed from its start to
-        its end."""
-        out = []
-        for group in self.optimizer.param_groups:
-            value: torch.Tensor | None = None
-            start = 0.0
-            for phase in self._phases:
-                a, b = phase.momentum if momentum else phase.lr
-                v = self._anneal(group[a], group[b], (t - start) / (phase.end - start))
-                value = v if value is None else torch.where(t <= start, value, v)
-                start = phase.end
-            assert value is not None  # there are always two or three phases
-            out.append(value)
-        return out
-
-    def _lrs_at(self, t):
-        return self._at(t, momentum=False)
-
-    def _momenta_at(self, t):
-        return self._at(t, momentum=True) if self.cycle_momentum else None
-
-
-class _Composite(LRScheduler):
-    """A schedule of schedules: their states saved and loaded with its own."""
-
-    _schedulers: list[LRScheduler]
-
-    def _check_schedules(self, schedulers: Sequence[Any], optimizer: Optimizer, hint: str = "") -> None:
-        """At least one, each an ampfuse schedule of ``optimizer`` (torch's messages)."""
-        name = type(self).__name__
-        if len(schedulers) < 1:
-            raise ValueError(f"{name} expects at least one scheduler, but got no scheduler.")
-        for i, s in enumerate(schedulers):
-            if not isinstance(s, LRScheduler):
-                raise TypeError(f"{name}: schedulers[{i}] must be an ampfuse.lr_scheduler schedule, got "
-                                f"{type(s).__name__}{hint}.")
-            if s._momenta_at(s.taken_steps) is not None:
-                raise ValueError(f"{name}: schedulers[{i}] ({type(s).__name__}) cycles the momentum, which a "
-                                 f"composite schedule does not; build it with cycle_momentum=False.")
-            if s.optimizer is not optimizer:
-                raise ValueError(f"{name} expects all schedulers to belong to the same optimizer, but got scheduler "
-                                 f"{type(s).__name__} at index {i} has {s.optimizer}, which is different from "
-                                 f"{type(optimizer).__name__}.")
-
-    def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
-        sd["_schedulers"] = [s.state_dict() for s in self._schedulers]
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = dict(state_dict)
-        for s, sub in zip(self._schedulers, state.pop("_schedulers", [])):
-            s.__dict__.update({k: v for k, v in sub.items() if k not in _UNSAVED and k not in ("_taken", "_last_lr")})
-        super().load_state_dict(state)
-
-
-class SequentialLR(_Composite):
-    """``torch.optim.lr_scheduler.SequentialLR``: ``schedulers[i]`` from milestone ``i - 1`` on,
-    each counting its taken steps from 0 at its milestone (the schedules must be ampfuse's)."""
-
-    def __init__(self, optimizer: Optimizer, schedulers: list[LRScheduler], milestones: list[int],
-                 last_epoch: int = -1, *, scaler: Any = None) -> None:
-        self._check_schedules(schedulers, optimizer, " (device_twin() converts torch's)")
-        if len(milestones) != len(schedulers) - 1:
-            raise ValueError("Sequential Schedulers expects number of schedulers provided to be one more than the number "
-                             f"of milestone points, but got number of schedulers {len(schedulers)} and the number of "
-                             f"milestones to be equal to {len(milestones)}")
-        self._schedulers = list(schedulers)
-        self._milestones = list(milestones)
-        super().__init__(optimizer, last_epoch, scaler=scaler)
-
-    def _lrs_at(self, t):
-        out = self._schedulers[0]._lrs_at(t)
-        for m, s in zip(self._milestones, self._schedulers[1:]):
-            later = s._lrs_at(t - m)
-            out = [torch.where(t >= m, b, a) for a, b in zip(out, later)]
-        return out
-
-
-class ChainedScheduler(_Composite):
-    """``torch.optim.lr_scheduler.ChainedScheduler``: the product of the schedules' factors (each
-    multiplicative: torch's chained steps compose them so)."""
-
-    def __init__(self, schedulers: Sequence[LRScheduler], optimizer: Optimizer | None = None, *,
-                 scaler: Any = None) -> None:
-        if len(schedulers) < 1:
-            raise ValueError(f"{type(self).__name__} expects at least one scheduler to be chained, but got no scheduler.")
-        optimizer = optimizer or schedulers[0].optimizer
-        self._check_schedules(schedulers, optimizer)
-        for s in schedulers:
-            s._factors_at(s.taken_steps)  # refuses a schedule without a multiplicative form
-        self._schedulers = list(schedulers)
-        super().__init__(optimizer, -1, scaler=scaler)
-
-    def _factors_at(self, t):
-        out = None
-        for s in self._schedulers:
-            f = s._factors_at(t)
-            out = f if out is None else [a * b for a, b in zip(out, f)]
-        return out
-
-
-# ---- the transformers library's schedules (its lr_scheduler_type names) ------------------------
-
-
-def _warmup(t: torch.Tensor, warmup: int) -> torch.Tensor:
-    return t / max(1.0, float(warmup))
-
-
-def get_constant_schedule(optimizer: Optimizer, last_epoch: int = -1, *, scaler: Any = None) -> LambdaLR:
-    """transformers' ``constant``: the base learning rate throughout."""
-    return LambdaLR(optimizer, lambda t: torch.ones_like(t), last_epoch, scaler=scaler)
-
-
-def get_constant_schedule_with_warmup(optimizer: Optimizer, num_warmup_steps: int, last_epoch: int = -1, *,
-                                      scaler: Any = None) -> LambdaLR:
-    """transformers' ``constant_with_warmup``: linear warmup, then the base learning rate."""
-    return LambdaLR(optimizer, functools.partial(_constant_warmup, w=num_warmup_steps), last_epoch, scaler=scaler)
-
-
-def _constant_warmup(t, *, w):
-    return torch.where(t < w, _warmup(t, w), torch.ones_like(t))
-
-
-def get_linear_schedule_with_warmup(optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int,
-                                    last_epoch: int = -1, *, scaler: Any = None) -> LambdaLR:
-    """transformers' ``linear``: linear warmup, then linear decay to 0 at ``num_training_steps``."""
-    return LambdaLR(optimizer, functools.partial(_linear_warmup, w=num_warmup_steps, n=num_training_steps),
-                    last_epoch, scaler=scaler)
-
-
-def _linear_warmup(t, *, w, n):
-    decay = torch.clamp((n - t) / max(1.0, float(n - w)), min=0.0)
-    return torch.where(t < w, _warmup(t, w), decay)
-
-
-def get_cosine_schedule_with_warmup(optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int,
-                                    num_cycles: float = 0.5, last_epoch: int = -1, *, scaler: Any = None) -> LambdaLR:
-    """transformers' ``cosine``: linear warmup, then cosine decay (``num_cycles`` waves, 0.5: to 0)."""
-    return LambdaLR(optimizer, functools.partial(_cosine_warmup, w=num_warmup_steps, n=num_training_steps,
-                                                 c=num_cycles), last_epoch, scaler=scaler)
-
-
-def _cosine_warmup(t, *, w, n, c):
-    progress = (t - w) / max(1.0, float(n - w))
-    decay = torch.clamp(0.5 * (1.0 + torch.cos(math.pi * float(c) * 2.0 * progress)), min=0.0)
-    return torch.where(t < w, _warmup(t, w), decay)
-
-
-_NAMED = {
-    "linear": lambda opt, w, n, s: get_linear_schedule_with_warmup(opt, w, n, scaler=s),
-    "cosine": lambda opt, w, n, s: get_cosine_schedule_with_warmup(opt, w, n, scaler=s),
-    "constant": lambda opt, w, n, s: get_constant_schedule(opt, scaler=s),
-    "constant_with_warmup": lambda opt, w, n, s: get_constant_schedule_with_warmup(opt, w, scaler=s),
-}
-
-
-def get_scheduler(name: str, optimizer: Optimizer, num_warmup_steps: int | None = None,
-                  num_training_steps: int | None = None, *, scaler: Any = None) -> LambdaLR:
-    """The device twin of transformers' ``get_scheduler(name, ...)`` for ``name`` in ``linear``,
-    ``cosine``, ``constant``, ``constant_with_warmup``."""
-    name = getattr(name, "value", name)
-    if name not in _NAMED:
-        raise ValueError(f"get_scheduler: name must be one of {', '.join(map(repr, _NAMED))}, got {name!r}.")
-    if name != "constant" and num_warmup_steps is None:
-        raise ValueError(f"get_scheduler: {name!r} requires num_warmup_steps.")
-    if name in ("linear", "cosine") and num_training_steps is None:
-        raise ValueError(f"get_scheduler: {name!r} requires num_training_steps.")
-    return _NAMED[name](optimizer, num_warmup_steps, num_training_steps, scaler)
-
-
-# ---- device twins of torch's and transformers' schedules ------------------------------------------
-
-
-def _transformers_lambda(f: Any) -> Callable | None:
-    """The torch-op twin of a transformers schedule lambda (its module's ``_get_constant_lambda``,
-    or a functools.partial of one of its ``_get_*_lr_lambda`` functions), or None."""
-    if getattr(f, "__name__", "") == "_get_constant_lambda" and getattr(f, "__module__", "").startswith("transformers"):
-        return lambda t: torch.ones_like(t)
-    if not isinstance(f, functools.partial):
-        return None
-    name, kw = getattr(f.func, "__name__", ""), f.keywords
-    if name == "_get_linear_schedule_with_warmup_lr_lambda":
-        return functools.partial(_linear_warmup, w=kw["num_warmup_steps"], n=kw["num_training_steps"])
-    if name == "_get_cosine_schedule_with_warmup_lr_lambda":
-        return functools.partial(_cosine_warmup, w=kw["num_warmup_steps"], n=kw["num_training_steps"],
-                                 c=kw.get("num_cycles", 0.5))
-    if name == "_get_constant_schedule_with_warmup_lr_lambda":
-        return functools.partial(_constant_warmup, w=kw["num_warmup_steps"])
-    return None
+        if "_taken" in state:  # an earlier ampfuse's form: its count of taken steps is torch's last_epoch
+            state["last_epoch"] = int(state.pop("_taken"))
+            state["_step_count"] = state["last_epoch"] + 1
+        def load() -> None:
+            self._schedule.load_state_dict(state)
+            # the optimizer's checkpoint holds each lr as written (fp32); the state, torch's fp64 value
+            for g, last in zip(self._timeline.shadow.param_groups, state.get("_last_lr") or ()):
+                if isinstance(last, float) and _fp32(last) == _fp32(g["lr"]):
+                    g["lr"] = last
+
+        self._timeline.change(load, take_groups=True)
+        object.__setattr__(self, "_step_count", state.get("_step_count", self._step_count))
+
+
+def _device_class(torch_class: type[_torch.LRScheduler]) -> type[LRScheduler]:
+    name = torch_class.__name__
+    doc = (f"``torch.optim.lr_scheduler.{name}`` on the device: torch's arguments (an optimizer is the "
+           f"optimizer stepped; schedules inside may be device schedules or torch's), plus ``scaler=`` and "
+           f"``horizon=`` (:class:`LRScheduler`).")
+    params = [p for p in inspect.signature(torch_class.__init__).parameters.values() if p.name != "self"]
+    params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in ("scaler", "horizon")]
+    return type(name, (LRScheduler,), {"_torch_class": torch_class, "__doc__": doc, "__module__": __name__,
+                                       "__signature__": inspect.Signature(params)})
+
+
+LambdaLR = _device_class(_torch.LambdaLR)
+MultiplicativeLR = _device_class(_torch.MultiplicativeLR)
+ConstantLR = _device_class(_torch.ConstantLR)
+LinearLR = _device_class(_torch.LinearLR)
+StepLR = _device_class(_torch.StepLR)
+MultiStepLR = _device_class(_torch.MultiStepLR)
+ExponentialLR = _device_class(_torch.ExponentialLR)
+PolynomialLR = _device_class(_torch.PolynomialLR)
+CosineAnnealingLR = _device_class(_torch.CosineAnnealingLR)
+CosineAnnealingWarmRestarts = _device_class(_torch.CosineAnnealingWarmRestarts)
+CyclicLR = _device_class(_torch.CyclicLR)
+OneCycleLR = _device_class(_torch.OneCycleLR)
+SequentialLR = _device_class(_torch.SequentialLR)
+ChainedScheduler = _device_class(_torch.ChainedScheduler)
+_BY_TORCH_CLASS = {c._torch_class: c for c in (LambdaLR, MultiplicativeLR, ConstantLR, LinearLR, StepLR, MultiStepLR,
+                                                ExponentialLR, PolynomialLR, CosineAnnealingLR,
+                                                CosineAnnealingWarmRestarts, CyclicLR, OneCycleLR, SequentialLR,
+                                                ChainedScheduler)}
+
+
+def device_twin(scheduler: Any, *, scaler: Any = None, horizon: int | None = None) -> LRScheduler:
+    """The device schedule of ``scheduler``, a torch schedule already built (torch's classes,
+    a subclass of ``torch.optim.lr_scheduler.LRScheduler``, the transformers library's), which it
+    takes over: it continues from the steps ``scheduler`` counted, and ``scheduler`` must not be
+    stepped any more. A device schedule is returned as it is.
+
+    Raises:
+        TypeError: ``ReduceLROnPlateau`` (it steps on a metric the host holds), or not a schedule.
+    """
+    if isinstance(scheduler, LRScheduler):
+        return scheduler
+    kind = type(scheduler).__name__
+    if isinstance(scheduler, _torch.ReduceLROnPlateau):
+        raise TypeError("device_twin: ReduceLROnPlateau has no device twin: it steps on a metric the host holds; "
+                        "step it on the host.")
+    if not isinstance(scheduler, _torch.LRScheduler):
+        raise TypeError(f"device_twin: {kind} is not a torch.optim.lr_scheduler.LRScheduler.")
+    optimizer = scheduler.optimizer
+    timeline = _timeline_of(optimizer)
+
+    def build() -> Any:
+        _rehome(scheduler, timeline.shadow)
+        timeline.schedules.append(scheduler)
+        return scheduler
+
+    twin = LRScheduler.__new__(_BY_TORCH_CLASS.get(type(scheduler), LRScheduler))
+    twin._attach(optimizer, timeline, build, scaler, horizon, take_groups=True)
+    object.__setattr__(twin, "_step_count", getattr(scheduler, "_step_count", 1))
+    return twin
+
+
+def get_scheduler(name: Any, optimizer: Optimizer, num_warmup_steps: int | None = None,
+                  num_training_steps: int | None = None, scheduler_specific_kwargs: dict[str, Any] | None = None, *,
+                  scaler: Any = None, horizon: int | None = None) -> LRScheduler:
+    """The device schedule of the transformers library's ``get_scheduler(name, ...)`` (every
+    ``lr_scheduler_type`` it has but ``reduce_lr_on_plateau``), built by transformers itself.
+
+    Raises:
+        ImportError: transformers is not installed.
+    """
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("ampfuse.lr_scheduler.get_scheduler builds the transformers library's schedules: "
+                          "pip install transformers.") from e
+    schedule = transformers.get_scheduler(name, optimizer, num_warmup_steps=num_warmup_steps,
+                                          num_training_steps=num_training_steps,
+                                          scheduler_specific_kwargs=scheduler_specific_kwargs)
+    return device_twin(schedule, scaler=scaler, horizon=horizon)
 
 
 def counts_taken_steps(scheduler: Any) -> bool:
@@ -681,49 +657,4 @@ def counts_taken_steps(scheduler: Any) -> bool:
     :meth:`LRScheduler.sees_skips`): step it after every optimizer step, with no read of the skip
     flag. Any other schedule is stepped only after the steps taken."""
     return isinstance(scheduler, LRScheduler) and scheduler.sees_skips()
-
-
-def device_twin(scheduler: Any, *, scaler: Any = None) -> LRScheduler:
-    """The device schedule that gives ``scheduler``'s learning rates on taken steps (a torch
-    ``LRScheduler`` of a class above, or a transformers schedule), continuing from its state: the
-    steps it counted are taken as taken. Its optimizer's groups get the twin's lr tensors.
-
-    Raises:
-        TypeError: a schedule with no device twin (a ``LambdaLR`` of an arbitrary function,
-            ``ReduceLROnPlateau``, ``CyclicLR``...).
-    """
-    if isinstance(scheduler, LRScheduler):
-        return scheduler
-    opt, kind = scheduler.optimizer, type(scheduler).__name__
-    simple = {
-        "ConstantLR": ("factor", "total_iters"), "LinearLR": ("start_factor", "end_factor", "total_iters"),
-        "StepLR": ("step_size", "gamma"), "ExponentialLR": ("gamma",), "PolynomialLR": ("total_iters", "power"),
-        "CosineAnnealingLR": ("T_max", "eta_min"), "CosineAnnealingWarmRestarts": ("T_0", "T_mult", "eta_min"),
-    }
-    if isinstance(scheduler, _torch.LRScheduler) and kind in simple:
-        twin = globals()[kind](opt, **{k: getattr(scheduler, k) for k in simple[kind]}, scaler=scaler)
-    elif isinstance(scheduler, _torch.MultiStepLR):
-        twin = MultiStepLR(opt, list(scheduler.milestones.elements()), scheduler.gamma, scaler=scaler)
-    elif isinstance(scheduler, _torch.LambdaLR):
-        found = [_transformers_lambda(f) for f in scheduler.lr_lambdas]
-        fs = [f for f in found if f is not None]
-        if len(fs) != len(found):
-            raise TypeError("device_twin: a LambdaLR of an arbitrary function has no device twin; write its lambda in "
-                            "torch ops with ampfuse.lr_scheduler.LambdaLR.")
-        twin = LambdaLR(opt, fs, scaler=scaler)
-    elif isinstance(scheduler, _torch.SequentialLR):
-        subs = [device_twin(s, scaler=scaler) for s in scheduler._schedulers]
-        twin = SequentialLR(opt, subs, list(scheduler._milestones), scaler=scaler)
-    else:
-        raise TypeError(f"device_twin: {kind} has no device twin.")
-    # the twin starts where the torch schedule is: its initial learning rates, its count
-    base_lrs = getattr(scheduler, "base_lrs", None) or [g["initial_lr"] for g in opt.param_groups]
-    twin.base_lrs = list(base_lrs)
-    if isinstance(twin, SequentialLR):
-        for s in twin._schedulers:
-            s.base_lrs = list(base_lrs)
-    twin.last_epoch = scheduler.last_epoch
-    twin._taken.fill_(float(scheduler.last_epoch))
-    twin._write(twin._lrs_at(twin._taken))
-    return twin
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 pytest.importorskip("accelerate")
 
 import ampfuse  # noqa: E402
+import ampfuse.lr_scheduler  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState  # noqa: E402
 
@@ -201,17 +202,45 @@ def test_skipped_steps_are_reported_and_read_lazily():
     acc = _accelerator("ampfuse")
     model = make_model().half()
     opt = ampfuse.optim.AdamW(model.parameters(), lr=LR)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(8))
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)  # a host schedule: Accelerate asks about the skip
     model, opt, sched = acc.prepare(model, opt, sched)
     assert isinstance(acc.scaler, ampfuse.GradScaler)
     x, y = make_data(1)[0]
     acc.backward(F.mse_loss(model(x.half()).float(), y))  # scale 2**20: overflows
     opt.step()
     assert opt._ampfuse_skip_flag is not None  # nothing read yet
-    sched.step()  # reads the flag once
+    sched.step(1.0)  # reads the flag once
     assert opt._ampfuse_skip_flag is None
     assert opt.step_was_skipped and acc.optimizer_step_was_skipped
     assert sched.get_last_lr()[0] == LR  # did not advance
+
+
+def test_an_epoch_schedule_counts_epochs_not_taken_steps():
+    """``step_scheduler_with_optimizer=False``: the loop steps the schedule once per epoch, and it
+    stays torch's (an epoch whose last step overflowed is still an epoch), as with Accelerate alone."""
+    lrs = {}
+    for kind in ("ampfuse", "torch"):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        acc = Accelerator(cpu=True, mixed_precision="fp16", step_scheduler_with_optimizer=False)
+        if kind == "ampfuse":
+            af_accelerate.enable(acc, **SCALER_KWARGS)
+        else:
+            acc.scaler, acc.native_amp = torch.amp.GradScaler("cpu", **SCALER_KWARGS), True
+        model = make_model()
+        opt = (ampfuse.optim.AdamW if kind == "ampfuse" else torch.optim.AdamW)(model.parameters(), lr=0.1)
+        model, opt, sched = acc.prepare(model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+        assert not isinstance(sched.scheduler, ampfuse.lr_scheduler.LRScheduler)
+        data = make_data(6)
+        for epoch in range(3):
+            for i in range(2):
+                x, y = data[2 * epoch + i]
+                scale = float("inf") if (epoch, i) == (0, 1) else 1.0  # the first epoch's last step overflows
+                acc.backward(F.mse_loss(model(x).float(), y) * scale)
+                opt.step()
+                opt.zero_grad()
+            sched.step()
+            lrs.setdefault(kind, []).append(sched.get_last_lr()[0])
+    assert lrs["ampfuse"] == lrs["torch"] == [0.05, 0.025, 0.0125]
 
 
 def test_enable_after_prepare_is_refused():

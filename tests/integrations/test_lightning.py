@@ -51,8 +51,10 @@ class Module(pl.LightningModule):
         if self.sched == "linear":  # a schedule with a device twin
             sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.0, total_iters=STEPS)
         else:
+            # an epoch schedule: Lightning steps it as torch's (no device twin), the same in both runs
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(STEPS))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        interval = "step" if self.sched == "linear" else "epoch"
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": interval}}
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:

@@ -91,9 +91,6 @@ class _AcceleratedDeviceScheduler(AcceleratedScheduler):
     was skipped: the schedule counts only the steps taken, on the device."""
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if not self.step_with_optimizer:
-            self.scheduler.step(*args, **kwargs)
-            return
         if not self.gradient_state.sync_gradients:
             if self.gradient_state.adjust_scheduler:
                 self.scheduler._step_count += 1
@@ -105,7 +102,8 @@ class _AcceleratedDeviceScheduler(AcceleratedScheduler):
 def _prepare_scheduler(self: Any, scheduler: Any) -> Any:
     owner = next((o for o in self._optimizers if isinstance(o, _AcceleratedOptimizer) and is_fused(o.optimizer)
                   and getattr(scheduler, "optimizer", None) in (o, o.optimizer)), None)
-    if owner is None or getattr(scheduler, "_is_accelerate_prepared", False):
+    if owner is None or getattr(scheduler, "_is_accelerate_prepared", False) or not self.step_scheduler_with_optimizer:
+        # a schedule stepped by the loop itself (once per epoch, say) counts those steps: torch's, as it is
         return type(self).prepare_scheduler(self, scheduler)
     twin = device_schedule(scheduler)
     if twin is None:  # its wrapper asks the optimizer whether each step was skipped (one read each)
