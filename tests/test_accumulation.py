@@ -19,7 +19,7 @@ from torch import nn
 
 import ampfuse
 from ampfuse import ops
-from conftest import DEVICES, HostReads, scaler_counters
+from conftest import DEVICES, HostReads, requires_cuemu, scaler_counters
 from dist_utils import run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -871,6 +871,60 @@ def test_token_weighted_window_reads_nothing_on_the_host():
                 with acc.accumulate():
                     acc.backward(_token_mean_loss(model, t, lab), count=count)
     assert mode.reads == []
+
+
+def test_a_micro_batch_whose_backward_raised_adds_nothing_to_the_window():
+    """An OOM-retry loop: a backward that raises (its micro-batch caught and run again) leaves the
+    window's token count as if it had never been tried."""
+    tokens, labels = _padded_batch()
+
+    def run(fail_once):
+        model = _TinyLM()
+        opt = ampfuse.optim.SGD(model.parameters(), lr=0.5)
+        acc = ampfuse.GradAccumulator(model, opt, ampfuse.GradScaler("cpu", init_scale=2.0**12), steps=3)
+        def out_of_memory(grad):
+            raise RuntimeError("out of memory")
+
+        for k in range(3):
+            t, lab = tokens[2 * k:2 * k + 2], labels[2 * k:2 * k + 2]
+            tries = 2 if fail_once and k == 1 else 1
+            for attempt in range(tries):
+                try:
+                    with acc.accumulate():
+                        loss = _token_mean_loss(model, t, lab)
+                        if attempt < tries - 1:
+                            loss.register_hook(out_of_memory)
+                        acc.backward(loss, count=int((lab != _PAD).sum()))
+                except RuntimeError as e:
+                    assert "out of memory" in str(e) and attempt < tries - 1
+        return model.state_dict()
+
+    clean, retried = run(False), run(True)
+    for k in clean:
+        assert torch.equal(clean[k], retried[k]), k
+
+
+@pytest.mark.parametrize("form", ["number", "cpu-tensor", "device-tensor"])
+@requires_cuemu
+def test_token_counts_reach_the_device_without_a_synchronizing_call(form):
+    """On the emulated CUDA device, a window's counts given as a Python number, a CPU tensor or a
+    device tensor: no micro-batch or step makes a synchronizing call (after the first window)."""
+    import ampfuse.testing.cuemu as cuemu
+
+    model = _TinyLM().to("cuemu")
+    opt = ampfuse.optim.AdamW(model.parameters(), lr=0.01)
+    scaler = ampfuse.GradScaler("cuemu", init_scale=2.0**12)
+    acc = ampfuse.GradAccumulator(model, opt, scaler, steps=3, max_grad_norm=1.0)
+    tokens, labels = _padded_batch()
+    counts = [int((labels[2 * k:2 * k + 2] != _PAD).sum()) for k in range(3)]
+    batches = [(tokens[2 * k:2 * k + 2].to("cuemu"), labels[2 * k:2 * k + 2].to("cuemu")) for k in range(3)]
+    for window in range(2):
+        with cuemu.counting_syncs() if window == 1 else contextlib.nullcontext() as syncs:
+            for (t, lab), n in zip(batches, counts):
+                count = {"number": n, "cpu-tensor": torch.tensor(n), "device-tensor": (lab != _PAD).sum()}[form]
+                with acc.accumulate():
+                    acc.backward(_token_mean_loss(model, t, lab), count=count)
+    assert syncs == [], "\n".join(str(s) for s in syncs)
 
 
 def test_token_weighted_mid_window_checkpoint_resumes_bitwise():

@@ -27,6 +27,7 @@ import torch
 
 from ampfuse import ops
 from ampfuse.grad_scaler import GradScaler as _AmpfuseScaler, _engine_value, _fresh_optimizer_state
+from ampfuse._transfer import host_to_device
 from ampfuse.lr_scheduler import counts_taken_steps
 from ampfuse.optim import StepScaling, _FusedOptimizer, _SourcedGrads
 
@@ -294,15 +295,20 @@ class GradAccumulator:
                                      f"{count.dtype}.")
             elif isinstance(count, bool) or not isinstance(count, (int, float)) or not math.isfinite(count) or count < 0:
                 raise ValueError(f"count must be a non-negative finite number or a 1-element tensor, got {count!r}.")
-            c = torch.as_tensor(count, dtype=torch.float32, device=loss.device).detach().reshape(())
-            self._count_total = c.clone() if self._count_total is None else self._count_total + c.to(self._count_total.device)
+            c = count.detach() if isinstance(count, torch.Tensor) else torch.tensor(float(count))
+            c = c.reshape(()).to(torch.float32)
+            if c.device != loss.device:  # from host memory without a wait (pinned, queued)
+                c = host_to_device(c, loss.device) if c.device.type == "cpu" else c.to(loss.device)
             loss = loss * c
         else:
             loss = loss / self.steps
-        self._counting = counting
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward(**kwargs)
+        # the micro-batch's gradient arrived: only now does its count join the window's
+        if counting:
+            self._count_total = c.clone() if self._count_total is None else self._count_total + c
+        self._counting = counting
         self._backward_called = True
 
     def flush(self) -> bool:

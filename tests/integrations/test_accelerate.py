@@ -37,7 +37,7 @@ def _accelerator(kind: str, accum: int = ACCUM) -> Accelerator:
 
 
 def run(kind: str, dtype=torch.float32, stop_at: int | None = None, save_dir=None, load_dir=None, max_norm=MAX_NORM,
-        accum: int = ACCUM, linear: bool = False):
+        accum: int = ACCUM, linear: bool = False, one_cycle: bool = False):
     """Train; returns (model, optimizer, per-step records). ``stop_at``/``save_dir``: save after
     that many micro-batches and stop; ``load_dir``: resume from there."""
     acc = _accelerator(kind, accum)
@@ -45,8 +45,10 @@ def run(kind: str, dtype=torch.float32, stop_at: int | None = None, save_dir=Non
     opt_cls = ampfuse.optim.AdamW if kind == "ampfuse" else torch.optim.AdamW
     opt = opt_cls(model.parameters(), lr=LR)
     steps = MICRO_BATCHES // accum
-    if linear:  # a schedule with a device twin
+    if linear:
         sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.0, total_iters=steps)
+    elif one_cycle:
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=LR, total_steps=steps)
     else:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(steps))
     model, opt, sched = acc.prepare(model, opt, sched)
@@ -144,6 +146,17 @@ def test_resume_equals_uninterrupted(runs, tmp_path):
     stop = 6  # mid-run, after a skipped step
     run("ampfuse", stop_at=stop, save_dir=str(tmp_path))
     m_res, _, rec_res = run("ampfuse", stop_at=stop, load_dir=str(tmp_path))
+    assert rec_res == rec_full[stop // ACCUM:]
+    assert_bitwise(m_res.state_dict(), m_full.state_dict())
+
+
+def test_resume_of_a_one_cycle_schedule_through_save_state_equals_uninterrupted(tmp_path):
+    """Accelerate's save_state / load_state (torch.load with weights_only) of a device OneCycleLR
+    (with the momentum it cycles): the resumed run equals the uninterrupted one bit for bit."""
+    m_full, _, rec_full = run("ampfuse", one_cycle=True)
+    stop = 6
+    run("ampfuse", stop_at=stop, save_dir=str(tmp_path), one_cycle=True)
+    m_res, _, rec_res = run("ampfuse", stop_at=stop, load_dir=str(tmp_path), one_cycle=True)
     assert rec_res == rec_full[stop // ACCUM:]
     assert_bitwise(m_res.state_dict(), m_full.state_dict())
 
