@@ -334,6 +334,31 @@ def test_a_compiled_step_gives_the_bits_of_the_eager_one():
     _assert_same_state(runs[0][1], runs[1][1], runs[0][0], runs[1][0])
 
 
+@pytest.mark.parametrize("state_dtype", QUANTIZED, ids=["uint8", "e4m3", "e5m2"])
+@pytest.mark.parametrize("cls", [AdamW, SGD], ids=["adamw", "sgd"])
+def test_a_step_compiled_with_symbolic_shapes_gives_the_bits_of_the_eager_one(cls, state_dtype):
+    """torch.compile with dynamic=True, and a second optimizer of other shapes compiled in the
+    same process (which makes dynamo mark the shapes dynamic by itself): the 8-bit checks of the
+    ops' Meta kernels take symbolic sizes."""
+    torch._dynamo.reset()
+    extra = dict(momentum=0.9) if cls is SGD else {}
+    runs = []
+    for compiled in (False, True):
+        opts = []
+        for shapes, dynamic in (((BIG, EDGE), True), (((80, 96), (5000,)), None), (((96, 80), (6000,)), None)):
+            params = _params(shapes=shapes)
+            opt = cls(params, lr=1e-2, state_dtype=state_dtype, **extra)
+            step = torch.compile(opt.step, backend="aot_eager", dynamic=dynamic) if compiled else opt.step
+            for k in range(2):
+                for p, g in zip(params, _grads(params, k)):
+                    p.grad = g
+                step()
+            opts.append((params, opt))
+        runs.append(opts)
+    for (params_a, a), (params_b, b) in zip(*runs):
+        _assert_same_state(a, b, params_a, params_b)
+
+
 def test_a_non_contiguous_param_keeps_its_blocks_in_element_order():
     """A transposed param's 8-bit moments are cut in its element order (as the contiguous copy's)
     and a state converted to 8-bit from its strided fp32 moments is that order's encoding."""

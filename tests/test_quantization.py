@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -285,6 +286,19 @@ def test_bad_arguments_are_named():
         ops.dequantize_blocks(codes, absmax.double())
     with pytest.raises(RuntimeError, match=r"codes' dtype must be torch.uint8, .* got torch.int16"):
         ops.dequantize_blocks(codes.short(), absmax)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.uint16, torch.float8_e8m0fnu,
+                                   torch.complex32, torch.qint8], ids=str)
+def test_refused_dtypes_are_named_as_torch_names_them(dtype):
+    """The messages name a dtype as ``str(dtype)`` does (torch's own spelling)."""
+    x = torch.randn(300)
+    with pytest.raises(RuntimeError, match=rf"dtype must be torch.uint8, torch.float8_e4m3fn or torch.float8_e5m2, got {re.escape(str(dtype))}\."):
+        ops.quantize_blocks(x, dtype)
+    if dtype.itemsize == 1 and not dtype.is_complex and dtype != torch.qint8:
+        codes, absmax = ops.quantize_blocks(x, torch.uint8)
+        with pytest.raises(RuntimeError, match=rf"codes' dtype must be torch.uint8, .* got {re.escape(str(dtype))}\."):
+            ops.dequantize_blocks(codes.view(dtype), absmax)
 
 
 @pytest.mark.parametrize("device", DEVICES)

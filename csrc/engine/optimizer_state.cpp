@@ -71,7 +71,7 @@ bool state_dtype_named(const std::string& name) {
 at::ScalarType stored_state_dtype(const at::Tensor& param, at::ScalarType requested, const std::string& what) {
   TORCH_CHECK_VALUE(requested == at::kFloat || requested == at::kBFloat16 || quantized_state_dtype(requested), what,
                     " must be ", kStateDtypeChoices, ", got ", detail::dtype_name(requested), ".");
-  return quantized_state_dtype(requested) && param.numel() < kQuantMinNumel ? at::kFloat : requested;
+  return quantized_state_dtype(requested) && param.sym_numel() < kQuantMinNumel ? at::kFloat : requested;
 }
 
 std::string master_kind(const at::Tensor& param, const std::string& master_weights) {

@@ -3,6 +3,7 @@
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
+#include <cctype>
 #include <cfloat>
 #include <cmath>
 #include <algorithm>
@@ -26,9 +27,11 @@ std::string dtype_name(c10::ScalarType t) {
     case c10::kComplexFloat: return "torch.complex64";
     case c10::kComplexDouble: return "torch.complex128";
     case c10::kComplexHalf: return "torch.complex32";
-    case c10::kFloat8_e4m3fn: return "torch.float8_e4m3fn";
-    case c10::kFloat8_e5m2: return "torch.float8_e5m2";
-    default: return std::string("torch.") + c10::toString(t);
+    default: {  // torch's Python spelling of the rest: the ScalarType's name in lower case
+      std::string name = c10::toString(t);
+      for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+      return "torch." + name;
+    }
   }
 }
 
@@ -361,13 +364,14 @@ c10::Device check_optim_args(const OptimLists& l, const HyperTensors& hyper_tens
       TORCH_CHECK(st.is_contiguous(), l.state_names[k], "[", i, "] is 8-bit state and must be contiguous "
                   "(its blocks follow the flat element order).");
       const at::Tensor& a = l.absmaxes[k][i];
-      const int64_t blocks = quant_blocks(p.numel());
+      // sizes as SymInts: the Meta kernel runs this under torch.compile's symbolic shapes
+      const c10::SymInt blocks = (p.sym_numel() + (kQuantBlock - 1)) / kQuantBlock;
       if (!(a.defined() && a.layout() == c10::kStrided && a.scalar_type() == c10::kFloat &&
-            a.device() == *device && a.dim() == 1 && a.numel() == blocks && a.is_contiguous())) {
+            a.device() == *device && a.dim() == 1 && a.sym_numel() == blocks && a.is_contiguous())) {
         TORCH_CHECK(false, l.absmax_names[k], "[", i, "] must be a contiguous 1-D torch.float32 tensor on ",
                     *device, " with one value per block of ", kQuantBlock, " elements of params[", i, "] (",
                     blocks, "), got ", a.defined() ? "shape " : "an undefined tensor",
-                    a.defined() ? c10::str(a.sizes(), ", dtype ", dtype_name(a.scalar_type()), " on ", a.device())
+                    a.defined() ? c10::str(a.sym_sizes(), ", dtype ", dtype_name(a.scalar_type()), " on ", a.device())
                                 : std::string(), ".");
       }
     }

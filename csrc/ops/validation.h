@@ -48,8 +48,6 @@ void check_norm_args(double norm_type, std::optional<double> max_norm,
 // quantize_blocks / dequantize_blocks: returns the format of `dtype` (uint8 or fp8 codes).
 QuantFormat check_quantize_args(const at::Tensor& values, c10::ScalarType dtype, bool nonnegative);
 QuantFormat check_dequantize_args(const at::Tensor& codes, const at::Tensor& absmax, bool nonnegative);
-// Blocks of the 8-bit block-scaled form of `numel` elements.
-inline int64_t quant_blocks(int64_t numel) { return (numel + kQuantBlock - 1) / kQuantBlock; }
 
 void check_clip_coef_args(const at::Tensor& total_norm, std::optional<double> max_norm,
                           const std::optional<at::Tensor>& max_norm_tensor);
