@@ -15,6 +15,7 @@ import contextlib
 import copy
 import io
 import random
+import traceback
 from collections import Counter
 
 import pytest
@@ -734,3 +735,196 @@ def test_the_accumulator_steps_a_device_schedule_without_a_read():
                     acc.backward(model(x).sum())
     assert mode.reads == []
     assert sched.get_last_lr() == [0.5**3] and acc.skipped_windows_host == 0
+
+
+# ---- one optimizer's schedules, their attributes, copies ----------------------------------------------
+
+
+def _sgd(lib_opt, lr=0.1, n=1):
+    return lib_opt([{"params": [torch.zeros(2, requires_grad=True)], "lr": lr * (i + 1)} for i in range(n)], lr=lr)
+
+
+def _take(opt, skipped=False):
+    for g in opt.param_groups:
+        g["params"][0].grad = torch.ones(2)
+    if isinstance(opt, ampfuse.optim.SGD):
+        opt.step(scaling=StepScaling(None, torch.tensor([1.0 if skipped else 0.0]), None))
+    elif not skipped:
+        opt.step()
+
+
+def test_a_schedule_dropped_or_left_in_a_failed_composite_does_not_step():
+    for make in (lambda L, o: L.ExponentialLR(o, 0.5),
+                 lambda L, o: pytest.raises(ValueError, L.SequentialLR, o, [L.ExponentialLR(o, 0.5)], milestones=[3])):
+        out = {}
+        for L, cls in ((T, torch.optim.SGD), (A, ampfuse.optim.SGD)):
+            opt = _sgd(cls)
+            make(L, opt)
+            sched = L.ExponentialLR(opt, 0.9)
+            for _ in range(2):
+                _take(opt)
+                sched.step()
+            out[L] = [_f32(float(g["lr"])) for g in opt.param_groups]
+        assert out[A] == out[T]
+
+
+def test_schedules_of_one_optimizer_stepped_at_different_paces_are_refused():
+    opt = _sgd(ampfuse.optim.SGD)
+    warmup, epochs = A.LinearLR(opt, 0.1, total_iters=6), A.StepLR(opt, 1, 0.5)
+    _take(opt)
+    warmup.step()
+    before = [float(g["lr"]) for g in opt.param_groups]
+    _take(opt)
+    with pytest.raises(RuntimeError, match="StepLR of this optimizer was not stepped in the last iteration"):
+        warmup.step()
+    assert [float(g["lr"]) for g in opt.param_groups] == before
+
+
+def test_an_epoch_schedule_kept_as_torchs_composes_with_a_device_schedule():
+    """A per-iteration device warm-up and torch's StepLR stepped once per 'epoch' of 4: torch's
+    writes into the lr tensor are taken as written by hand, as torch's chaining takes them."""
+    out = {}
+    for L, cls in ((T, torch.optim.SGD), (A, ampfuse.optim.SGD)):
+        opt = _sgd(cls)
+        warmup, epochs = L.LinearLR(opt, 0.1, total_iters=6), T.StepLR(opt, 1, 0.5)
+        lrs = []
+        for i in range(12):
+            _take(opt)
+            warmup.step()
+            if i % 4 == 3:
+                epochs.step()
+            lrs.append(_f32(float(opt.param_groups[0]["lr"])))
+        out[L] = lrs
+    assert out[A] == out[T]
+
+
+def test_copying_or_pickling_a_device_schedule_is_refused_with_a_message():
+    import pickle
+
+    opt = _sgd(ampfuse.optim.SGD)
+    sched = A.StepLR(opt, 2)
+    for copier in (copy.deepcopy, copy.copy, pickle.dumps):
+        with pytest.raises(TypeError, match=r"a device schedule \(StepLR\) is not copied or pickled.*state_dict"):
+            copier(sched)
+    for _ in range(2):  # the schedule is untouched: it goes on
+        _take(opt)
+        sched.step()
+    assert sched.get_last_lr() == [0.1 * 0.1]
+
+
+def test_a_param_group_added_after_the_schedule_joins_it_as_in_torch():
+    out = {}
+    for L, cls in ((T, torch.optim.SGD), (A, ampfuse.optim.SGD)):
+        opt = _sgd(cls)
+        sched = L.ExponentialLR(opt, 0.9)
+        _take(opt)
+        sched.step()
+        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)], "lr": 0.5})
+        lrs = []
+        for _ in range(3):
+            _take(opt)
+            sched.step()
+            lrs.append(sched.get_last_lr())
+        out[L] = lrs
+    assert out[A] == out[T]
+
+
+def test_attributes_read_and_written_as_they_stand_after_the_steps_taken():
+    """torch's attributes (T_cur, a composite's schedules, _step_count) read at the present, not
+    at the rows computed ahead; a write is seen at once, in reads and in state_dict()."""
+    skips = {1, 4}
+    for make, names in ((lambda L, o: L.CosineAnnealingWarmRestarts(o, T_0=5), ("T_cur", "T_i", "_last_lr", "_step_count")),
+                        (lambda L, o: L.SequentialLR(o, [L.ConstantLR(o, 0.5, 2), L.ExponentialLR(o, 0.9)], [3]),
+                         ("_last_lr", "last_epoch"))):
+        got = {}
+        for L, cls in ((T, torch.optim.SGD), (A, ampfuse.optim.SGD)):
+            opt = _sgd(cls)
+            sched = make(L, opt)
+            for k in range(9):
+                _take(opt, skipped=k in skips)
+                if L is A or k not in skips:
+                    sched.step()
+            got[L] = [getattr(sched, n) for n in names]
+            if names[1] == "last_epoch":
+                got[L].append(sched._schedulers[1].last_epoch)
+        assert got[A] == got[T]
+    opt = _sgd(ampfuse.optim.SGD)
+    sched = A.ExponentialLR(opt, 0.5)
+    sched.gamma = 0.1
+    assert sched.gamma == 0.1 and sched.state_dict()["gamma"] == 0.1
+
+
+def test_get_last_lr_after_a_write_by_hand_or_a_loaded_state_is_torchs():
+    state = {"step_size": 3, "gamma": 0.5, "base_lrs": [0.1], "last_epoch": 4, "_step_count": 5,
+             "_is_initial": False, "_get_lr_called_within_step": False, "_last_lr": [0.05]}
+    out = {}
+    for L, cls in ((T, torch.optim.SGD), (A, ampfuse.optim.SGD)):
+        opt = _sgd(cls)
+        sched = L.ExponentialLR(opt, 0.9)
+        _take(opt)
+        sched.step()
+        opt.param_groups[0]["lr"] = 0.07
+        _take(opt, skipped=True)
+        if L is A:
+            sched.step()
+        loaded = L.StepLR(_sgd(cls), 3, 0.5)
+        loaded.load_state_dict(dict(state))
+        out[L] = (sched.get_last_lr(), sched.state_dict()["_last_lr"], loaded.get_last_lr())
+    assert out[A] == out[T]
+
+
+@pytest.mark.parametrize("order", ["schedule-first", "optimizer-first"])
+def test_either_load_order_continues_with_torchs_fp64_values(order):
+    out = {}
+    for L, cls in ((T, torch.optim.SGD), (A, ampfuse.optim.SGD)):
+        opt = _sgd(cls)
+        sched = L.ExponentialLR(opt, 0.9)
+        for _ in range(3):
+            _take(opt)
+            sched.step()
+        ck = _through_file({"opt": opt.state_dict(), "sched": sched.state_dict()})
+        opt = _sgd(cls)
+        sched = L.ExponentialLR(opt, 0.9)
+        loads = [lambda: sched.load_state_dict(ck["sched"]), lambda: opt.load_state_dict(ck["opt"])]
+        for load in (loads if order == "schedule-first" else loads[::-1]):
+            load()
+        _take(opt)
+        sched.step()
+        out[L] = sched.get_last_lr()
+    assert out[A] == out[T]
+
+
+def test_a_written_lr_is_taken_exactly_even_where_it_rounds_like_the_current_one():
+    out = {}
+    for L, cls in ((T, torch.optim.SGD), (A, ampfuse.optim.SGD)):
+        opt = _sgd(cls)
+        sched = L.ExponentialLR(opt, 0.9)
+        _take(opt)
+        sched.step()  # 0.09000000000000001
+        opt.param_groups[0]["lr"] = 0.09
+        _take(opt)
+        sched.step()
+        out[L] = sched.get_last_lr()
+    assert out[A] == out[T] == [0.081]
+
+
+def test_a_refused_step_raises_a_fresh_exception_each_time():
+    opt = _sgd(ampfuse.optim.SGD, n=1)
+    opt.param_groups[0]["momentum"] = 0.9
+    sched = A.OneCycleLR(opt, max_lr=0.5, total_steps=3)
+    for _ in range(3):
+        sched.step()
+    raised = []
+    for _ in range(3):
+        with pytest.raises(ValueError, match="Tried to step 4 times") as info:
+            sched.step()
+        raised.append(info.value)
+    assert raised[0] is not raised[1]
+    assert len(list(traceback.walk_tb(raised[2].__traceback__))) == len(list(traceback.walk_tb(raised[0].__traceback__)))
+
+
+def test_torchs_messages_name_the_users_optimizer():
+    a, b = _sgd(ampfuse.optim.SGD), _sgd(ampfuse.optim.SGD)
+    with pytest.raises(ValueError, match=r"which is different from SGD") as info:
+        A.SequentialLR(a, [A.StepLR(a, 2), A.StepLR(b, 2)], milestones=[3])
+    assert "_ShadowOptimizer" not in str(info.value) and "SGD (" in str(info.value)

@@ -47,6 +47,7 @@ __all__ = [
 #: schedule with no length of its own: what a captured step can replay exactly.
 DEFAULT_HORIZON = 256
 _MAX_DEFAULT_HORIZON = 1 << 16  # a schedule's own length, as the default horizon, up to this
+_SNAPSHOT_EVERY = 256  # rows between snapshots of the schedules' state (a past row is rebuilt from one)
 
 
 def _host(value: Any) -> Any:
@@ -80,15 +81,30 @@ _never_stepped._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 class _ShadowOptimizer(Optimizer):
     """What torch's schedule classes step: host copies of an optimizer's param groups (their
     ``params`` empty) and its ``defaults``. It is never stepped; torch's checks that the optimizer
-    stepped before its schedule pass."""
+    stepped before its schedule pass; torch's messages name it as the optimizer it shadows."""
 
     def __init__(self, optimizer: Optimizer) -> None:  # no Optimizer.__init__: there are no params
+        self.real = weakref.ref(optimizer)
         self.defaults = dict(optimizer.defaults)
         self.param_groups = [{**{k: _host(v) for k, v in g.items() if k != "params"}, "params": []}
                              for g in optimizer.param_groups]
         self.state = collections.defaultdict(dict)
         self.step = _never_stepped  # type: ignore[method-assign,assignment]
         self._opt_called = True
+
+    def __repr__(self) -> str:
+        return repr(self.real())
+
+
+_SHADOW_CLASSES: dict[type, type[_ShadowOptimizer]] = {}
+
+
+def _shadow_of(optimizer: Optimizer) -> _ShadowOptimizer:
+    """A shadow whose class has the optimizer's class name (torch's messages print it)."""
+    cls = type(optimizer)
+    if cls not in _SHADOW_CLASSES:
+        _SHADOW_CLASSES[cls] = type(cls.__name__, (_ShadowOptimizer,), {"__module__": __name__})
+    return _SHADOW_CLASSES[cls](optimizer)
 
 
 def _momentum_key(optimizer: Any) -> str:
@@ -107,22 +123,33 @@ def _rehome(schedule: Any, shadow: Optimizer) -> None:
         _rehome(s, shadow)
 
 
+class _Entry:
+    """A schedule the timeline steps: torch's object and the device schedule that owns it."""
+
+    def __init__(self, owner: LRScheduler, schedule: Any, since: int) -> None:
+        self.owner = weakref.ref(owner)
+        self.schedule = schedule
+        self.since = since  # the iterations begun when it joined: stepped in every one after
+
+
 class _Timeline:
     """The schedules of one optimizer: torch's classes stepped ahead on a shadow of its param
     groups, the values of each count of taken steps, and their table on the device.
 
     Row ``k`` holds every group's lr (and momentum / beta1 when a schedule cycles it) after ``k``
     taken steps since row 0; each row steps every schedule once, in the order they were made (the
-    order a loop steps schedules chained back to back). The live schedules stand at the last row
-    computed; snapshots of their state every chunk of rows let any earlier row's state be rebuilt.
-    The device count of taken steps never exceeds the iterations stepped since row 0, which the
-    host knows, so the table is extended ahead of it without reading it.
+    order a loop steps schedules chained back to back), so each must be stepped once per
+    iteration. The live schedules stand at the last row computed; snapshots of their state every
+    ``_SNAPSHOT_EVERY`` rows let any earlier row's state be rebuilt. The device count of taken
+    steps never exceeds the iterations stepped since row 0, which the host knows, so the table is
+    extended ahead of it without reading it.
     """
 
     def __init__(self, optimizer: Optimizer) -> None:
         self.optimizer = weakref.ref(optimizer)
-        self.shadow = _ShadowOptimizer(optimizer)
-        self.schedules: list[Any] = []
+        self.shadow = _shadow_of(optimizer)
+        self.entries: list[_Entry] = []
+        self.called: set[int] = set()  # the device schedules stepped in the current iteration
         self.device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
         self.count = torch.zeros((), dtype=torch.int64, device=self.device)  # taken steps since row 0
         self.before = 0  # taken steps before row 0 (read when row 0 was set)
@@ -141,7 +168,11 @@ class _Timeline:
         self.error: BaseException | None = None
         self.lr: list[torch.Tensor] = []
         self.momentum: list[torch.Tensor] = []
-        self.edits: list[Callable[[], None]] = []
+        self.versions: list[int] = []  # the group tensors' versions after this timeline's last write
+
+    @property
+    def schedules(self) -> list[Any]:
+        return [e.schedule for e in self.entries]
 
     # ---- the live schedules' state --------------------------------------------------------------
     def _state(self) -> Any:
@@ -189,13 +220,17 @@ class _Timeline:
     def _compute(self, n: int) -> None:
         if self.end is None and self.n_rows - 1 not in self.snapshots:
             self.snapshots[self.n_rows - 1] = self._state()
-        new = []
+        new: list[list[list[float]]] = []
+        schedules = self.schedules
         for _ in range(n):
             if self.end is None:
                 try:
-                    for s in self.schedules:
+                    for s in schedules:
                         s.step()
                     new.append(self._values())
+                    row = self.n_rows + len(new) - 1
+                    if row % _SNAPSHOT_EVERY == 0:
+                        self.snapshots[row] = self._state()
                     continue
                 except Exception as e:  # torch's class refuses this step: raised when a call reaches it
                     self.end, self.error = self.n_rows + len(new), e
@@ -253,31 +288,44 @@ class _Timeline:
             t.copy_(row[i, 0], non_blocking=True)
         for i, t in enumerate(self.momentum):
             t.copy_(row[i, 1], non_blocking=True)
+        self.versions = [t._version for t in (*self.lr, *self.momentum)]
 
     def _replaced(self) -> bool:
-        """Whether a group's lr or momentum is no longer the tensor this timeline writes (the
-        optimizer's load_state_dict, or the user's own write)."""
+        """Whether a group's lr or momentum is no longer what this timeline last wrote: another
+        object (the optimizer's load_state_dict, the user's own write), a write into its tensor
+        in place, or a group added."""
         groups = self.optimizer().param_groups  # type: ignore[union-attr]
         if len(groups) != len(self.lr):
-            raise ValueError(f"the optimizer has {len(groups)} param groups, its schedules {len(self.lr)}; build the "
-                             "schedules after adding param groups.")
+            return True
         key = _momentum_key(self.shadow)
         return any(g["lr"] is not t for g, t in zip(groups, self.lr)) or any(
-            (g[key][0] if key == "betas" else g[key]) is not t for g, t in zip(groups, self.momentum))
+            (g[key][0] if key == "betas" else g[key]) is not t for g, t in zip(groups, self.momentum)) or (
+            [t._version for t in (*self.lr, *self.momentum)] != self.versions)
 
     def _take_groups(self) -> None:
-        """The shadow takes each real group's values but those this timeline writes."""
-        mine = {id(t) for t in (*self.lr, *self.momentum)}
-        for real, shadow in zip(self.optimizer().param_groups, self.shadow.param_groups):  # type: ignore[union-attr]
+        """The shadow takes each real group's values, as torch's class would find them: a group
+        added, a value replaced or written in place. An fp32 tensor lr equal to torch's value
+        rounded (the current one, or the one the last schedule gave last: an optimizer checkpoint
+        holds it so) stands for torch's fp64 value."""
+        real_groups = self.optimizer().param_groups  # type: ignore[union-attr]
+        shadows = self.shadow.param_groups
+        while len(shadows) < len(real_groups):
+            shadows.append({"params": []})
+        untouched = {id(t) for t, v in zip((*self.lr, *self.momentum), self.versions) if t._version == v}
+        last = getattr(self.schedules[-1], "_last_lr", None) if self.schedules else None
+        for i, (real, shadow) in enumerate(zip(real_groups, shadows)):
             for key, value in real.items():
-                if key == "params" or id(value) in mine:
+                if key == "params" or id(value) in untouched:
                     continue
-                if isinstance(value, tuple) and value and id(value[0]) in mine:
+                if isinstance(value, tuple) and value and id(value[0]) in untouched:
                     value = (shadow[key][0], *value[1:])
-                value = _host(value)
-                if key == "lr" and _fp32(value) == _fp32(shadow["lr"]):
-                    continue  # the value written from the table: torch's fp64 value stands
-                shadow[key] = value
+                if key == "lr" and isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+                    rounded = _host(value)
+                    exact = [v for v in (shadow.get("lr"), last[i] if last and i < len(last) else None)
+                             if isinstance(v, float) and _fp32(v) == rounded]
+                    shadow[key] = exact[0] if exact else rounded
+                    continue
+                shadow[key] = _host(value)
 
     def _install(self) -> None:
         """The groups' lr (and momentum) as 0-dim fp32 tensors this timeline writes in place."""
@@ -287,18 +335,23 @@ class _Timeline:
         for g, shadow in zip(optimizer.param_groups, self.shadow.param_groups):
             if self.momentum and self.columns == 1:  # no schedule cycles it any more: a number again
                 g[key] = shadow[key]
+        held_lr, held_m = self.lr, self.momentum
         self.lr, self.momentum = [], []
-        for g in optimizer.param_groups:
+        for i, g in enumerate(optimizer.param_groups):
             device = g["params"][0].device if g["params"] else self.device
-            lr = torch.zeros((), dtype=torch.float32, device=device)
-            g["lr"] = lr
+            lr = held_lr[i] if i < len(held_lr) and g["lr"] is held_lr[i] else None
+            if lr is None:
+                lr = g["lr"] = torch.zeros((), dtype=torch.float32, device=device)
             self.lr.append(lr)
             if self.columns == 2:
-                m = torch.zeros((), dtype=torch.float32, device=device)
-                if key == "betas":
-                    g["betas"] = (m, *g["betas"][1:])
-                else:
-                    g["momentum"] = m
+                current = g[key][0] if key == "betas" else g[key]
+                m = held_m[i] if i < len(held_m) and current is held_m[i] else None
+                if m is None:
+                    m = torch.zeros((), dtype=torch.float32, device=device)
+                    if key == "betas":
+                        g["betas"] = (m, *g["betas"][1:])
+                    else:
+                        g["momentum"] = m
                 self.momentum.append(m)
 
     # ---- changes: a new schedule, a loaded state, the user's edits ------------------------------
@@ -311,20 +364,18 @@ class _Timeline:
         the count if steps were made since row 0), which then become row 0. If it raises, nothing
         changed."""
         k = self.read_count()
-        live = self._state()
+        live, entries = self._state(), list(self.entries)
         self._load(self.at(k, self._state) if self.snapshots else live)
         try:
+            self.entries = [e for e in self.entries if e.owner() is not None]  # dropped schedules leave
             if take_groups or (self.lr and self._replaced()):
                 self._take_groups()
             before = self._state()
             out = apply()
-            for edit in self.edits:
-                edit()
         except BaseException:
+            self.entries = entries
             self._load(live)
             raise
-        finally:
-            self.edits = []
         self.before += k
         self._restart(before[0])
         return out
@@ -351,10 +402,27 @@ class _Timeline:
         self.write()
 
     def before_step(self) -> None:
-        """Apply pending edits (a changed attribute of a schedule, a group's lr written by hand)
-        before the next step is counted: one host read of the count."""
-        if self.edits or self._replaced():
+        """Before a step is counted: a group's lr written by hand (or a group added) is taken, a
+        dropped schedule leaves; one host read of the count, only then."""
+        if self._replaced() or any(e.owner() is None for e in self.entries):
             self.change(lambda: None)
+
+    def starts_iteration(self, owner: LRScheduler) -> bool:
+        """Whether ``owner.step()`` begins an iteration (the first schedule stepped since each was
+        stepped once). Refuses one that begins before every schedule stepped in the last one."""
+        if self.called and id(owner) not in self.called:
+            return False
+        missing = [e for e in self.entries if self.called and e.since < self.iterations and e.owner() is not None
+                   and id(e.owner()) not in self.called]
+        if missing:
+            names = ", ".join(type(e.schedule).__name__ for e in missing)
+            raise RuntimeError(
+                f"{type(owner).__name__}.step(): the device schedules of one optimizer are stepped together, once "
+                f"per optimizer step (each row of their table steps each once), but {names} of this optimizer was not "
+                f"stepped in the last iteration. Step each after every optimizer step, combine them with SequentialLR "
+                f"or ChainedScheduler, or keep a schedule stepped at another pace (once per epoch, say) as torch's "
+                f"class: what it writes into the learning rate is taken as a write by hand.")
+        return True
 
 
 _TIMELINES: weakref.WeakKeyDictionary[Any, _Timeline] = weakref.WeakKeyDictionary()
@@ -369,12 +437,12 @@ def _timeline_of(optimizer: Any) -> _Timeline:
     return _TIMELINES[optimizer]
 
 
-_OWN = frozenset({"optimizer", "_schedule", "_timeline", "_scaler", "_calls", "_first", "_step_count", "_parent"})
+_OWN = frozenset({"optimizer", "_schedule", "_timeline", "_scaler", "_parent"})
 
 
 class LRScheduler(_torch.LRScheduler):
-    """A device schedule: torch's schedule class ``schedule`` stepped on the device's count of
-    taken steps. Build one by a class below (torch's name and arguments) or :func:`device_twin`.
+    """A device schedule: torch's schedule class stepped on the device's count of taken steps.
+    Build one by a class below (torch's name and arguments) or :func:`device_twin`.
 
     Each param group's ``lr`` becomes a 0-dim fp32 tensor on the group's device, written in place
     at every :meth:`step` (a step plan or a captured CUDA graph that holds it sees each new
@@ -382,13 +450,18 @@ class LRScheduler(_torch.LRScheduler):
     schedule that cycles it (``OneCycleLR``, ``CyclicLR``). The optimizer must take tensor values
     there: ampfuse's do; torch's do on the CPU, or with ``capturable=True`` / ``fused=True``.
 
+    The attributes of torch's class (``milestones``, ``T_cur``, ``last_epoch``, ...) read as they
+    stand after the steps taken, and a write to one takes effect as in torch: each a host read of
+    the count. Several device schedules of one optimizer are stepped together, once per optimizer
+    step (schedules chained back to back).
+
     Keyword args (beyond torch's):
         scaler: an :class:`ampfuse.GradScaler` whose ``last_found_inf`` tells skipped steps, for an
             optimizer that does not report them itself (torch's).
         horizon: taken steps past each :meth:`step` call that the device table covers (default:
-            the schedule's ``total_steps`` where it has one, else :data:`DEFAULT_HORIZON`). A step
-            captured in a CUDA graph replays exactly for this many steps; past it the learning
-            rates hold the last row's values.
+            the schedule's ``total_steps`` where it has one, up to 65,536, else
+            :data:`DEFAULT_HORIZON`). A step captured in a CUDA graph replays exactly for this many
+            steps; past it the learning rates hold the last row's values.
     """
 
     _torch_class: type[_torch.LRScheduler] | None = None
@@ -430,7 +503,8 @@ class LRScheduler(_torch.LRScheduler):
                     _rehome(s, owner)
                 raise
             inner = {id(s._schedule if isinstance(s, LRScheduler) else s) for s in parts}
-            timeline.schedules = [s for s in timeline.schedules if id(s) not in inner] + [made]
+            timeline.entries = [e for e in timeline.entries if id(e.schedule) not in inner]
+            timeline.entries.append(_Entry(self, made, timeline.iterations))
             return made
 
         self._attach(optimizer, timeline, build, scaler, horizon, take_groups=any(
@@ -445,7 +519,11 @@ class LRScheduler(_torch.LRScheduler):
                             f"got {type(scaler).__name__}.")
         if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 0):
             raise ValueError(f"horizon must be an integer >= 0, got {horizon!r}.")
+        own = {"optimizer": optimizer, "_timeline": timeline, "_scaler": scaler, "_parent": None}
+        for name, value in own.items():
+            object.__setattr__(self, name, value)
         schedule = timeline.change(build, take_groups=take_groups)
+        object.__setattr__(self, "_schedule", schedule)
         if horizon is None:
             total = getattr(schedule, "total_steps", None)
             horizon = min(total + 1, _MAX_DEFAULT_HORIZON) if isinstance(total, int) else DEFAULT_HORIZON
@@ -453,35 +531,47 @@ class LRScheduler(_torch.LRScheduler):
         if horizon > timeline.horizon:
             timeline.horizon = horizon
             timeline.cover()
-        own = {"optimizer": optimizer, "_schedule": schedule, "_timeline": timeline, "_scaler": scaler,
-               "_calls": 0, "_first": timeline.iterations, "_step_count": 1, "_parent": None}
-        for name, value in own.items():
-            object.__setattr__(self, name, value)
 
-    # ---- attributes: torch's schedule's, edits applied at the next step ------------------------
+    # ---- torch's attributes, as they stand after the steps taken -------------------------------
+    def _present(self, read: Callable[[], Any]) -> Any:
+        timeline = self._timeline
+        return timeline.at(timeline.read_count(), read)
+
     def __getattr__(self, name: str) -> Any:
         schedule = self.__dict__.get("_schedule")
         if schedule is None or name.startswith("__"):
             raise AttributeError(name)
-        return getattr(schedule, name)
+        live = getattr(schedule, name)
+        if callable(live):
+            return live
+        return self._present(lambda: copy.deepcopy(getattr(schedule, name)))
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _OWN:
             object.__setattr__(self, name, value)
             return
         schedule = self._schedule
-        self._timeline.edits.append(lambda: setattr(schedule, name, value))
+        self._timeline.change(lambda: setattr(schedule, name, value))
 
     @property
     def last_epoch(self) -> int:  # type: ignore[override]
         """torch's ``last_epoch`` after the steps taken (a host read of the count)."""
-        timeline = self._timeline
-        return timeline.at(timeline.read_count(), lambda: self._schedule.last_epoch)
+        return self._present(lambda: self._schedule.last_epoch)
+
+    @property
+    def _step_count(self) -> int:  # type: ignore[override]
+        """torch's ``_step_count`` after the steps taken (a host read of the count)."""
+        return self._present(lambda: self._schedule._step_count)
 
     @property
     def taken_steps(self) -> torch.Tensor:
         """The device count of taken steps the learning rates are read at (0-dim int64)."""
         return self._timeline.count + self._timeline.before
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(f"a device schedule ({type(self).__name__}) is not copied or pickled: it writes its "
+                        "optimizer's learning rates from a device table. Save its state_dict() and load it into a "
+                        "schedule built on the other optimizer.")
 
     # ---- stepping ------------------------------------------------------------------------------
     def sees_skips(self) -> bool:
@@ -511,21 +601,23 @@ class LRScheduler(_torch.LRScheduler):
             raise RuntimeError(f"{type(self).__name__} is part of {type(self._parent).__name__}: step that one.")
         timeline = self._timeline
         timeline.before_step()
-        iteration = self._first + self._calls + 1
-        skipped = self._skip_flag()
-        if timeline.end is not None and iteration - timeline.origin >= timeline.end and not capturing(timeline.device):
+        begins = timeline.starts_iteration(self)
+        skipped = self._skip_flag() if begins else None
+        if (timeline.end is not None and timeline.iterations + begins - timeline.origin >= timeline.end
+                and not capturing(timeline.device)):
             # the count may reach the step torch's class refused: read it (here only) to tell
             taken = int(timeline.count)
-            if iteration > timeline.iterations:
+            if begins:
                 taken += 1 if skipped is None or float(skipped.reshape(-1)[0]) == 0 else 0
             if taken >= timeline.end:
                 assert timeline.error is not None
-                raise timeline.error
-        self._calls += 1
-        self._step_count += 1
-        if iteration > timeline.iterations:
-            timeline.iterations = iteration
+                raise copy.copy(timeline.error).with_traceback(None)
+        if begins:
+            timeline.called = {id(self)}
+            timeline.iterations += 1
             timeline.advance(skipped)
+        else:
+            timeline.called.add(id(self))
         timeline.cover()
         timeline.write()
 
@@ -533,7 +625,7 @@ class LRScheduler(_torch.LRScheduler):
         """torch's ``get_last_lr()`` after the steps taken: its fp64 values (a host read)."""
         timeline = self._timeline
         k = timeline.read_count()
-        if timeline.schedules[-1] is self._schedule and not timeline.edits:  # its values are the rows'
+        if k > 0 and timeline.schedules[-1] is self._schedule:  # a stepped row: the last schedule's values
             return timeline.rows[timeline._last(k), :, 0].tolist()
         return timeline.at(k, lambda: list(self._schedule.get_last_lr()))
 
@@ -546,13 +638,12 @@ class LRScheduler(_torch.LRScheduler):
         """The state torch's class has after the steps taken (a host read of the count: a
         checkpoint is a sync point): torch's class loads it, and ``torch.load(...,
         weights_only=True)`` reads it wherever torch's own state reads so."""
-        timeline = self._timeline
-        return timeline.at(timeline.read_count(), lambda: copy.deepcopy(self._schedule.state_dict()))
+        return self._present(lambda: copy.deepcopy(self._schedule.state_dict()))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state of torch's class (saved by torch or by ampfuse), continuing from its steps
-        with the optimizer's param groups as they are now (as torch's class does: load the
-        optimizer's state first or after, either gives torch's values)."""
+        with the optimizer's param groups as they are (as torch's class does: the optimizer's
+        state may be loaded before or after, either gives torch's values)."""
         if self._parent is not None:
             raise RuntimeError(f"{type(self).__name__} is part of {type(self._parent).__name__}: load that one's state.")
         state = dict(state_dict)
@@ -561,13 +652,12 @@ class LRScheduler(_torch.LRScheduler):
             state["_step_count"] = state["last_epoch"] + 1
         def load() -> None:
             self._schedule.load_state_dict(state)
-            # the optimizer's checkpoint holds each lr as written (fp32); the state, torch's fp64 value
+            # an optimizer checkpoint holds each lr as it was written (fp32); the state, torch's value
             for g, last in zip(self._timeline.shadow.param_groups, state.get("_last_lr") or ()):
                 if isinstance(last, float) and _fp32(last) == _fp32(g["lr"]):
                     g["lr"] = last
 
         self._timeline.change(load, take_groups=True)
-        object.__setattr__(self, "_step_count", state.get("_step_count", self._step_count))
 
 
 def _device_class(torch_class: type[_torch.LRScheduler]) -> type[LRScheduler]:
@@ -621,14 +711,14 @@ def device_twin(scheduler: Any, *, scaler: Any = None, horizon: int | None = Non
     optimizer = scheduler.optimizer
     timeline = _timeline_of(optimizer)
 
+    twin = LRScheduler.__new__(_BY_TORCH_CLASS.get(type(scheduler), LRScheduler))
+
     def build() -> Any:
         _rehome(scheduler, timeline.shadow)
-        timeline.schedules.append(scheduler)
+        timeline.entries.append(_Entry(twin, scheduler, timeline.iterations))
         return scheduler
 
-    twin = LRScheduler.__new__(_BY_TORCH_CLASS.get(type(scheduler), LRScheduler))
     twin._attach(optimizer, timeline, build, scaler, horizon, take_groups=True)
-    object.__setattr__(twin, "_step_count", getattr(scheduler, "_step_count", 1))
     return twin
 
 

@@ -161,6 +161,26 @@ def test_resume_of_a_one_cycle_schedule_through_save_state_equals_uninterrupted(
     assert_bitwise(m_res.state_dict(), m_full.state_dict())
 
 
+def test_a_one_cycle_schedule_shorter_than_the_run_stops_where_accelerate_stops_it():
+    """Accelerate steps a schedule with ``total_steps`` only while ``_step_count <= total_steps``:
+    on device schedules the guard counts the steps taken, as torch's + Accelerate's does (no error
+    past the end, the same learning rates)."""
+    lrs = {}
+    for kind in ("ampfuse", "torch"):
+        acc = _accelerator(kind, accum=1)
+        model = make_model()
+        opt = (ampfuse.optim.AdamW if kind == "ampfuse" else torch.optim.AdamW)(model.parameters(), lr=LR)
+        model, opt, sched = acc.prepare(model, opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=LR, total_steps=5))
+        for i, (x, y) in enumerate(make_data(9)):
+            scale = float("inf") if i in (1, 2) else 1.0
+            acc.backward(F.mse_loss(model(x).float(), y) * scale)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            lrs.setdefault(kind, []).append(sched.get_last_lr()[0])
+    assert lrs["ampfuse"] == lrs["torch"]
+
+
 def test_clip_grad_value_and_bf16(tmp_path):
     AcceleratorState._reset_state(reset_partial_state=True)
     acc = af_accelerate.enable(Accelerator(cpu=True, mixed_precision="bf16"))

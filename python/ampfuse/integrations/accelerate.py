@@ -90,12 +90,18 @@ class _AcceleratedDeviceScheduler(AcceleratedScheduler):
     (num_processes times without split_batches, as Accelerate does), never asking whether the step
     was skipped: the schedule counts only the steps taken, on the device."""
 
+    total_steps: int | None = None  # a OneCycleLR's: Accelerate's guard steps it only while below
+    calls = 0
+
     def step(self, *args: Any, **kwargs: Any) -> None:
         if not self.gradient_state.sync_gradients:
-            if self.gradient_state.adjust_scheduler:
-                self.scheduler._step_count += 1
             return
         for _ in range(1 if self.split_batches else AcceleratorState().num_processes):
+            total = self.total_steps
+            # Accelerate's guard, on the steps taken: read only once the calls could have reached it
+            if total is not None and self.calls >= total and self.scheduler.last_epoch >= total:
+                continue
+            self.calls += 1
             self.scheduler.step(*args, **kwargs)
 
 
@@ -108,8 +114,10 @@ def _prepare_scheduler(self: Any, scheduler: Any) -> Any:
     twin = device_schedule(scheduler)
     if twin is None:  # its wrapper asks the optimizer whether each step was skipped (one read each)
         return type(self).prepare_scheduler(self, scheduler)
+    total = getattr(scheduler, "total_steps", None)
     out = _AcceleratedDeviceScheduler(twin, owner, step_with_optimizer=self.step_scheduler_with_optimizer,
                                       split_batches=self.split_batches)
+    out.total_steps = total if isinstance(total, int) else None
     self._schedulers.append(out)
     return out
 
