@@ -1,31 +1,21 @@
 """Learning-rate schedules on the device that advance only on taken steps: torch's own classes.
 
-A device schedule runs torch's schedule class (``torch.optim.lr_scheduler``: any of them but
-``ReduceLROnPlateau``, user-written subclasses of ``LRScheduler`` included) on the host, over a
-shadow of the optimizer's param groups, ahead of training: the values it gives after ``k`` steps,
-for ``k`` from 0 to past the number of ``step()`` calls so far, fill a table on the device. The
-device counts the steps taken; ``sched.step()`` adds ``1`` when the optimizer's last step was
-taken and ``0`` when it was skipped (an inf/NaN gradient under a loss scaler), and copies each
-param group's learning rate (and momentum, for a schedule that cycles it) from the table's row
-at that count -- no host read, so the whole step, ``sched.step()`` included, can be captured in a
-CUDA graph. The values are torch's, computed in fp64 by torch's code and rounded once to the
-group's fp32 learning-rate tensor; :meth:`LRScheduler.state_dict` is the state torch's class has
-after the steps taken, so either side loads the other's checkpoints.
-
-Where the skip comes from, in this order: the optimizer's ``last_step_skipped`` (ampfuse's
-optimizers: the ``found_inf`` their last step was given), else the ``scaler`` the schedule was
-built with (an :class:`ampfuse.GradScaler`: its ``last_found_inf``, for torch's optimizers), else
-every step counts (as torch's schedules do).
-
-Each class below takes its torch twin's arguments, plus ``scaler=`` and ``horizon=`` (keywords);
-:func:`device_twin` turns a schedule already built (torch's, or the transformers library's) into
-a device schedule, and :func:`get_scheduler` builds the transformers library's by name.
+A device schedule runs torch's schedule class (any of ``torch.optim.lr_scheduler`` but
+``ReduceLROnPlateau``) on the host, over a shadow of the optimizer's param groups, ahead of
+training; its values fill a table on the device, read at the device's count of taken steps.
+``sched.step()`` adds ``1`` to the count when the optimizer's last step was taken, ``0`` when it
+was skipped (the optimizer's ``last_step_skipped``, else the ``scaler=``'s ``last_found_inf``,
+else every step counts), and copies each group's lr (and cycled momentum) from the table: no host
+read, so the whole step can be captured in a CUDA graph. The values are torch's (fp64, rounded
+once to the group's fp32 lr tensor) and ``state_dict()`` is torch's state after the steps taken.
+The manual's Schedules page says the whole contract.
 """
 
 from __future__ import annotations
 
 import collections
 import copy
+import functools
 import inspect
 import weakref
 from collections.abc import Callable
@@ -96,19 +86,22 @@ class _ShadowOptimizer(Optimizer):
         return repr(self.real())
 
 
-_SHADOW_CLASSES: dict[type, type[_ShadowOptimizer]] = {}
-
-
-def _shadow_of(optimizer: Optimizer) -> _ShadowOptimizer:
-    """A shadow whose class has the optimizer's class name (torch's messages print it)."""
-    cls = type(optimizer)
-    if cls not in _SHADOW_CLASSES:
-        _SHADOW_CLASSES[cls] = type(cls.__name__, (_ShadowOptimizer,), {"__module__": __name__})
-    return _SHADOW_CLASSES[cls](optimizer)
+@functools.cache
+def _shadow_class(cls: type) -> type[_ShadowOptimizer]:
+    """The shadow's class, with the optimizer's class name (torch's messages print it)."""
+    return type(cls.__name__, (_ShadowOptimizer,), {"__module__": __name__})
 
 
 def _momentum_key(optimizer: Any) -> str:
     return "betas" if "betas" in optimizer.defaults else "momentum"
+
+
+def _momentum_of(group: dict[str, Any], key: str) -> Any:
+    return group[key][0] if key == "betas" else group[key]
+
+
+def _set_momentum(group: dict[str, Any], key: str, value: Any) -> None:
+    group[key] = (value, *group[key][1:]) if key == "betas" else value
 
 
 def _cycles_momentum(schedule: Any) -> bool:
@@ -147,7 +140,7 @@ class _Timeline:
 
     def __init__(self, optimizer: Optimizer) -> None:
         self.optimizer = weakref.ref(optimizer)
-        self.shadow = _shadow_of(optimizer)
+        self.shadow = _shadow_class(type(optimizer))(optimizer)  # type: ignore[arg-type]
         self.entries: list[_Entry] = []
         self.called: set[int] = set()  # the device schedules stepped in the current iteration
         self.device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
@@ -189,13 +182,8 @@ class _Timeline:
 
     def _values(self) -> list[list[float]]:
         key = _momentum_key(self.shadow)
-        out = []
-        for g in self.shadow.param_groups:
-            row = [float(g["lr"])]
-            if self.columns == 2:
-                row.append(float(g[key][0] if key == "betas" else g[key]))
-            out.append(row)
-        return out
+        return [[float(g["lr"])] + ([float(_momentum_of(g, key))] if self.columns == 2 else [])
+                for g in self.shadow.param_groups]
 
     def _last(self, k: int) -> int:
         """The row that holds count ``k``'s values."""
@@ -299,7 +287,7 @@ class _Timeline:
             return True
         key = _momentum_key(self.shadow)
         return any(g["lr"] is not t for g, t in zip(groups, self.lr)) or any(
-            (g[key][0] if key == "betas" else g[key]) is not t for g, t in zip(groups, self.momentum)) or (
+            _momentum_of(g, key) is not t for g, t in zip(groups, self.momentum)) or (
             [t._version for t in (*self.lr, *self.momentum)] != self.versions)
 
     def _take_groups(self) -> None:
@@ -344,14 +332,10 @@ class _Timeline:
                 lr = g["lr"] = torch.zeros((), dtype=torch.float32, device=device)
             self.lr.append(lr)
             if self.columns == 2:
-                current = g[key][0] if key == "betas" else g[key]
-                m = held_m[i] if i < len(held_m) and current is held_m[i] else None
+                m = held_m[i] if i < len(held_m) and _momentum_of(g, key) is held_m[i] else None
                 if m is None:
                     m = torch.zeros((), dtype=torch.float32, device=device)
-                    if key == "betas":
-                        g["betas"] = (m, *g["betas"][1:])
-                    else:
-                        g["momentum"] = m
+                    _set_momentum(g, key, m)
                 self.momentum.append(m)
 
     # ---- changes: a new schedule, a loaded state, the user's edits ------------------------------
@@ -444,24 +428,19 @@ class LRScheduler(_torch.LRScheduler):
     """A device schedule: torch's schedule class stepped on the device's count of taken steps.
     Build one by a class below (torch's name and arguments) or :func:`device_twin`.
 
-    Each param group's ``lr`` becomes a 0-dim fp32 tensor on the group's device, written in place
-    at every :meth:`step` (a step plan or a captured CUDA graph that holds it sees each new
-    value); so does its ``momentum`` (SGD) or ``betas[0]`` (optimizers with betas) under a
-    schedule that cycles it (``OneCycleLR``, ``CyclicLR``). The optimizer must take tensor values
-    there: ampfuse's do; torch's do on the CPU, or with ``capturable=True`` / ``fused=True``.
-
-    The attributes of torch's class (``milestones``, ``T_cur``, ``last_epoch``, ...) read as they
-    stand after the steps taken, and a write to one takes effect as in torch: each a host read of
-    the count. Several device schedules of one optimizer are stepped together, once per optimizer
-    step (schedules chained back to back).
+    Each group's ``lr`` (and, under a schedule that cycles it, ``momentum`` or ``betas[0]``)
+    becomes a 0-dim fp32 tensor on the group's device, written in place at every :meth:`step`;
+    the optimizer must take tensor values there (ampfuse's do; torch's on the CPU, or with
+    ``capturable`` / ``fused``). torch's attributes (``milestones``, ``T_cur``, ``last_epoch``...)
+    read and write as they stand after the steps taken (a host read of the count). The device
+    schedules of one optimizer are stepped together, once per optimizer step.
 
     Keyword args (beyond torch's):
         scaler: an :class:`ampfuse.GradScaler` whose ``last_found_inf`` tells skipped steps, for an
             optimizer that does not report them itself (torch's).
         horizon: taken steps past each :meth:`step` call that the device table covers (default:
-            the schedule's ``total_steps`` where it has one, up to 65,536, else
-            :data:`DEFAULT_HORIZON`). A step captured in a CUDA graph replays exactly for this many
-            steps; past it the learning rates hold the last row's values.
+            the schedule's ``total_steps`` up to 65,536, else :data:`DEFAULT_HORIZON`): what a
+            captured CUDA graph replays exactly; past it the values hold the last row's.
     """
 
     _torch_class: type[_torch.LRScheduler] | None = None
@@ -685,10 +664,7 @@ CyclicLR = _device_class(_torch.CyclicLR)
 OneCycleLR = _device_class(_torch.OneCycleLR)
 SequentialLR = _device_class(_torch.SequentialLR)
 ChainedScheduler = _device_class(_torch.ChainedScheduler)
-_BY_TORCH_CLASS = {c._torch_class: c for c in (LambdaLR, MultiplicativeLR, ConstantLR, LinearLR, StepLR, MultiStepLR,
-                                                ExponentialLR, PolynomialLR, CosineAnnealingLR,
-                                                CosineAnnealingWarmRestarts, CyclicLR, OneCycleLR, SequentialLR,
-                                                ChainedScheduler)}
+_BY_TORCH_CLASS = {c._torch_class: c for c in LRScheduler.__subclasses__()}
 
 
 def device_twin(scheduler: Any, *, scaler: Any = None, horizon: int | None = None) -> LRScheduler:
