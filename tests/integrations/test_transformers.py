@@ -60,14 +60,16 @@ def _dataset():
     return [{"x": x, "labels": y} for x, y in make_data(MICRO_BATCHES, batch=1)]
 
 
-def train(kind: str, out_dir, dtype=torch.float32, resume=None, enable=True, fp16_init=False, logging_steps=1):
+def train(kind: str, out_dir, dtype=torch.float32, resume=None, enable=True, fp16_init=False, logging_steps=1,
+          schedule="linear", schedule_kwargs=None):
     AcceleratorState._reset_state(reset_partial_state=True)
     model = LossModel(dtype, fp16_init)
     cls = ampfuse.optim.AdamW if kind == "ampfuse" else torch.optim.AdamW
     opt = cls(model.parameters(), lr=LR, weight_decay=0.0)
     args = TrainingArguments(output_dir=str(out_dir), use_cpu=True, fp16=True, per_device_train_batch_size=1,
                              gradient_accumulation_steps=ACCUM, max_grad_norm=MAX_NORM, max_steps=STEPS,
-                             learning_rate=LR, lr_scheduler_type="linear", warmup_steps=0, report_to=[],
+                             learning_rate=LR, lr_scheduler_type=schedule, lr_scheduler_kwargs=schedule_kwargs or {},
+                             warmup_steps=0, report_to=[],
                              save_strategy="steps", save_steps=STEPS // 2, logging_steps=logging_steps, seed=0,
                              dataloader_num_workers=0, disable_tqdm=True)
     rec = Recorder()
@@ -118,6 +120,17 @@ def test_same_skips_lr_and_params_as_torch(runs):
     assert ra[-1]["lr"] == pytest.approx(LR * (1 - sum(not s for s in skipped) / STEPS))
     for k, v in mt.state_dict().items():
         torch.testing.assert_close(ma.state_dict()[k], v, atol=ATOL, rtol=RTOL)
+
+
+def test_a_schedule_with_its_own_arguments_keeps_them(tmp_path):
+    """``cosine_with_min_lr`` with ``min_lr_rate``: the device schedule is transformers' own, built
+    by the Trainer (its arguments kept): the Trainer's learning rates with torch's scaler."""
+    kw = dict(schedule="cosine_with_min_lr", schedule_kwargs={"min_lr_rate": 0.1})
+    _, trainer, ours = train("ampfuse", tmp_path / "ampfuse", **kw)
+    _, _, ref = train("torch", tmp_path / "torch", **kw)
+    assert isinstance(trainer.lr_scheduler, ampfuse.lr_scheduler.LambdaLR)
+    assert [r["lr"] for r in ours] == [r["lr"] for r in ref]
+    assert min(r["lr"] for r in ours) >= 0.1 * LR * (1 - 1e-12)
 
 
 def test_the_trainer_reads_the_learning_rate_only_when_it_logs(tmp_path):
