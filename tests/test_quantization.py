@@ -302,6 +302,29 @@ def test_refused_dtypes_are_named_as_torch_names_them(dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_round_trip_is_bitwise_for_every_absmax_through_the_subnormal_range(device):
+    """Encode, decode, encode again: the same codes and absmax for blocks whose largest magnitude
+    runs from fp32's largest subnormal down to below its smallest (a block below the normal range
+    is stored as zeros: decoded there, values would lose bits). The block of 1.4e-45 and
+    631161 * 2**-149 once gave code 1, decoded to 0.0, then code 0."""
+    g = torch.Generator().manual_seed(7)
+    blocks = [torch.tensor([1.4e-45, 631161 * 2.0**-149] + [0.0] * 254)]
+    for e in range(-151, -118):  # magnitudes 2**e .. 2**(e+1): across the subnormal range
+        blocks.append(torch.rand(256, generator=g) * 2.0**e * (1 + torch.rand(1, generator=g)))
+    x = torch.cat(blocks)
+    signs = torch.where(torch.rand(x.shape, generator=g) < 0.5, -1.0, 1.0)
+    for dtype, nonnegative in FORMATS:
+        values = (x if nonnegative else x * signs).to(device)
+        codes, absmax = ops.quantize_blocks(values, dtype, nonnegative=nonnegative)
+        again, absmax_again = ops.quantize_blocks(ops.dequantize_blocks(codes, absmax, nonnegative=nonnegative), dtype,
+                                                  nonnegative=nonnegative)
+        assert torch.equal(codes.view(torch.uint8).cpu(), again.view(torch.uint8).cpu()), dtype
+        assert torch.equal(absmax.cpu().view(torch.int32), absmax_again.cpu().view(torch.int32)), dtype
+        normal = absmax.cpu() >= 2.0**-126
+        assert bool((absmax.cpu()[~normal] == 0).all()) and bool(normal.any())  # below it: zeros
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
     x = torch.randn(3, 200, device=device)
     for dtype, nonnegative in FORMATS:

@@ -217,7 +217,9 @@ AMPFUSE_HOST_DEVICE uint16_t round_bf16_stochastic(float x, uint32_t r) {
 //
 // A state tensor in 8 bits is cut, in its flat element order, into blocks of kQuantBlock elements
 // (the last one may be shorter); each block keeps one fp32 absmax (the largest magnitude of its
-// values, NaN when one of them is NaN) and one byte per element. A byte decodes as
+// values, NaN when one of them is NaN; 0, with zero bytes, when it is below fp32's normal range:
+// there a decoded value would lose bits, so a decode-encode round trip would change codes, and
+// such values are far below what changes a step) and one byte per element. A byte decodes as
 // table[index] * absmax, with the format's table of magnitudes normalised to [0, 1] (its largest
 // finite entry is exactly 1, so a block's largest value decodes to exactly its absmax):
 //   Dynamic8Signed   torch.uint8, sign bit + a 7-bit index into 128 magnitudes (0, then seven
@@ -283,9 +285,10 @@ AMPFUSE_HOST_DEVICE float quant_table_entry(QuantFormat f, int i) {
 // NaN-propagating maximum of magnitudes (the block's absmax).
 AMPFUSE_HOST_DEVICE float absmax_combine(float a, float b) { return (b > a || b != b) ? b : a; }
 
-// The magnitude an encoding looks up: |x| / absmax (0 for a negative second moment).
+// The magnitude an encoding looks up: |x| / absmax (0 for a negative second moment, and in a
+// block stored as zeros).
 AMPFUSE_HOST_DEVICE float quant_magnitude(float x, float absmax, bool nonnegative) {
-  return (x < 0.0f && nonnegative) ? 0.0f : fabsf(x) / absmax;
+  return ((x < 0.0f && nonnegative) || absmax == 0.0f) ? 0.0f : fabsf(x) / absmax;
 }
 
 // The byte of `x` whose magnitude `a` (quant_magnitude) has `first` as the first table index
@@ -324,9 +327,10 @@ AMPFUSE_HOST_DEVICE float quant_decode(uint8_t c, float absmax, const float* tab
   return (c & 0x80) ? -v : v;
 }
 
-// The absmax a block stores for the largest magnitude `m` of its values: NaN canonical.
+// The absmax a block stores for the largest magnitude `m` of its values: NaN canonical, 0 below
+// fp32's normal range (the block is stored as zeros).
 AMPFUSE_HOST_DEVICE float quant_block_absmax(float m) {
-  return m != m ? bits_float(0x7FC00000u) : m;
+  return m != m ? bits_float(0x7FC00000u) : (m < 0x1p-126f ? 0.0f : m);
 }
 
 // Hyper-parameters of the fused optimizers (the step-dependent factors are derived per tensor from

@@ -127,6 +127,10 @@ MUTANTS = [
      "quant_kernels.cu",
      "block_reduce<true>(fabsf(x), partial)",
      "block_reduce<true>(fabsf(x) == fabsf(x) ? fabsf(x) : 0.0f, partial)"),
+    ("quantize: a subnormal absmax stored as it is (decoded values lose bits)",
+     "quant_kernels.cu",
+     "      block_absmax[0] = quant_block_absmax(m);",
+     "      block_absmax[0] = m > 0.0f && m < 0x1p-126f ? m : quant_block_absmax(m);"),
     ("dequantize: one byte past the ragged last block written",
      "quant_kernels.cu",
      "    if (i < a.numel) a.values[i] = quant_decode(",
@@ -136,6 +140,10 @@ MUTANTS = [
      "optim_kernels.cu",
      "          absmax[block] = block_absmax[0];\n        }\n        __syncthreads();\n",
      "          absmax[block] = block_absmax[0];\n        }\n"),
+    ("8-bit step: a subnormal absmax stored as it is (decoded values lose bits)",
+     "optim_kernels.cu",
+     "          block_absmax[0] = quant_block_absmax(mag);",
+     "          block_absmax[0] = mag > 0.0f && mag < 0x1p-126f ? mag : quant_block_absmax(mag);"),
     ("8-bit step: second moments encoded without their floor (a tiny v stored as 0)",
      "optim_kernels.cu",
      "quant_encode(se[k], block_absmax[0], tables[k], formats.f[k], Kind::nonnegative(k))",
@@ -163,9 +171,10 @@ MUTANTS = [
      "        param[i] = M::store(p, m, key, i - b0, old);\n        if (M::kTensor && master) master[i] = m;"),
 ]
 
-# The short block-quantization suite first: its mutants are caught without the long suites' run.
-SUITES = ["tests/test_quantization.py", "tests/test_cuda_kernels.py", "tests/test_ops.py", "tests/test_optim.py",
-          "tests/test_accumulation.py", "tests/test_optim_stochastic_rounding.py"]
+# The short block-quantization suites first: their mutants are caught without the long suites' run.
+SUITES = ["tests/test_quantization.py", "tests/test_optim_8bit_state.py", "tests/test_cuda_kernels.py",
+          "tests/test_ops.py", "tests/test_optim.py", "tests/test_accumulation.py",
+          "tests/test_optim_stochastic_rounding.py"]
 
 
 def compile_entries(build_dir: str, target: str = "ampfuse_cuemu") -> list[dict]:

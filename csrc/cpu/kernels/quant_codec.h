@@ -233,7 +233,8 @@ struct Codec16 {
   __m512i encode(__m512 x, __m512 absmax, const RegTable& up_to) const {
     const __m512 zero = _mm512_setzero_ps();
     const __mmask16 negative = _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ);
-    __m512 a = _mm512_div_ps(_mm512_abs_ps(x), absmax);
+    // (0 in a block stored as zeros: its absmax is 0)
+    __m512 a = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(absmax, zero, _CMP_NEQ_UQ), _mm512_abs_ps(x), absmax);
     if constexpr (kNonnegative) a = _mm512_mask_mov_ps(a, negative, zero);
     const __mmask16 positive = _mm512_cmp_ps_mask(a, zero, _CMP_GT_OQ);  // not 0, not NaN
     const __m512 s = _mm512_min_ps(_mm512_max_ps(a, zero), _mm512_set1_ps(1.0f));  // NaN: 0
@@ -347,7 +348,7 @@ void encode_block_as(const float* __restrict x, int64_t n, float absmax, const Q
   int32_t code[kQuantBlock];
   for (int64_t e = 0; e < n; ++e) {
     const float v = x[e];
-    const float q = std::fabs(v) / absmax;
+    const float q = absmax == 0.0f ? 0.0f : std::fabs(v) / absmax;  // 0: a block stored as zeros
     const float a = (kNonnegative && v < 0.0f) ? 0.0f : q;
     const bool positive = a > 0.0f;  // not 0, not NaN
     const float s = positive ? std::min(a, 1.0f) : 0.0f;
