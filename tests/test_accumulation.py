@@ -873,6 +873,24 @@ def test_token_weighted_window_reads_nothing_on_the_host():
     assert mode.reads == []
 
 
+def test_a_checkpoint_whose_schedule_state_is_refused_loads_nothing():
+    model = torch.nn.Linear(3, 2)
+    opt = ampfuse.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    scaler = ampfuse.GradScaler("cpu", init_scale=16.0)
+    sched = ampfuse.lr_scheduler.LambdaLR(opt, lambda e: 0.5**e)
+    acc = ampfuse.GradAccumulator(model, opt, scaler, steps=1, lr_scheduler=sched)
+    for _ in range(3):
+        with acc.accumulate():
+            acc.backward(model(torch.ones(1, 3)).sum())
+    sd = acc.state_dict()
+    other = {"state": {}, "param_groups": [dict(sd["optimizer"]["param_groups"][0], lr=123.0)]}
+    bad = dict(sd, optimizer=other, scaler=dict(sd["scaler"], scale=2.0**30), lr_scheduler={"last_epoch": 1})
+    before = (float(opt.param_groups[0]["lr"]), scaler.get_scale(), len(opt.state), sched.get_last_lr())
+    with pytest.raises(KeyError, match="lr_lambdas"):  # torch's LambdaLR refuses a state without them
+        acc.load_state_dict(bad)
+    assert (float(opt.param_groups[0]["lr"]), scaler.get_scale(), len(opt.state), sched.get_last_lr()) == before
+
+
 def test_a_micro_batch_whose_backward_raised_adds_nothing_to_the_window():
     """An OOM-retry loop: a backward that raises (its micro-batch caught and run again) leaves the
     window's token count as if it had never been tried."""

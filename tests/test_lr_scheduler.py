@@ -928,3 +928,20 @@ def test_torchs_messages_name_the_users_optimizer():
     with pytest.raises(ValueError, match=r"which is different from SGD") as info:
         A.SequentialLR(a, [A.StepLR(a, 2), A.StepLR(b, 2)], milestones=[3])
     assert "_ShadowOptimizer" not in str(info.value) and "SGD (" in str(info.value)
+
+
+def test_a_schedule_that_replaces_a_dropped_one_counts_from_its_first_step():
+    out = {}
+    for L, cls in ((T, torch.optim.SGD), (A, ampfuse.optim.SGD)):
+        opt = _sgd(cls)
+        sched = L.ExponentialLR(opt, 0.9)
+        _take(opt)
+        sched.step()
+        sched = L.StepLR(opt, 1, 0.5)  # a new schedule for the next phase; the first is dropped
+        values = []
+        for _ in range(3):
+            _take(opt)
+            sched.step()
+            values.append((_f32(float(opt.param_groups[0]["lr"])), sched.get_last_lr(), sched.last_epoch))
+        out[L] = values
+    assert out[A] == out[T]

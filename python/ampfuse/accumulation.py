@@ -699,11 +699,12 @@ class GradAccumulator:
         if self._our_scaler and state_dict.get("scaler"):
             cast(_AmpfuseScaler, self.scaler)._validate_state_dict(state_dict["scaler"])
         # apply
+        # the schedule's state is checked by loading it (a refused one changes nothing), so first
+        if self.lr_scheduler is not None and state_dict.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.scaler is not None and state_dict.get("scaler"):
             self.scaler.load_state_dict(state_dict["scaler"])
-        if self.lr_scheduler is not None and state_dict.get("lr_scheduler") is not None:
-            self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
         self.micro_step = micro
         self.windows = windows
         self.skipped_windows_host = skipped

@@ -206,8 +206,6 @@ class _Timeline:
 
     # ---- rows, on the host and on the device ----------------------------------------------------
     def _compute(self, n: int) -> None:
-        if self.end is None and self.n_rows - 1 not in self.snapshots:
-            self.snapshots[self.n_rows - 1] = self._state()
         new: list[list[list[float]]] = []
         schedules = self.schedules
         for _ in range(n):
@@ -272,10 +270,9 @@ class _Timeline:
         if capturing(self.device) and (not self.captured or self.captured[-1] is not self.table):
             self.captured.append(self.table)
         row = self.table.index_select(0, self.count.clamp_max(self.on_device - 1).reshape(1))[0]
-        for i, t in enumerate(self.lr):
-            t.copy_(row[i, 0], non_blocking=True)
-        for i, t in enumerate(self.momentum):
-            t.copy_(row[i, 1], non_blocking=True)
+        torch._foreach_copy_(self.lr, list(row[:, 0].unbind()), non_blocking=True)
+        if self.momentum:
+            torch._foreach_copy_(self.momentum, list(row[:, 1].unbind()), non_blocking=True)
         self.versions = [t._version for t in (*self.lr, *self.momentum)]
 
     def _replaced(self) -> bool:
@@ -352,6 +349,7 @@ class _Timeline:
         self._load(self.at(k, self._state) if self.snapshots else live)
         try:
             self.entries = [e for e in self.entries if e.owner() is not None]  # dropped schedules leave
+            self.called &= {id(e.owner()) for e in self.entries}
             if take_groups or (self.lr and self._replaced()):
                 self._take_groups()
             before = self._state()

@@ -181,6 +181,36 @@ def test_a_one_cycle_schedule_shorter_than_the_run_stops_where_accelerate_stops_
     assert lrs["ampfuse"] == lrs["torch"]
 
 
+def test_a_one_cycle_schedule_resumed_past_its_end_stays_stopped(tmp_path):
+    """save_state after more steps than total_steps, load_state in a fresh run: Accelerate's guard
+    holds across the resume (the loaded state's step count bounds the calls), as with torch's."""
+    def run(kind, save=None, load=None, stop=10, n=16):
+        acc = _accelerator(kind, accum=1)
+        model = make_model()
+        opt = (ampfuse.optim.AdamW if kind == "ampfuse" else torch.optim.AdamW)(model.parameters(), lr=LR)
+        model, opt, sched = acc.prepare(model, opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=LR, total_steps=5))
+        start = 0
+        if load is not None:
+            acc.load_state(str(load))
+            start = stop
+        lrs = []
+        for i, (x, y) in enumerate(make_data(n)[start:], start):
+            acc.backward(F.mse_loss(model(x).float(), y) * (float("inf") if i in (1, 2) else 1.0))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            lrs.append(sched.get_last_lr()[0])
+            if save is not None and i + 1 == stop:
+                acc.save_state(str(save))
+                break
+        return lrs
+
+    for kind in ("ampfuse", "torch"):
+        full = run(kind)
+        run(kind, save=tmp_path / kind)
+        assert run(kind, load=tmp_path / kind) == full[10:]
+
+
 def test_clip_grad_value_and_bf16(tmp_path):
     AcceleratorState._reset_state(reset_partial_state=True)
     acc = af_accelerate.enable(Accelerator(cpu=True, mixed_precision="bf16"))

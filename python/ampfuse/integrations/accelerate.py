@@ -104,6 +104,10 @@ class _AcceleratedDeviceScheduler(AcceleratedScheduler):
             self.calls += 1
             self.scheduler.step(*args, **kwargs)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.calls = int(state_dict.get("_step_count", 1)) - 1  # the steps the loaded state counted
+
 
 def _prepare_scheduler(self: Any, scheduler: Any) -> Any:
     owner = next((o for o in self._optimizers if isinstance(o, _AcceleratedOptimizer) and is_fused(o.optimizer)
