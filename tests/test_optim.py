@@ -551,6 +551,24 @@ def test_load_state_dict_with_wrong_shapes_changes_nothing():
     _assert_unchanged(opt, params, before)
 
 
+@pytest.mark.parametrize("step", [float("nan"), -1.0, float("inf")])
+def test_a_checkpoint_whose_step_is_not_a_count_is_refused(step):
+    """A NaN, negative or infinite step would make every param NaN at the next step: refused,
+    with the entry named, before anything changes."""
+    params = make_params(torch.float32, "cpu")
+    opt = ampfuse.optim.AdamW(params, lr=1e-2)
+    for p, g in zip(params, grads_for(0, params)):
+        p.grad = g
+    opt.step()
+    sd = _roundtrip(opt.state_dict())
+    before = _state_snapshot(opt, params)
+    sd["state"][1]["step"] = torch.tensor(step)
+    with pytest.raises(ValueError, match=r"state 'step' of param_groups\[0\]\['params'\]\[1\] must be a finite count "
+                                         r">= 0, got (nan|-1|inf)\."):
+        opt.load_state_dict(sd)
+    _assert_unchanged(opt, params, before)
+
+
 def test_step_grads_with_unknown_keys_is_an_error():
     """A key that is not one of the optimizer's params (p.detach()) is refused, by the
     optimizer and by the scaler, before anything changes."""

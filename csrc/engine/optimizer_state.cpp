@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "engine/master_forms.h"
 #include "engine/step_checks.h"
@@ -211,6 +212,11 @@ c10::List<std::optional<at::Tensor>> optimizer_state_loaded(
     if (present(slot[0])) {
       TORCH_CHECK_VALUE(slot[0]->numel() == 1, where(0), " must have one element, got shape ",
                         shape_repr(*slot[0]), ".");
+      if (!slot[0]->is_meta()) {  // a count of steps: a NaN or negative one would make every param NaN
+        const double step = slot[0]->detach().to(at::kCPU, at::kDouble).item<double>();
+        TORCH_CHECK_VALUE(std::isfinite(step) && step >= 0, where(0), " must be a finite count >= 0, got ",
+                          step, ".");
+      }
     }
     TORCH_CHECK_VALUE(!present(slot[2]), where(2), ": checkpoints hold masters as fp32 master_param.");
     for (int64_t k = values_end; k < width; ++k) {

@@ -6,6 +6,7 @@
 #include <torch/optim/sgd.h>
 #include <torch/serialize.h>
 
+#include <limits>
 #include <sstream>
 
 #include "ampfuse/optim.h"
@@ -610,6 +611,26 @@ TEST(Optim, LoadChecksBeforeChangingAnything) {
   EXPECT_TRUE(throws_with([&] { torch::load(oc, stream); },
                           "Parameter group 0 of the checkpoint has 4 parameters but the "
                           "optimizer's has 3."));
+}
+
+TEST(Optim, LoadRefusesAStepThatIsNotACount) {
+  auto a = make_params(at::kFloat);
+  ampfuse::optim::Adam oa(a, ampfuse::optim::AdamOptions(1e-2));
+  set_grads(a, grads_for(0, at::kFloat));
+  oa.step();
+  auto& state = static_cast<ampfuse::optim::AdamParamState&>(*oa.state().at(a[1].unsafeGetTensorImpl()));
+  state.step().fill_(std::numeric_limits<float>::quiet_NaN());
+  std::stringstream stream;
+  torch::save(oa, stream);
+  auto b = copy_params(a);
+  ampfuse::optim::Adam ob(b, ampfuse::optim::AdamOptions(0.5));
+  std::stringstream before;
+  torch::save(ob, before);
+  EXPECT_TRUE(throws_with([&] { torch::load(ob, stream); },
+                          "state 'step' of param_groups()[0].params()[1] must be a finite count >= 0, got nan."));
+  std::stringstream after;
+  torch::save(ob, after);
+  EXPECT_EQ(before.str(), after.str());
 }
 
 // ---- bad input ------------------------------------------------------------------------------------
