@@ -413,68 +413,58 @@ def test_accelerates_guard_against_over_stepping_a_one_cycle_schedule_holds():
 # ---- torch's semantics the device keeps --------------------------------------------------------------
 
 
+def _torch_and_ours(run):
+    """``run(L, opt, stepped)`` for torch's classes stepped only on taken steps and for ampfuse's
+    stepped at every iteration, each over its own SGD with SKIPS planted."""
+    out = {}
+    for L, cls in ((T, torch.optim.SGD), (A, ampfuse.optim.SGD)):
+        opt = cls(_groups(_params()), lr=0.1)
+
+        def stepped(k, opt=opt, L=L):
+            _take(opt, skipped=k in SKIPS)
+            return L is A or k not in SKIPS
+
+        out[L] = run(L, opt, stepped)
+    return out
+
+
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 def test_changing_an_attribute_mid_run_takes_effect_as_in_torch():
     """``sched.milestones`` replaced after some steps (torch honours it from the next step on)."""
-    def run(L, opt, step):
+    def run(L, opt, stepped, skips_matter=True):
         sched = L.MultiStepLR(opt, [3, 6], gamma=0.5)
         out = []
         for k in range(12):
             if k == 4:
                 sched.milestones = Counter([5, 8, 9])
-            step(k)
-            sched.step()
+            if stepped(k) or not skips_matter:
+                sched.step()
             out.append(sched.get_last_lr())
         return out
 
-    ref_opt = torch.optim.SGD(_groups(_params()), lr=0.1)
-    ref = run(T, ref_opt, lambda k: ref_opt.step() if k not in SKIPS else None)
-    # torch stepped only on taken steps: replay the skips on its side
-    opt = ampfuse.optim.SGD(_groups(_params()), lr=0.1)
-
-    def ours_step(k):
-        for g in opt.param_groups:
-            g["params"][0].grad = torch.ones(5)
-        opt.step(scaling=StepScaling(None, torch.tensor([1.0 if k in SKIPS else 0.0]), None))
-
-    ref_taken = []
-    t_opt = torch.optim.SGD(_groups(_params()), lr=0.1)
-    t_sched = T.MultiStepLR(t_opt, [3, 6], gamma=0.5)
-    for k in range(12):
-        if k == 4:
-            t_sched.milestones = Counter([5, 8, 9])
-        if k not in SKIPS:
-            t_opt.step()
-            t_sched.step()
-        ref_taken.append(t_sched.get_last_lr())
-    assert run(A, opt, ours_step) == ref_taken
-    assert ref != ref_taken  # the skips mattered
+    out = _torch_and_ours(run)
+    assert out[A] == out[T]
+    every = _torch_and_ours(lambda L, opt, stepped: run(L, opt, stepped, skips_matter=False))
+    assert every[T] != out[T]  # the skips mattered
 
 
 def test_a_write_to_a_groups_lr_is_chained_on_as_torch_does():
     """A user's own ``group["lr"] = x`` between steps: chainable schedules continue from it (one
     host read of the count, at the next step)."""
-    def run(L, opt, step):
+    def run(L, opt, stepped):
         sched = L.ExponentialLR(opt, gamma=0.5)
         out = []
         for k in range(10):
-            step(k)
+            taken = stepped(k)
             if k == 5:
                 opt.param_groups[0]["lr"] = 0.7
-            sched.step() if (L is A or k not in SKIPS) else None
+            if taken:
+                sched.step()
             out.append([_f32(float(g["lr"])) for g in opt.param_groups])
         return out
 
-    t_opt = torch.optim.SGD(_groups(_params()), lr=0.1)
-    ref = run(T, t_opt, lambda k: t_opt.step() if k not in SKIPS else None)
-    opt = ampfuse.optim.SGD(_groups(_params()), lr=0.1)
-
-    def ours_step(k):
-        for g in opt.param_groups:
-            g["params"][0].grad = torch.ones(5)
-        opt.step(scaling=StepScaling(None, torch.tensor([1.0 if k in SKIPS else 0.0]), None))
-
-    assert run(A, opt, ours_step) == ref
+    out = _torch_and_ours(run)
+    assert out[A] == out[T]
 
 
 def test_lambda_state_of_callable_objects_is_saved_and_restored():
@@ -746,7 +736,7 @@ def _sgd(lib_opt, lr=0.1, n=1):
 
 def _take(opt, skipped=False):
     for g in opt.param_groups:
-        g["params"][0].grad = torch.ones(2)
+        g["params"][0].grad = torch.ones_like(g["params"][0])
     if isinstance(opt, ampfuse.optim.SGD):
         opt.step(scaling=StepScaling(None, torch.tensor([1.0 if skipped else 0.0]), None))
     elif not skipped:
