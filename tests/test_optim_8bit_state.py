@@ -102,10 +102,13 @@ def test_each_state_is_kept_in_its_dtype_with_fp32_below_4096_elements(name):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_a_step_is_the_fp32_step_on_the_decoded_state_requantized(name):
+@pytest.mark.parametrize("overflow", [False, True], ids=["finite", "overflowing-square"])
+def test_a_step_is_the_fp32_step_on_the_decoded_state_requantized(name, overflow):
     """Step by step, the 8-bit optimizer equals an fp32-state optimizer given the decoded state
     and the same master, with its new state requantized: the formats the class picks (the
-    unsigned map for second moments) and the small params' fp32 state."""
+    unsigned map for second moments) and the small params' fp32 state. With a finite gradient
+    of 1e22 (its square is inf in fp32, so no scaler skips it), the inf second moment stays in
+    its element as in fp32 state, and no param becomes NaN."""
     params = _params()
     opt = _make(name, params)
     _run(opt, params, 1)  # state exists
@@ -116,11 +119,15 @@ def test_a_step_is_the_fp32_step_on_the_decoded_state_requantized(name):
         ref = cls(ref_params, lr=1e-2, **{**wide, "state_dtype": torch.float32})
         ref.load_state_dict(opt.state_dict())  # fp32 values: the decoded state
         grads = _grads(params, k)
+        if overflow and k == 1:
+            grads[0].view(-1)[[5, 300]] = 1e22
+            grads[3].view(-1)[7] = -1e22
         for p, q, g in zip(params, ref_params, grads):
             p.grad, q.grad = g, g.clone()
         opt.step()
         ref.step()
         for p, q in zip(params, ref_params):
+            assert not p.isnan().any()
             assert torch.equal(_bits(p), _bits(q))
             for key, t in opt.state[p].items():
                 if key.endswith("_absmax"):

@@ -4,7 +4,8 @@ Against a reference written here from the format's definition (the dynamic map o
 (2022) built from its construction, the fp8 tables from torch's own fp8 decoding, nearest entry by
 exhaustive search): every table entry, every code's round trip (the property that makes a
 checkpoint of 8-bit state, saved as fp32, load back bitwise), the block structure (ragged last
-block, NaN blocks, absmax per block), the second-moment rules, argument errors, and ``opcheck``.
+block, absmax per block, blocks marked by an inf or a NaN), the second-moment rules, argument
+errors, and ``opcheck``.
 """
 
 from __future__ import annotations
@@ -50,8 +51,24 @@ def reference_table(dtype: torch.dtype, nonnegative: bool) -> torch.Tensor:
     return (decoded / top).float()
 
 
-def reference_encode(x: torch.Tensor, absmax: float, table: torch.Tensor, signed: bool, nonnegative: bool) -> torch.Tensor:
-    """Nearest entry to |x| / absmax by exhaustive search (ties: the even index)."""
+def reference_encode(x: torch.Tensor, absmax: float, table: torch.Tensor, signed: bool, nonnegative: bool,
+                     marked: bool = False) -> torch.Tensor:
+    """Nearest entry to |x| / absmax by exhaustive search (ties: the even index). In a ``marked``
+    block (one holding an inf or a NaN): index 1 is inf (with the sign bit -inf), 0x80 (signed) or
+    index 2 (unsigned) NaN, and a finite value off those takes the nearer of 0 and the next index up
+    (a positive second moment: the next index up)."""
+    if marked:
+        codes = reference_encode(torch.where(x.isfinite(), x, torch.zeros_like(x)), absmax, table, signed, nonnegative)
+        up = 2 if signed else 3
+        low = codes.long() & (0x7F if signed else 0xFF)
+        a = x.abs() / absmax if absmax > 0 else torch.zeros_like(x)
+        down = (a < table[up] - a) & (not nonnegative)
+        moved = torch.where(down, torch.zeros_like(low), (codes.long() & 0x80) | up)
+        out = torch.where((low != 0) & (low < up), moved, codes.long())
+        out = torch.where(x == math.inf, torch.ones_like(out), out)
+        out = torch.where(x == -math.inf, torch.full_like(out, 0 if nonnegative else 0x81), out)
+        out = torch.where(x.isnan(), torch.full_like(out, 0x80 if signed else 2), out)
+        return out.to(torch.uint8)
     a = (x.abs() / absmax) if absmax > 0 else torch.full_like(x, math.nan)
     if nonnegative:
         a = torch.where(x < 0, torch.zeros_like(a), a)
@@ -155,25 +172,30 @@ def decision_values(dtype: torch.dtype, nonnegative: bool, ulps: int = 3) -> tor
     return v[(v >= 0) & (v <= 1)].unique()
 
 
-def encode_decision_values(dtype: torch.dtype, nonnegative: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """decision_values, both signs, in blocks that each hold 1.0 (so |x| / absmax is |x| itself):
-    the values and their codes."""
+MARKS = torch.tensor([math.inf, -math.inf, math.nan])
+
+
+def encode_decision_values(dtype: torch.dtype, nonnegative: bool, marked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """decision_values, both signs, in blocks that each hold 1.0 (so |x| / absmax is |x| itself),
+    and when ``marked`` also inf, -inf and NaN: the values and their codes."""
     v = decision_values(dtype, nonnegative)
     v = torch.cat([v, -v])
-    per = BLOCK - 1
-    blocks = [torch.cat([torch.ones(1), v[i:i + per]]) for i in range(0, v.numel(), per)]
+    head = torch.cat([torch.ones(1), MARKS]) if marked else torch.ones(1)
+    per = BLOCK - head.numel()
+    blocks = [torch.cat([head, v[i:i + per]]) for i in range(0, v.numel(), per)]
     x = torch.cat(blocks)
     codes, _ = ops.quantize_blocks(x, dtype, nonnegative=nonnegative)
     return x, codes_of(codes)
 
 
 @pytest.mark.parametrize(("dtype", "nonnegative"), FORMATS, ids=FORMAT_IDS)
-def test_values_beside_every_decision_encode_as_the_nearest_entry(dtype, nonnegative):
+@pytest.mark.parametrize("marked", [False, True], ids=["finite", "marked"])
+def test_values_beside_every_decision_encode_as_the_nearest_entry(dtype, nonnegative, marked):
     # An encoder that guesses an index by arithmetic and corrects it once (any fast one) errs, if
     # at all, right at a midpoint, an entry, or where its guess changes rule (binades, decades).
-    x, got = encode_decision_values(dtype, nonnegative)
+    x, got = encode_decision_values(dtype, nonnegative, marked)
     signed = not (dtype == torch.uint8 and nonnegative)
-    expected = reference_encode(x, 1.0, reference_table(dtype, nonnegative), signed, nonnegative)
+    expected = reference_encode(x, 1.0, reference_table(dtype, nonnegative), signed, nonnegative, marked)
     bad = (got != expected).nonzero().reshape(-1)
     assert bad.numel() == 0, [(float(x[i]), int(got[i]), int(expected[i])) for i in bad[:5]]
 
@@ -183,7 +205,7 @@ import sys, torch, ampfuse
 sys.path.insert(0, sys.argv[1])
 import test_quantization as t
 assert ampfuse.cpu_kernel_info()["kernels"] == sys.argv[2], ampfuse.cpu_kernel_info()
-torch.save([t.encode_decision_values(d, n)[1] for d, n in t.FORMATS], sys.argv[3])
+torch.save([t.encode_decision_values(d, n, m)[1] for d, n in t.FORMATS for m in (False, True)], sys.argv[3])
 """
 
 
@@ -194,14 +216,15 @@ def test_every_cpu_capability_encodes_the_decisions_alike(tmp_path):
     supported = ["DEFAULT", "AVX2", "AVX512"]
     capability = torch.backends.cpu.get_cpu_capability()
     runnable = supported[: supported.index(capability) + 1] if capability in supported else ["DEFAULT"]
-    ours = [encode_decision_values(d, n)[1] for d, n in FORMATS]
+    ours = [encode_decision_values(d, n, m)[1] for d, n in FORMATS for m in (False, True)]
     for cap in runnable:
         out = tmp_path / f"{cap}.pt"
         env = dict(os.environ, ATEN_CPU_CAPABILITY=cap.lower())
         subprocess.run([sys.executable, "-c", _CAPABILITY_SCRIPT, os.path.dirname(__file__), cap, str(out)],
                        env=env, check=True)
-        for (dtype, nonnegative), theirs, mine in zip(FORMATS, torch.load(out), ours):
-            assert torch.equal(theirs, mine), (cap, dtype, nonnegative)
+        cases = [(d, n, m) for d, n in FORMATS for m in (False, True)]
+        for case, theirs, mine in zip(cases, torch.load(out), ours, strict=True):
+            assert torch.equal(theirs, mine), (cap, case)
 
 
 def test_fp8_codes_are_the_fp8_numbers_of_the_scaled_values():
@@ -218,17 +241,58 @@ def test_fp8_codes_are_the_fp8_numbers_of_the_scaled_values():
 
 
 @pytest.mark.parametrize(("dtype", "nonnegative"), FORMATS, ids=FORMAT_IDS)
-def test_blocks_are_independent_and_a_nan_block_decodes_as_nan(dtype, nonnegative):
-    x = torch.rand(2 * BLOCK + 5) + 0.5
-    x[BLOCK + 3] = math.nan
-    codes, absmax = ops.quantize_blocks(x, dtype, nonnegative=nonnegative)
-    assert absmax.shape == (3,)
-    assert math.isnan(float(absmax[1])) and float(absmax[0]) == float(x[:BLOCK].max())
-    assert absmax[1:2].view(torch.int32).item() == 0x7FC00000  # one canonical NaN
-    out = ops.dequantize_blocks(codes, absmax, nonnegative=nonnegative)
-    assert out[BLOCK:2 * BLOCK].isnan().all()
-    alone, _ = ops.quantize_blocks(x[2 * BLOCK:].clone(), dtype, nonnegative=nonnegative)
-    assert torch.equal(codes_of(codes)[2 * BLOCK:], codes_of(alone))  # the ragged block by itself
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_inf_or_nan_stays_itself_and_its_block_keeps_its_other_values(dtype, nonnegative, device):
+    """As in an fp32 state: a block holding an inf or a NaN is marked (its absmax, the largest
+    finite magnitude, stored negated), the non-finite values decode as themselves (-inf as 0 for a
+    second moment) and the finite ones as in a block without them; the blocks beside are untouched;
+    a round trip is bitwise. The issue's case: [inf, 1, 2, 3] as a second moment."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.rand(3 * BLOCK + 5, generator=g) + 0.5
+    x[BLOCK + 3], x[BLOCK + 7], x[BLOCK + 11] = math.inf, -math.inf, math.nan
+    x[2 * BLOCK + 9] = math.nan  # a block marked by a NaN alone
+    clean = torch.where(x.isfinite(), x, torch.zeros_like(x))
+    codes, absmax = ops.quantize_blocks(x.to(device), dtype, nonnegative=nonnegative)
+    clean_codes, clean_absmax = ops.quantize_blocks(clean, dtype, nonnegative=nonnegative)
+    codes, absmax = codes.cpu(), absmax.cpu()
+    assert torch.equal(absmax.abs(), clean_absmax)  # the largest finite magnitude
+    assert torch.equal(absmax.signbit(), torch.tensor([False, True, True, False]))
+    out = ops.dequantize_blocks(codes.to(device), absmax.to(device), nonnegative=nonnegative).cpu()
+    finite = x.isfinite()
+    assert torch.equal(out[finite], ops.dequantize_blocks(clean_codes, clean_absmax, nonnegative=nonnegative)[finite])
+    assert out[BLOCK + 3] == math.inf and out[BLOCK + 7] == (0.0 if nonnegative else -math.inf)
+    assert out[BLOCK + 11].isnan() and out[2 * BLOCK + 9].isnan() and int(out.isnan().sum()) == 2
+    again, again_absmax = ops.quantize_blocks(out.to(device), dtype, nonnegative=nonnegative)
+    assert torch.equal(codes_of(again.cpu()), codes_of(codes))
+    assert torch.equal(again_absmax.cpu().view(torch.int32), absmax.view(torch.int32))
+    second, second_absmax = ops.quantize_blocks(torch.tensor([math.inf, 1.0, 2.0, 3.0], device=device), dtype,
+                                                nonnegative=True)
+    decoded = ops.dequantize_blocks(second, second_absmax, nonnegative=True).cpu()
+    assert decoded[0] == math.inf and decoded[3] == 3.0 and bool(decoded[1:].isfinite().all())
+    assert float(second_absmax) == -3.0
+
+
+@pytest.mark.parametrize(("dtype", "nonnegative"), FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_code_of_a_marked_block_survives_a_round_trip(dtype, nonnegative, device):
+    """Every code a marked block can hold (the marks, and every finite code but the ones the marks
+    take), decoded and encoded again: the same codes and absmax."""
+    signed = not (dtype == torch.uint8 and nonnegative)
+    codes = all_codes(dtype, nonnegative)
+    low = codes.long() & (0x7F if signed else 0xFF)
+    codes = codes[(low == 0) | (low >= (2 if signed else 3))]
+    marks = [1, 0x80] + ([] if nonnegative else [0x81]) if signed else [1, 2]
+    top = int(torch.nonzero(reference_table(dtype, nonnegative) == 1.0)[0])
+    codes = torch.cat([torch.tensor([top] + marks, dtype=torch.uint8), codes])
+    codes[BLOCK::BLOCK] = top  # every block holds its absmax
+    for absmax in (-1.0, -3.7e-3, -2.0**-90):
+        absmax_t = torch.full((math.ceil(codes.numel() / BLOCK),), absmax)
+        absmax_t[1:] = abs(absmax)  # the blocks past the first hold no mark
+        stored = codes.view(dtype) if dtype != torch.uint8 else codes
+        values = ops.dequantize_blocks(stored.to(device), absmax_t.to(device), nonnegative=nonnegative)
+        again, again_absmax = ops.quantize_blocks(values, dtype, nonnegative=nonnegative)
+        assert torch.equal(again_absmax.cpu(), absmax_t)
+        assert torch.equal(codes_of(again.cpu()), codes), (codes_of(again.cpu()) != codes).nonzero()[:5]
 
 
 def test_zero_block_and_empty_tensor():
@@ -454,6 +518,34 @@ def test_the_8bit_step_is_the_fp32_step_on_the_dequantized_state_requantized(kin
     got = _run_step(kind, inputs, True, _scaling(scaling))
     expected = _run_step(kind, inputs, False, _scaling(scaling))
     _assert_bitwise(got, expected)
+
+
+@pytest.mark.parametrize("kind", ["adam", "amsgrad", "sgd"])
+@pytest.mark.parametrize("formats", list(STATE_FORMATS), ids=list(STATE_FORMATS))
+def test_an_inf_or_nan_in_a_moment_block_is_kept_as_the_fp32_step_keeps_it(kind, formats):
+    """Moments holding inf and NaN, and gradients whose squares overflow: the 8-bit step is the fp32
+    step on the decoded state requantized, bitwise, and a param is NaN only where the fp32 step's is."""
+    inputs = _step_inputs(kind, torch.float32, "none", STATE_FORMATS[formats], seed=11)
+    params, grads, masters, states, steps = inputs
+    grads = [g.clone() for g in grads]
+    grads[3][[3, 600]] = 1e22
+    grads[4][9] = -3e38
+    for k, lst in enumerate(states):
+        nonneg = k > 0
+        for i in (3, 5):
+            values = ops.dequantize_blocks(*lst[i], nonnegative=nonneg)
+            values[[1, 700]] = math.inf
+            values[[2, 1300]] = math.nan if i == 5 else (0.0 if nonneg else -math.inf)
+            lst[i] = _quantized(values, lst[i][0].dtype, nonneg)
+    inputs = (params, grads, masters, states, steps)
+    got = _run_step(kind, inputs, True, {})
+    expected = _run_step(kind, inputs, False, {})
+    _assert_bitwise(got, expected)
+    for i, p in enumerate(got[0]):  # NaN only in planted elements, not in their blocks
+        planted = torch.zeros(p.numel(), dtype=torch.bool)
+        if i in (3, 5):
+            planted[[1, 2, 700, 1300]] = True
+        assert not bool(p.isnan()[~planted].any()), i
 
 
 @pytest.mark.parametrize("kind", ["adam", "sgd"])

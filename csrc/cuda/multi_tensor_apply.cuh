@@ -269,29 +269,36 @@ int64_t pass_launches(int64_t count) {
   return count == 0 ? 1 : (count + cap - 1) / cap;
 }
 
-// Deterministic block-wide reduction (sum or max, NaN-propagating) of one value per thread (float
-// or double); the result is valid in thread 0. `shared` holds kBlockSize / 32 values.
-template <bool kMax, typename T>
-__device__ __forceinline__ T block_reduce(T v, T* shared) {
+// Deterministic block-wide reduction by `combine` of one value per thread; the result is valid in
+// thread 0. `shared` holds kBlockSize / 32 values; `identity` fills the missing warps' slots.
+template <typename T, class Combine>
+__device__ __forceinline__ T block_reduce_by(T v, T* shared, T identity, Combine combine) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const T o = __shfl_down_sync(0xffffffffu, v, off);
-    v = kMax ? ((o > v || o != o) ? o : v) : v + o;
-  }
+  for (int off = 16; off > 0; off >>= 1) v = combine(v, __shfl_down_sync(0xffffffffu, v, off));
   if (lane == 0) shared[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    v = lane < (kBlockSize / 32) ? shared[lane] : T(0);
+    v = lane < (kBlockSize / 32) ? shared[lane] : identity;
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const T o = __shfl_down_sync(0xffffffffu, v, off);
-      v = kMax ? ((o > v || o != o) ? o : v) : v + o;
-    }
+    for (int off = 16; off > 0; off >>= 1) v = combine(v, __shfl_down_sync(0xffffffffu, v, off));
   }
   __syncthreads();
   return v;
+}
+
+// Sum or max (NaN-propagating) of one value per thread (float or double), as block_reduce_by.
+template <bool kMax, typename T>
+__device__ __forceinline__ T block_reduce(T v, T* shared) {
+  return block_reduce_by(v, shared, T(0), [](T a, T o) { return kMax ? ((o > a || o != o) ? o : a) : a + o; });
+}
+
+// absmax_combine over a quantization block's values' absmax_term (a thread past the end gives 0),
+// valid in thread 0: what quant_block_absmax turns into the block's absmax.
+__device__ __forceinline__ float block_absmax_reduce(float x, bool live, float* shared) {
+  return block_reduce_by(live ? absmax_term(x) : 0.0f, shared, 0.0f,
+                         [](float a, float b) { return absmax_combine(a, b); });
 }
 
 // ---- 8-bit block-scaled state (ops/rules.h) ----------------------------------------------------

@@ -359,7 +359,7 @@ __device__ AMPFUSE_PASS_BODY void optim_quant_pass(const TableMeta<kQuantLists<K
 #pragma unroll
       for (int k = 0; k < NS; ++k) {
         if (!Kind::uses_state(s, k)) continue;  // uniform over the block
-        const float mag = block_reduce<true>(live ? fabsf(se[k]) : 0.0f, partial);
+        const float mag = block_absmax_reduce(se[k], live, partial);
         float* absmax = static_cast<float*>(meta.ptr[3 + NS + k][t]);
         if (threadIdx.x == 0) {
           block_absmax[0] = quant_block_absmax(mag);

@@ -21,7 +21,7 @@ __global__ void __launch_bounds__(kBlockSize) quantize_kernel(QuantizeArgs a) {
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
     const int64_t i = b * kQuantBlock + threadIdx.x;
     const float x = i < a.numel ? a.values[i] : 0.0f;
-    const float m = block_reduce<true>(fabsf(x), partial);
+    const float m = block_absmax_reduce(x, i < a.numel, partial);
     if (threadIdx.x == 0) {
       block_absmax[0] = quant_block_absmax(m);
       a.absmax[b] = block_absmax[0];

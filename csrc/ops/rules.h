@@ -217,11 +217,17 @@ AMPFUSE_HOST_DEVICE uint16_t round_bf16_stochastic(float x, uint32_t r) {
 //
 // A state tensor in 8 bits is cut, in its flat element order, into blocks of kQuantBlock elements
 // (the last one may be shorter); each block keeps one fp32 absmax (the largest magnitude of its
-// values, NaN when one of them is NaN; 0, with zero bytes, when it is below fp32's normal range:
-// there a decoded value would lose bits, so a decode-encode round trip would change codes, and
-// such values are far below what changes a step) and one byte per element. A byte decodes as
+// finite values; 0, with zero bytes for them, when it is below fp32's normal range: there a
+// decoded value would lose bits, so a decode-encode round trip would change codes, and such values
+// are far below what changes a step) and one byte per element. A byte decodes as
 // table[index] * absmax, with the format's table of magnitudes normalised to [0, 1] (its largest
-// finite entry is exactly 1, so a block's largest value decodes to exactly its absmax):
+// finite entry is exactly 1, so a block's largest finite value decodes to exactly its absmax).
+// A block that holds an inf or a NaN is marked: its absmax is stored negated (-0 when it is 0),
+// and in it index 1 is inf (with the sign bit: -inf) and one code is NaN (0x80 in the signed
+// formats, index 2 in Dynamic8Unsigned), so each non-finite value stays itself and the others
+// keep their precision, as in an fp32 state; a finite value whose index would be a mark's takes
+// the nearest other index (0 or the next one up; the next one up for a positive second moment).
+// The formats:
 //   Dynamic8Signed   torch.uint8, sign bit + a 7-bit index into 128 magnitudes (0, then seven
 //                    decades 1e-7..1 with 1, 2, 4, 8, 16, 32 and 63 linear steps, then 1): for
 //                    values of either sign (first moments, momentum)
@@ -282,8 +288,20 @@ AMPFUSE_HOST_DEVICE float quant_table_entry(QuantFormat f, int i) {
   return 1.0f;
 }
 
-// NaN-propagating maximum of magnitudes (the block's absmax).
-AMPFUSE_HOST_DEVICE float absmax_combine(float a, float b) { return (b > a || b != b) ? b : a; }
+// The term of value `x` in its block's absmax: its magnitude, or -0 (no magnitude, the sign bit
+// as the block's mark) for an inf or a NaN.
+AMPFUSE_HOST_DEVICE float absmax_term(float x) {
+  return (float_bits(x) & 0x7FFFFFFFu) < 0x7F800000u ? fabsf(x) : -0.0f;
+}
+
+// Whether `x` has its sign bit set (a marked block's absmax; -0 too).
+AMPFUSE_HOST_DEVICE bool sign_bit(float x) { return (float_bits(x) >> 31) != 0; }
+
+// Two absmax terms (or combinations) combined: the larger magnitude, negative when either is.
+AMPFUSE_HOST_DEVICE float absmax_combine(float a, float b) {
+  const float m = fmaxf(fabsf(a), fabsf(b));
+  return (sign_bit(a) || sign_bit(b)) ? -m : m;
+}
 
 // The magnitude an encoding looks up: |x| / absmax (0 for a negative second moment, and in a
 // block stored as zeros).
@@ -307,30 +325,55 @@ AMPFUSE_HOST_DEVICE uint8_t quant_encode_at(float x, float a, int first, const f
   return static_cast<uint8_t>(idx | ((sign && x < 0.0f && idx != 0) ? 0x80 : 0));
 }
 
-// The byte of `x` in a block of absmax `absmax` (a block whose absmax is 0 or NaN stores zero
-// bytes), given the format's table: the first index is found by binary search (entries past the
-// finite ones are inf/NaN, never < a).
+// The code that marks NaN in a marked block, and the first index a finite value takes there above 0.
+AMPFUSE_HOST_DEVICE int quant_nan_mark(QuantFormat f) { return f == QuantFormat::Dynamic8Unsigned ? 2 : 0x80; }
+AMPFUSE_HOST_DEVICE int quant_first_unmarked(QuantFormat f) { return f == QuantFormat::Dynamic8Unsigned ? 3 : 2; }
+
+// The byte of `x` in a marked block, given `c`, its byte by the unmarked rule, and `a`, its
+// magnitude (quant_magnitude): the marks for inf and NaN, a finite value off the marks.
+AMPFUSE_HOST_DEVICE uint8_t quant_encode_marked(float x, uint8_t c, float a, const float* table, QuantFormat f,
+                                                bool nonnegative) {
+  const bool sign = f != QuantFormat::Dynamic8Unsigned;
+  if (x != x) return static_cast<uint8_t>(quant_nan_mark(f));
+  if (a == 0.0f) return c;  // 0, a negative second moment
+  if (fabsf(x) == INFINITY) return static_cast<uint8_t>((sign && x < 0.0f) ? 0x81 : 1);
+  const int idx = sign ? (c & 0x7F) : c, up = quant_first_unmarked(f);
+  if (idx == 0 || idx >= up) return c;
+  const bool down = !nonnegative && a - table[0] < table[up] - a;
+  return static_cast<uint8_t>(down ? 0 : (c & (sign ? 0x80 : 0)) | up);
+}
+
+// The byte of `x` in a block of absmax `absmax` (a block whose absmax is 0 stores zero bytes for
+// its finite values), given the format's table: the first index is found by binary search
+// (entries past the finite ones are inf/NaN, never < a).
 AMPFUSE_HOST_DEVICE uint8_t quant_encode(float x, float absmax, const float* table, QuantFormat f,
                                          bool nonnegative) {
-  const float a = quant_magnitude(x, absmax, nonnegative);
+  const float a = quant_magnitude(x, fabsf(absmax), nonnegative);
   int lo = 0;
   for (int step = quant_table_size(f) >> 1; step > 0; step >>= 1) {
     if (table[lo + step - 1] < a) lo += step;
   }
-  return quant_encode_at(x, a, lo, table, f, nonnegative);
+  const uint8_t c = quant_encode_at(x, a, lo, table, f, nonnegative);
+  return sign_bit(absmax) ? quant_encode_marked(x, c, a, table, f, nonnegative) : c;
 }
 
 // The value of byte `c` in a block of absmax `absmax`.
 AMPFUSE_HOST_DEVICE float quant_decode(uint8_t c, float absmax, const float* table, QuantFormat f) {
-  if (f == QuantFormat::Dynamic8Unsigned) return table[c] * absmax;
-  const float v = table[c & 0x7F] * absmax;
-  return (c & 0x80) ? -v : v;
+  const bool sign = f != QuantFormat::Dynamic8Unsigned;
+  const int idx = sign ? (c & 0x7F) : c;
+  if (sign_bit(absmax)) {  // a marked block
+    if (c == quant_nan_mark(f)) return NAN;
+    if (idx == 1) return (sign && (c & 0x80)) ? -INFINITY : INFINITY;
+  }
+  const float v = table[idx] * fabsf(absmax);
+  return (sign && (c & 0x80)) ? -v : v;
 }
 
-// The absmax a block stores for the largest magnitude `m` of its values: NaN canonical, 0 below
-// fp32's normal range (the block is stored as zeros).
+// The absmax a block stores for `m`, the absmax_combine of its values' absmax_term: 0 below fp32's
+// normal range (the finite values are stored as zeros), negated in a marked block.
 AMPFUSE_HOST_DEVICE float quant_block_absmax(float m) {
-  return m != m ? bits_float(0x7FC00000u) : (m < 0x1p-126f ? 0.0f : m);
+  const float finite = fabsf(m) < 0x1p-126f ? 0.0f : fabsf(m);
+  return sign_bit(m) ? -finite : finite;
 }
 
 // Hyper-parameters of the fused optimizers (the step-dependent factors are derived per tensor from

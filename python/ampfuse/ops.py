@@ -204,17 +204,19 @@ def quantize_blocks(
     """The 8-bit block-scaled form of fp32 ``values``, as the optimizers keep 8-bit state.
 
     ``values`` is cut, in its flat order, into blocks of :data:`QUANT_BLOCK` values (the last one
-    may be shorter). Each block keeps its absmax (largest magnitude, NaN if it holds a NaN) and one
-    byte per value, the entry of a table of magnitudes in ``[0, 1]`` nearest to
-    ``|value| / absmax`` (ties: the even entry):
+    may be shorter). Each block keeps its absmax (largest finite magnitude) and one byte per value,
+    the entry of a table of magnitudes in ``[0, 1]`` nearest to ``|value| / absmax`` (ties: the
+    even entry):
 
     * ``torch.uint8``: the dynamic map of Dettmers et al. (2022), a sign bit and 128 magnitudes
       over seven decades, or with ``nonnegative`` 256 magnitudes and no sign;
     * ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``: the fp8 number nearest to
       ``value / absmax * 448`` (``57344``), so the codes are fp8 values scaled per block.
 
-    A block's largest value decodes to exactly its absmax, and requantizing the decoded values
-    gives the same codes and absmax.
+    A block's largest finite value decodes to exactly its absmax, and requantizing the decoded
+    values gives the same codes and absmax. An inf or a NaN decodes as itself: its block is marked
+    (absmax stored negated) and two of its codes stand for inf (with the sign) and NaN; the other
+    values keep their precision (the manual's Ops page, "8-bit block-scaled state").
 
     Args:
         values: float32 tensor, any shape.
