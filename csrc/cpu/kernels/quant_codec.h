@@ -138,36 +138,44 @@ inline const QuantTable& quant_table(QuantFormat f) {
   return tables[static_cast<int>(f)];
 }
 
+// The largest magnitude's bits of x[0, n) (a magnitude's bits order as its value, and inf's and
+// NaN's lie above every finite one's); with `finite_only`, of its finite values. An integer max,
+// so the loop vectorises.
+template <bool kFiniteOnly>
+inline uint32_t max_magnitude_bits(const float* x, int64_t n) {
+  uint32_t m = 0;
+  for (int64_t e = 0; e < n; ++e) {
+    uint32_t b;
+    std::memcpy(&b, x + e, sizeof b);
+    b &= 0x7FFFFFFFu;
+    m = std::max(m, (kFiniteOnly && b >= 0x7F800000u) ? 0u : b);
+  }
+  return m;
+}
+
 // The absmax of each block of x[0, n) (quant_block_absmax of absmax_combine over its values'
-// absmax_term): the largest finite magnitude's bits, as a finite magnitude's bits order as its
-// value, with the sign bit set when one value is inf or NaN. Integer max and or, so the loop
-// vectorises.
+// absmax_term): the largest magnitude, and in the rare block that holds an inf or a NaN, the
+// largest finite one with the sign bit set.
 inline void block_absmax_cpu(const float* x, int64_t n, float* absmax) {
   for (int64_t b0 = 0; b0 < n; b0 += kQuantBlock) {
-    const int64_t end = std::min(n, b0 + kQuantBlock);
-    uint32_t m = 0, marked = 0;
-    for (int64_t e = b0; e < end; ++e) {
-      uint32_t b;
-      std::memcpy(&b, x + e, sizeof b);
-      b &= 0x7FFFFFFFu;
-      const bool finite = b < 0x7F800000u;
-      m = std::max(m, finite ? b : 0u);
-      marked |= finite ? 0u : 0x80000000u;
-    }
-    absmax[b0 / kQuantBlock] = quant_block_absmax(bits_float(m | marked));
+    const int64_t len = std::min(kQuantBlock, n - b0);
+    const uint32_t m = max_magnitude_bits<false>(x + b0, len);
+    absmax[b0 / kQuantBlock] = quant_block_absmax(
+        bits_float(m < 0x7F800000u ? m : (max_magnitude_bits<true>(x + b0, len) | 0x80000000u)));
   }
 }
 
 // Whether a block's absmax marks it as holding an inf or a NaN (ops/rules.h): its codes are
-// encoded and decoded by the rule itself, value by value.
+// encoded and decoded by the rule itself, value by value, outside the vector loops (a call inside
+// them would cost their register-held tables on every path).
 inline bool marked_block(float absmax) { return sign_bit(absmax); }
 
-inline void encode_marked_cpu(const float* x, int64_t n, float absmax, const QuantTable& t, QuantFormat f,
+[[gnu::cold, gnu::noinline]] inline void encode_marked_cpu(const float* x, int64_t n, float absmax, const QuantTable& t, QuantFormat f,
                               bool nonnegative, uint8_t* out) {
   for (int64_t e = 0; e < n; ++e) out[e] = quant_encode(x[e], absmax, t.entries, f, nonnegative);
 }
 
-inline void decode_marked_cpu(const uint8_t* codes, int64_t n, float absmax, const QuantTable& t, QuantFormat f,
+[[gnu::cold, gnu::noinline]] inline void decode_marked_cpu(const uint8_t* codes, int64_t n, float absmax, const QuantTable& t, QuantFormat f,
                               float* out) {
   for (int64_t e = 0; e < n; ++e) out[e] = quant_decode(codes[e], absmax, t.entries, f);
 }
@@ -289,10 +297,6 @@ void encode_blocks_as(const float* x, int64_t n, const float* absmax, const Quan
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   int64_t e = 0;
   for (; e + 64 <= n; e += 64) {
-    if (marked_block(absmax[e / kQuantBlock])) {  // (the 64 share their block)
-      encode_marked_cpu(x + e, 64, absmax[e / kQuantBlock], t, F, kNonnegative, out + e);
-      continue;
-    }
     __m512i c[4];
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
@@ -304,10 +308,6 @@ void encode_blocks_as(const float* x, int64_t n, const float* absmax, const Quan
     _mm512_storeu_si512(out + e, _mm512_permutexvar_epi32(order, bytes));
   }
   for (; e < n; e += 16) {
-    if (marked_block(absmax[e / kQuantBlock])) {
-      encode_marked_cpu(x + e, std::min<int64_t>(16, n - e), absmax[e / kQuantBlock], t, F, kNonnegative, out + e);
-      continue;
-    }
     const __mmask16 k = lanes_from(e, n);
     const __m512 m = _mm512_set1_ps(absmax[e / kQuantBlock]);
     const __m512i c = codec.template encode<kNonnegative>(_mm512_maskz_loadu_ps(k, x + e), m, up_to);
@@ -331,10 +331,6 @@ void decode_blocks_as(const uint8_t* codes, int64_t n, const float* absmax, cons
                                           0x002C000C, 0x002D000D, 0x002E000E, 0x002F000F);
   const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
   for (int64_t e = 0; e < n; e += 32) {
-    if (marked_block(absmax[e / kQuantBlock])) {
-      decode_marked_cpu(codes + e, std::min<int64_t>(32, n - e), absmax[e / kQuantBlock], t, F, out + e);
-      continue;
-    }
     const __mmask32 k = e + 32 <= n ? ~__mmask32(0) : (__mmask32(1) << (n - e)) - 1;
     const __m256i bytes = _mm256_maskz_loadu_epi8(k, codes + e);
     const __m512i c = _mm512_cvtepu8_epi16(bytes);
@@ -393,13 +389,8 @@ void encode_block_as(const float* __restrict x, int64_t n, float absmax, const Q
 template <QuantFormat F, bool kNonnegative>
 void encode_blocks_as(const float* x, int64_t n, const float* absmax, const QuantTable& t, uint8_t* out) {
   for (int64_t b0 = 0; b0 < n; b0 += kQuantBlock) {
-    const int64_t len = std::min(kQuantBlock, n - b0);
-    const float m = absmax[b0 / kQuantBlock];
-    if (marked_block(m)) {
-      encode_marked_cpu(x + b0, len, m, t, F, kNonnegative, out + b0);
-    } else {
-      encode_block_as<F, kNonnegative>(x + b0, len, m, t, out + b0);
-    }
+    encode_block_as<F, kNonnegative>(x + b0, std::min(kQuantBlock, n - b0), absmax[b0 / kQuantBlock], t,
+                                     out + b0);
   }
 }
 
@@ -410,10 +401,6 @@ void decode_blocks_as(const uint8_t* codes, int64_t n, const float* absmax, cons
   for (int64_t b0 = 0; b0 < n; b0 += kQuantBlock) {
     const int64_t end = std::min(n, b0 + kQuantBlock);
     const float m = absmax[b0 / kQuantBlock];
-    if (marked_block(m)) {
-      decode_marked_cpu(codes + b0, end - b0, m, t, F, out + b0);
-      continue;
-    }
     for (int64_t e = b0; e < end; ++e) {
       const uint32_t c = codes[e];
       const float v = t.entries[kSigned ? (c & 0x7Fu) : c] * m;
@@ -427,10 +414,10 @@ void decode_blocks_as(const uint8_t* codes, int64_t n, const float* absmax, cons
 
 #endif
 
-// quant_encode (ops/rules.h) of x[0, n), a run of blocks from a block's start, block b of absmax
-// absmax[b].
-inline void encode_blocks_cpu(const float* x, int64_t n, const float* absmax, const QuantTable& t,
-                              QuantFormat f, bool nonnegative, uint8_t* out) {
+// quant_encode of a run of unmarked blocks (x[0, n) from a block's start, block b of absmax
+// absmax[b]).
+inline void encode_blocks_unmarked(const float* x, int64_t n, const float* absmax, const QuantTable& t,
+                                   QuantFormat f, bool nonnegative, uint8_t* out) {
   using Q = QuantFormat;
   switch (f) {
     case Q::Dynamic8Signed:
@@ -448,9 +435,9 @@ inline void encode_blocks_cpu(const float* x, int64_t n, const float* absmax, co
   }
 }
 
-// quant_decode (ops/rules.h) of the codes of a run of blocks, as encode_blocks_cpu.
-inline void decode_blocks_cpu(const uint8_t* codes, int64_t n, const float* absmax, const QuantTable& t,
-                              QuantFormat f, float* out) {
+// quant_decode of the codes of a run of unmarked blocks, as encode_blocks_unmarked.
+inline void decode_blocks_unmarked(const uint8_t* codes, int64_t n, const float* absmax, const QuantTable& t,
+                                   QuantFormat f, float* out) {
   using Q = QuantFormat;
   switch (f) {
     case Q::Dynamic8Signed: return decode_blocks_as<Q::Dynamic8Signed>(codes, n, absmax, t, out);
@@ -458,6 +445,42 @@ inline void decode_blocks_cpu(const uint8_t* codes, int64_t n, const float* absm
     case Q::E4M3: return decode_blocks_as<Q::E4M3>(codes, n, absmax, t, out);
     case Q::E5M2: return decode_blocks_as<Q::E5M2>(codes, n, absmax, t, out);
   }
+}
+
+// fn(first element, elements) over the runs of unmarked blocks of a run of blocks, and
+// marked(first element, elements, absmax) over each marked block.
+template <class Unmarked, class Marked>
+void split_at_marks(int64_t n, const float* absmax, const Unmarked& unmarked, const Marked& marked) {
+  int64_t run = 0;
+  for (int64_t b0 = 0; b0 < n; b0 += kQuantBlock) {
+    const float m = absmax[b0 / kQuantBlock];
+    if (!marked_block(m)) continue;
+    if (b0 > run) unmarked(run, b0 - run);
+    marked(b0, std::min(kQuantBlock, n - b0), m);
+    run = b0 + kQuantBlock;
+  }
+  if (run < n) unmarked(run, n - run);
+}
+
+// quant_encode (ops/rules.h) of x[0, n), a run of blocks from a block's start, block b of absmax
+// absmax[b]: the vector code over unmarked blocks, the rule itself over marked ones.
+inline void encode_blocks_cpu(const float* x, int64_t n, const float* absmax, const QuantTable& t,
+                              QuantFormat f, bool nonnegative, uint8_t* out) {
+  split_at_marks(
+      n, absmax,
+      [&](int64_t e, int64_t len) {
+        encode_blocks_unmarked(x + e, len, absmax + e / kQuantBlock, t, f, nonnegative, out + e);
+      },
+      [&](int64_t e, int64_t len, float m) { encode_marked_cpu(x + e, len, m, t, f, nonnegative, out + e); });
+}
+
+// quant_decode (ops/rules.h) of the codes of a run of blocks, as encode_blocks_cpu.
+inline void decode_blocks_cpu(const uint8_t* codes, int64_t n, const float* absmax, const QuantTable& t,
+                              QuantFormat f, float* out) {
+  split_at_marks(
+      n, absmax,
+      [&](int64_t e, int64_t len) { decode_blocks_unmarked(codes + e, len, absmax + e / kQuantBlock, t, f, out + e); },
+      [&](int64_t e, int64_t len, float m) { decode_marked_cpu(codes + e, len, m, t, f, out + e); });
 }
 
 }  // namespace CPU_CAPABILITY
