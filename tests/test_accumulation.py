@@ -1125,3 +1125,43 @@ def test_token_weighted_ddp_window_with_one_empty_rank_steps_and_an_empty_window
             torch.testing.assert_close(q, p.detach(), rtol=1e-5, atol=1e-6)
         for q0, q1 in zip(params[0], params[1]):
             assert torch.equal(q0, q1)
+
+
+def _window_update(make_opt, norm_type, scaler_kind, dtype):
+    """Windows of 3 micro-batches, clipped at 0.5 in ``norm_type``: the second window's update of
+    the fp32 values (the masters of 16-bit params) as one flat vector (lr 1, plain SGD)."""
+    model = make_model(dtype)
+    opt = make_opt(model.parameters())
+    scaler = ampfuse.GradScaler("cpu", init_scale=2.0**10) if scaler_kind == "ampfuse" else None
+    acc = ampfuse.GradAccumulator(model, opt, scaler, steps=3, max_grad_norm=0.5, norm_type=norm_type)
+
+    def values():
+        if isinstance(opt, ampfuse.optim.SGD) and dtype != torch.float32:
+            return torch.cat([opt.state[p]["master_param"].reshape(-1) for p in model.parameters()])
+        return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+
+    before = None
+    for window in range(2):  # the second window's update (the first one makes the masters)
+        x, y = data(12, 3 + window)
+        if window == 1:
+            before = values()
+        for k in range(3):
+            with acc.accumulate():
+                loss = nn.functional.mse_loss(model(x[4 * k:4 * k + 4].to(dtype)), y[4 * k:4 * k + 4].to(dtype))
+                acc.backward(loss * 100)
+        assert acc.window_ended
+    return values() - before
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 3.0])
+@pytest.mark.parametrize("scaler_kind", [None, "ampfuse"])
+def test_a_clip_in_any_norm_type_clips_the_sums_the_step_reads(norm_type, scaler_kind):
+    """16-bit params, fp32 accumulation: the step reads the window's fp32 sums, and the clip in a
+    norm other than 2 or inf (torch's clip_grad_norm_) must scale those, not the emptied .grad.
+    It once left the update unclipped (L1 184.9 where torch's SGD in the same accumulator gave 1)."""
+    ours = _window_update(lambda p: ampfuse.optim.SGD(p, lr=1.0, master_weights=True), norm_type, scaler_kind,
+                          torch.bfloat16)
+    theirs = _window_update(lambda p: torch.optim.SGD(p, lr=1.0), norm_type, scaler_kind, torch.float32)
+    norm = float(torch.linalg.vector_norm(ours, norm_type))
+    assert norm == pytest.approx(float(torch.linalg.vector_norm(theirs, norm_type)), rel=2e-2)
+    assert norm == pytest.approx(0.5, rel=1e-3)

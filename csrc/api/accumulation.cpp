@@ -45,11 +45,9 @@ GradAccumulator::GradAccumulator(torch::optim::Optimizer& optimizer, GradScaler*
     const double m = *options_.max_grad_norm();
     TORCH_CHECK(std::isfinite(m) && m > 0, "max_grad_norm must be a positive finite number or "
                 "nullopt, got ", m, ".");
-    TORCH_CHECK(!(fused_ && scaler_ == nullptr) || options_.norm_type() == 2.0 ||
-                    options_.norm_type() == std::numeric_limits<double>::infinity(),
-                "norm_type must be 2.0 or inf to clip for an ampfuse optimizer without a "
-                "GradScaler, got ", options_.norm_type(), ".");
   }
+  TORCH_CHECK(options_.norm_type() > 0, "norm_type must be a positive number or inf, got ",
+              options_.norm_type(), ".");
   window_->w = c10::make_intrusive<engine::AccumulatorWindow>(options_.fp32_accumulation(), /*per_param=*/false);
   window_->w->layout(window_->w->wanted(all_params()));
 }
@@ -212,10 +210,12 @@ std::optional<at::Tensor> GradAccumulator::step_window() {
   return flag;
 }
 
-// Clipping without a scaler: the fused step takes the coefficient; others clip .grad().
+// Clipping without a scaler: the fused step takes the coefficient of a 2- or inf-norm; other
+// norms clip, with torch's clip_grad_norm_, the gradients the step reads.
 void GradAccumulator::clip_unscaled() {
   const double max_norm = *options_.max_grad_norm();
-  if (fused_) {
+  const double norm_type = options_.norm_type();
+  if (fused_ && (norm_type == 2.0 || norm_type == std::numeric_limits<double>::infinity())) {
     auto& fused = static_cast<optim::FusedOptimizer&>(optimizer_);
     std::vector<at::Tensor> grads;
     for (const auto& p : all_params()) {
@@ -231,11 +231,8 @@ void GradAccumulator::clip_unscaled() {
     scaling.clip_coef = coef;
     fused.set_step_scaling(std::move(scaling));
   } else {
-    std::vector<at::Tensor> params;
-    for (const auto& p : all_params()) {
-      if (p.grad().defined()) params.push_back(p);
-    }
-    torch::nn::utils::clip_grad_norm_(params, max_norm, options_.norm_type());
+    // (an ampfuse optimizer's step reads the window's sums: those are clipped in place)
+    detail::clip_grad_norm_of_step(optimizer_, max_norm, norm_type);
   }
 }
 

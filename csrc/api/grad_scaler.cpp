@@ -101,6 +101,23 @@ struct ScalingGuard {
 
 }  // namespace
 
+double detail::clip_grad_norm_of_step(torch::optim::Optimizer& optimizer, double max_norm, double norm_type) {
+  auto* fused = as_fused(optimizer);
+  std::vector<at::Tensor> holders;  // what clip_grad_norm_ reads: each one's grad()
+  for (const auto& p : all_params(optimizer)) {
+    const at::Tensor g = fused != nullptr ? fused->grad_of(p) : p.grad();
+    if (!g.defined()) continue;
+    if (g.is_same(p.grad())) {
+      holders.push_back(p);
+      continue;
+    }
+    at::Tensor holder = g.detach();  // an alias of the buffer, with the buffer as its grad
+    holder.mutable_grad() = g;
+    holders.push_back(std::move(holder));
+  }
+  return torch::nn::utils::clip_grad_norm_(holders, max_norm, norm_type);
+}
+
 namespace {
 
 void check_bounds(const std::optional<double>& min_scale, const std::optional<double>& max_scale) {
@@ -225,15 +242,13 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
 at::Tensor GradScaler::unscale_and_clip_(torch::optim::Optimizer& optimizer, double max_norm,
                                          double norm_type) {
   if (!options_.enabled()) {
-    auto params = all_params(optimizer);
-    return at::tensor(torch::nn::utils::clip_grad_norm_(params, max_norm, norm_type));
+    return at::tensor(detail::clip_grad_norm_of_step(optimizer, max_norm, norm_type));
   }
   TORCH_CHECK(std::isfinite(max_norm) && max_norm > 0,
               "max_norm must be a positive finite number, got ", max_norm, ".");
   if (!(norm_type == 2.0 || norm_type == std::numeric_limits<double>::infinity())) {
     unscale_(optimizer);
-    auto params = all_params(optimizer);
-    return at::tensor(torch::nn::utils::clip_grad_norm_(params, max_norm, norm_type));
+    return at::tensor(detail::clip_grad_norm_of_step(optimizer, max_norm, norm_type));
   }
   auto* fused = as_fused(optimizer);
   auto& state = check_unscale_stage(optimizer, "unscale_and_clip_");

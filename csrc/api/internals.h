@@ -56,4 +56,9 @@ std::optional<std::vector<at::Tensor>> plan_check(optim::FusedOptimizer& opt,
 int plan_devices(const optim::FusedOptimizer& opt);
 bool plan_reads_fp16(const optim::FusedOptimizer& opt);
 
+// torch::nn::utils::clip_grad_norm_ over the gradients the next step of `optimizer` reads (an
+// ampfuse optimizer's grad_of: a window's fp32 sums where the accumulator holds them), in place;
+// returns the total norm (api/grad_scaler.cpp).
+double clip_grad_norm_of_step(torch::optim::Optimizer& optimizer, double max_norm, double norm_type);
+
 }  // namespace ampfuse::detail

@@ -597,8 +597,18 @@ class GradAccumulator:
         """The clip coefficient of the gradients the fused step reads (no scaler: unscaled; divided
         by ``divisor`` when given)."""
         opt: Any = self.optimizer  # an ampfuse optimizer: only the fused step asks for a coefficient
-        native = opt._live_native(grads.source) if isinstance(grads, _SourcedGrads) else None
         assert self.max_grad_norm is not None
+        if self.norm_type not in (2.0, math.inf):  # torch's norm (the fused check has 2 and inf)
+            tensors = [g for g in (grads.get(p, p.grad) if grads is not None else p.grad for p in self._all_params())
+                       if g is not None]
+            if not tensors:
+                return None
+            with torch.no_grad():
+                total = torch.nn.utils.get_total_norm(tensors, self.norm_type)
+                if divisor is not None:
+                    total = total / divisor.to(total.device, non_blocking=True)
+            return ops.clip_coef(total, float(self.max_grad_norm))
+        native = opt._live_native(grads.source) if isinstance(grads, _SourcedGrads) else None
         if native is not None and native.devices <= 1:
             device = self._low[0].device
             one = self._unit_scale.get(device)

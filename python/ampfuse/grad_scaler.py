@@ -50,6 +50,27 @@ class _Replicas:
             t = self.copies[device] = self.master.to(device=device, non_blocking=True, copy=True)
         return t
 
+class _GradOf:
+    """What ``torch.nn.utils.clip_grad_norm_`` reads of a param: its ``.grad``."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self, grad: torch.Tensor | None) -> None:
+        self.grad = grad
+
+
+def _clip_grad_norm_of_step(optimizer: torch.optim.Optimizer, grads: Grads | None, max_norm: float,
+                            norm_type: float) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` over the gradients the optimizer's step reads: ``grads[p]``
+    where given (a ``GradAccumulator``'s fp32 sums), else ``p.grad``."""
+    params = _all_params(optimizer)
+    if grads is None:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+    _check_grads_keys(optimizer.param_groups, grads)
+    held = [_GradOf(grads[p] if p in grads else p.grad) for p in params]
+    return torch.nn.utils.clip_grad_norm_(cast(Any, held), max_norm, norm_type)
+
+
 def _all_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
@@ -397,11 +418,11 @@ class GradScaler(torch.amp.GradScaler):
         # torch's clip_grad_norm_ takes a tensor max_norm too (its hint says float)
         torch_max_norm = cast(float, max_norm)
         if not self._enabled:
-            return torch.nn.utils.clip_grad_norm_(_all_params(optimizer), torch_max_norm, norm_type)
+            return _clip_grad_norm_of_step(optimizer, grads, torch_max_norm, norm_type)
         norm_type = float(norm_type)
         if not (norm_type == 2.0 or norm_type == math.inf):
             self.unscale_(optimizer, grads=grads)
-            return torch.nn.utils.clip_grad_norm_(_all_params(optimizer), torch_max_norm, norm_type)
+            return _clip_grad_norm_of_step(optimizer, grads, torch_max_norm, norm_type)
 
         optimizer_state = self._check_unscale_stage(optimizer, "unscale_and_clip_")
         assert self._scale is not None

@@ -273,6 +273,41 @@ TEST(GradAccumulator, ClipsWithoutAScaler) {
   }
 }
 
+TEST(GradAccumulator, ClipsInAnyNormTheSumsTheStepReads) {
+  // bf16 params, fp32 sums: a clip in a norm other than 2 or inf (torch's clip_grad_norm_) scales
+  // the sums the step reads, with a scaler or without (it once clipped the emptied .grad()).
+  for (const bool with_scaler : {false, true}) {
+    for (const double norm_type : {1.0, 3.0}) {
+      auto params = make_params(at::kBFloat16);
+      auto probe = copy_params(params);
+      ampfuse::optim::SGD opt(params, ampfuse::optim::SGDOptions(1.0));
+      ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(1024.0));
+      ampfuse::GradAccumulator acc(opt, with_scaler ? &scaler : nullptr,
+                                   ampfuse::GradAccumulatorOptions(2).max_grad_norm(0.5).norm_type(norm_type));
+      std::vector<at::Tensor> sums = {at::zeros({129}), at::zeros({6, 5})};
+      std::vector<at::Tensor> masters0;
+      for (const auto& p : params) masters0.push_back(p.detach().to(at::kFloat));
+      for (int k = 0; k < 2; ++k) {
+        auto xs = inputs(k);
+        (loss_of(probe, xs) / 2).backward();
+        for (size_t i = 0; i < probe.size(); ++i) {
+          sums[i] += probe[i].grad().to(at::kFloat);
+          probe[i].mutable_grad() = at::Tensor();
+        }
+        acc.backward(loss_of(params, xs));
+      }
+      double total = 0;
+      for (const auto& s : sums) total += s.to(at::kDouble).abs().pow(norm_type).sum().item<double>();
+      const double coef = std::min(1.0, 0.5 / (std::pow(total, 1.0 / norm_type) + 1e-6));
+      ASSERT_LT(coef, 0.5);
+      for (size_t i = 0; i < params.size(); ++i) {
+        EXPECT_TRUE(at::allclose(master_of(opt, params[i]), masters0[i] - sums[i] * coef, 1e-5, 1e-6))
+            << with_scaler << " " << norm_type << " " << i;
+      }
+    }
+  }
+}
+
 TEST(GradAccumulator, WorksWithTorchOptimizers) {
   // A torch optimizer reads .grad(): it gets the fp32 sums rounded once, unscaled by the scaler.
   auto params = make_params(at::kBFloat16);
@@ -356,11 +391,8 @@ TEST(GradAccumulator, BadInput) {
       },
       "max_grad_norm must be a positive finite number or nullopt, got 0."));
   EXPECT_TRUE(throws_with(
-      [&] {
-        ampfuse::GradAccumulator acc(
-            opt, nullptr, ampfuse::GradAccumulatorOptions(2).max_grad_norm(1.0).norm_type(1.0));
-      },
-      "norm_type must be 2.0 or inf to clip for an ampfuse optimizer without a GradScaler, got 1."));
+      [&] { ampfuse::GradAccumulator acc(opt, nullptr, ampfuse::GradAccumulatorOptions(2).norm_type(0.0)); },
+      "norm_type must be a positive number or inf, got 0."));
   ampfuse::GradAccumulator acc(opt, nullptr, 2);
   EXPECT_TRUE(throws_with([&] { acc.backward(at::Tensor()); },
                           "GradAccumulator::backward: loss must be a defined tensor."));
