@@ -562,6 +562,35 @@ def test_mid_window_checkpoint_without_the_buffered_params_is_refused():
     assert fresh.micro_step == 0 and opt.state_dict()["param_groups"] == before["param_groups"]
 
 
+@pytest.mark.parametrize("saved_with", ["scaler", "none"])
+def test_a_mid_window_checkpoint_and_an_accumulator_disagreeing_on_the_scaler_is_refused(saved_with):
+    """The partial sums of a window are multiplied by the loss scale when a scaler is on: saved
+    with one and loaded into an accumulator without (or the reverse), they would be off by that
+    factor (params once ended 200.7 away from an uninterrupted run). Refused, nothing changed; at
+    a window boundary there are no sums and either way loads."""
+    def make(with_scaler):
+        torch.manual_seed(0)
+        model = make_model(torch.bfloat16)
+        opt = ampfuse.optim.SGD(model.parameters(), lr=0.1)
+        scaler = ampfuse.GradScaler("cpu", init_scale=2.0**8) if with_scaler else None
+        return model, opt, ampfuse.GradAccumulator(model, opt, scaler, steps=2)
+
+    model, opt, acc = make(saved_with == "scaler")
+    x, y = data(4, 0)
+    with acc.accumulate():
+        acc.backward(nn.functional.mse_loss(model(x.bfloat16()), y.bfloat16()))
+    sd = _roundtrip(acc.state_dict())
+    _, opt2, other = make(saved_with != "scaler")
+    before = copy.deepcopy(opt2.state_dict())
+    with pytest.raises(ValueError, match="saved inside a window (with|without) an enabled GradScaler"):
+        other.load_state_dict(sd)
+    assert other.micro_step == 0 and opt2.state_dict() == before
+    with acc.accumulate():
+        acc.backward(nn.functional.mse_loss(model(x.bfloat16()), y.bfloat16()))
+    assert acc.window_ended
+    other.load_state_dict(_roundtrip(acc.state_dict()))  # a window boundary: no sums
+
+
 def test_accumulator_load_checks_everything_first():
     p = nn.Parameter(torch.randn(4))
     opt = ampfuse.optim.SGD([p], lr=0.1, momentum=0.9)

@@ -265,6 +265,8 @@ void GradAccumulator::save(OutputArchive& archive) const {
     archive.write("scaler", scaler_archive);
   }
   if (micro_step_ == 0) return;
+  // the partial sums are in the units of the loss scale they were taken under
+  archive.write("sums_scaled", c10::IValue(scaler_ != nullptr && scaler_->is_enabled()));
   const engine::AccumulatorWindow& w = *window_->w;
   for (size_t i = 0; i < w.devices().size(); ++i) {
     archive.write("buffers/" + std::to_string(i), c10::IValue(w.flats()[i].cpu()));
@@ -316,6 +318,17 @@ void GradAccumulator::load(InputArchive& archive) {
     }
     w.check_checkpoint(params, buffered, buffers, found_infs, has_grad.isNone() ? c10::IValue() : has_grad,
                        grads, "the checkpoint's {} entry", /*device_keys=*/false);
+    torch::serialize::InputArchive saved_scaler;
+    c10::IValue sums_scaled;
+    const bool saved_scaled = archive.try_read("sums_scaled", sums_scaled)
+                                  ? (sums_scaled.isBool() && sums_scaled.toBool())
+                                  : archive.try_read("scaler", saved_scaler);
+    const bool scaled = scaler_ != nullptr && scaler_->is_enabled();
+    TORCH_CHECK_VALUE(saved_scaled == scaled, "The checkpoint was saved inside a window ",
+                      saved_scaled ? "with" : "without", " an enabled GradScaler, and this accumulator has ",
+                      scaled ? "one" : "none", ": its partial sums are ", saved_scaled ? "" : "not ",
+                      "multiplied by the loss scale. Load it into an accumulator ",
+                      saved_scaled ? "with" : "without", " one, or save at a window boundary.");
   }
   torch::serialize::InputArchive optimizer_archive, scaler_archive;
   archive.read("optimizer", optimizer_archive);

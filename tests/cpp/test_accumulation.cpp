@@ -683,3 +683,26 @@ TEST(GradAccumulator, MidWindowCheckpointWithoutTheBufferedParamsIsRefused) {
   EXPECT_EQ(acc.micro_step(), 0);
   EXPECT_FALSE(g.grad().defined());
 }
+
+// The partial sums of a window are multiplied by the loss scale when a scaler is on: a
+// mid-window checkpoint and an accumulator that disagree on the scaler are refused, nothing
+// changed (the sums would be off by the scale); at a window boundary either way loads.
+TEST(GradAccumulator, MidWindowCheckpointAndAccumulatorDisagreeingOnTheScalerIsRefused) {
+  for (const bool saved_with : {true, false}) {
+    auto params = make_params(at::kBFloat16);
+    ampfuse::optim::SGD opt(params, ampfuse::optim::SGDOptions(0.1));
+    ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(256.0));
+    ampfuse::GradAccumulator acc(opt, saved_with ? &scaler : nullptr, ampfuse::GradAccumulatorOptions(2));
+    acc.backward(loss_of(params, inputs(0)));
+    const std::string bytes = save_to_string(acc);
+    ampfuse::GradScaler other_scaler(ampfuse::GradScalerOptions().init_scale(256.0));
+    ampfuse::GradAccumulator other(opt, saved_with ? nullptr : &other_scaler, ampfuse::GradAccumulatorOptions(2));
+    EXPECT_TRUE(throws_with([&] { load_from_string(other, bytes); },
+                            saved_with ? "saved inside a window with an enabled GradScaler, and this accumulator has none"
+                                       : "saved inside a window without an enabled GradScaler, and this accumulator has one"));
+    EXPECT_EQ(other.micro_step(), 0);
+    acc.backward(loss_of(params, inputs(1)));
+    EXPECT_TRUE(acc.window_ended());
+    load_from_string(other, save_to_string(acc));  // a window boundary: no sums
+  }
+}
