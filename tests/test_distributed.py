@@ -623,3 +623,84 @@ def test_fsdp2_8bit_state_dcp_save_load_continue(worlds):
         # other blocks: requantization changes the state by a block's rounding, training goes on close
         for a, b in zip(s0["final"]["params"], l0["final"]["params"]):
             torch.testing.assert_close(a, b, rtol=0, atol=2e-2)
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _state_dict_helpers_worker(rank: int, world: int, layout: str):
+    """For every StateDictOptions combination, master form and state dtype: torch's
+    get_optimizer_state_dict, then set_optimizer_state_dict into a fresh model and optimizer.
+    Returns the failures, ampfuse's and torch AdamW's on the same model, and the state entries a
+    round trip changed."""
+    import itertools
+
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ampfuse
+
+    def build(make_opt):
+        model = _model("bf16")
+        model = _shard(model, "bf16") if layout == "fsdp2" else DDP(model)
+        opt = make_opt(model.parameters())
+        x, y = _batches(0)
+        torch.nn.functional.mse_loss(model(x.bfloat16()), y.bfloat16()).backward()
+        opt.step()
+        opt.zero_grad()
+        return model, opt
+
+    failures: dict[str, list] = {"ampfuse": [], "torch": []}
+    changed = []
+    for full, offload, flat in itertools.product([False, True], repeat=3):
+        options = StateDictOptions(full_state_dict=full, cpu_offload=offload, flatten_optimizer_state_dict=flat)
+        # a rank-0 full checkpoint (only rank 0 holds it) loads by broadcast, as torch documents
+        load_options = StateDictOptions(full_state_dict=full, cpu_offload=offload, flatten_optimizer_state_dict=flat,
+                                        broadcast_from_rank0=full and offload)
+        case = (full, offload, flat)
+        try:
+            model, opt = build(lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+            sd = get_optimizer_state_dict(model, opt, options=options)
+            model2, opt2 = build(lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+            set_optimizer_state_dict(model2, opt2, sd, options=load_options)
+        except Exception as e:  # noqa: BLE001 - torch's own limits, compared below
+            failures["torch"].append((case, type(e).__name__))
+        for master, state_dtype in itertools.product([True, "remainder", "stochastic", False],
+                                                     [torch.float32, torch.bfloat16, torch.uint8]):
+            def make(ps, lr):
+                return ampfuse.optim.AdamW(ps, lr=lr, master_weights=master, state_dtype=state_dtype)
+
+            try:
+                model, opt = build(lambda ps: make(ps, 1e-2))
+                sd = get_optimizer_state_dict(model, opt, options=options)
+                model2, opt2 = build(lambda ps: make(ps, 1e-3))
+                set_optimizer_state_dict(model2, opt2, sd, options=load_options)
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                failures["ampfuse"].append((case, type(e).__name__, str(e)[:200]))
+                continue
+            a, b = opt.state_dict(), opt2.state_dict()
+            assert [g["lr"] for g in b["param_groups"]] == [1e-2] * len(b["param_groups"])
+            for k, st in a["state"].items():
+                for name, v in st.items():
+                    w = b["state"][k].get(name)
+                    if not (isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor)
+                            and torch.equal(_local(v), _local(w))):
+                        changed.append((case, master, str(state_dtype), name))
+    return failures, sorted(set(changed))
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
+def test_torchs_distributed_state_dict_helpers_round_trip_every_optimizer_form(layout):
+    """torch's get/set_optimizer_state_dict with every StateDictOptions combination (the rank-0
+    full checkpoint with cpu_offload that Lightning and Accelerate take, DCP's flattened form that
+    torchtitan and OLMo-core take) work for every master form and state dtype wherever they work
+    for torch's AdamW, and bring the state back unchanged; a remainder master in the flattened form
+    restarts from the params (torch rebuilds the state from the live keys, not the saved
+    master_param). They once raised on the dtype options and on the remainder and absmax keys."""
+    for failures, changed in run_ranks(_state_dict_helpers_worker, 2, layout, timeout=300.0):
+        torch_cases = {case for case, _ in failures["torch"]}
+        assert [f for f in failures["ampfuse"] if f[0] not in torch_cases] == []
+        assert all(flat and master == "remainder" and name == "master_param"
+                   for (_, _, flat), master, _, name in changed), changed

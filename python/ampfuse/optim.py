@@ -852,8 +852,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
         """torch's layout (``state`` keyed by param index, ``param_groups``), state values as
         plain dicts: loadable by the matching ``torch.optim`` optimizer. bf16 state is saved as
         fp32 (exactly: bf16 widens losslessly) and a remainder as the fp32 ``master_param`` it
-        stands for, so the checkpoint does not depend on the precision options."""
+        stands for, so the checkpoint does not depend on the precision options. The groups' dtype
+        options are saved as their names (``"torch.uint8"``); a load keeps the live groups' precision
+        options."""
         sd = super().state_dict()
+        # A dtype option as torch spells it ("torch.uint8"): the value kinds torch's distributed
+        # state-dict helpers walk (tensors, numbers, strings) have no dtype, and a load takes the
+        # precision options from the live groups anyway.
+        sd["param_groups"] = [{k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in g.items()}
+                              for g in sd["param_groups"]]
         params = [p for g in self.param_groups for p in g["params"]]
         names = _slot_names(self._native_state_keys)
         keys = [k for k, v in sd["state"].items()  # torch allows other values under non-param keys
@@ -917,10 +924,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"state 'step' of param_groups[{gi}]['params'][{i}] must be a number or a "
                                      f"1-element tensor, got {step!r}.") from e
             for name in names[1:]:
-                if not isinstance(st.get(name), (torch.Tensor, type(None))):
+                if not isinstance(_saved_slot(st, name), (torch.Tensor, type(None))):
                     raise ValueError(f"state '{name}' of param_groups[{gi}]['params'][{i}] must be a tensor, "
                                      f"got {type(st[name]).__name__}.")
-            slots += [step, *(st.get(name) for name in names[1:])]
+            slots += [step, *(_saved_slot(st, name) for name in names[1:])]
         ops._dtensor_support()
         out = torch.ops.ampfuse.optimizer_state_loaded(
             [p.detach() for *_, p in loaded], slots, list(self._native_state_keys), [gi for _, gi, _, _ in loaded],
@@ -951,6 +958,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
+
+
+def _saved_slot(state: Mapping, name: str) -> Any:
+    """State entry ``name`` of a loaded param state; an empty dict is an entry that was never
+    saved: torch's distributed ``set_optimizer_state_dict`` with ``flatten_optimizer_state_dict``
+    rebuilds each param's state from the keys of the live state and gives ``{}`` for those it does
+    not find (a live remainder or block absmax, which a checkpoint holds as fp32 values)."""
+    value = state.get(name)
+    return None if isinstance(value, Mapping) and not value else value
 
 
 @torch._dynamo.disable
