@@ -71,7 +71,7 @@ def test_8bit_targets_read_each_candidates_ratio():
     goal = {t["id"]: t["value"] for t in report.load_targets()}
     peer, bf16 = goal["adamw-8bit-vs-best-peer"], goal["adamw-8bit-vs-bf16-moments"]
     sb = {"ampfuse": 8}
-    row = {"case": "step_adamw_8bit", "params": 10**7, "dtype": "bfloat16", "state_bytes_per_param": sb,
+    row = {"case": "step_adamw_8bit", "layout": "40x", "params": 10**7, "dtype": "bfloat16", "state_bytes_per_param": sb,
            "best_peer": "torchao-fp8",
            "speedup_vs_best_peer": {"ampfuse": summ(0.9 * peer), "ampfuse-fp8": summ(1.1 * peer)},
            "time_vs_bf16_moments": {"ampfuse": summ(1.1 * bf16),
@@ -80,9 +80,11 @@ def test_8bit_targets_read_each_candidates_ratio():
     assert status["adamw-8bit-vs-best-peer"] == "FAIL" and status["adamw-fp8-vs-best-peer"] == "PASS"
     assert status["adamw-8bit-vs-bf16-moments"] == "FAIL" and status["adamw-fp8-vs-bf16-moments"] == "PASS"
     # a result without the peers or the bf16 candidate leaves those targets unmeasured
-    bare = {"case": "step_adamw_8bit", "params": 10**7, "dtype": "bfloat16", "state_bytes_per_param": sb}
+    bare = {"case": "step_adamw_8bit", "layout": "40x", "params": 10**7, "dtype": "bfloat16", "state_bytes_per_param": sb}
     status = {t["id"]: t["status"] for t in report.evaluate_targets({"machine": {"device": "cpu"}, "rows": [bare]})}
     assert status["adamw-fp8-vs-best-peer"] == "not measured" and status["adamw-8bit-vs-bf16-moments"] == "not measured"
+    # a claim names its layout: the 40-tensor row says nothing of the 400-tensor one
+    assert status["adamw-8bit-vs-best-peer-many-small"] == "not measured"
 
 
 def test_precision_quality_runs_every_choice_against_the_reference(tmp_path):
