@@ -42,6 +42,10 @@ struct OptimizerInternals {
   // GradAccumulator's window step: the gradients are the window's sums (the step plan binds the
   // window's micro-batch plan as its gradients' source), set around the step.
   c10::intrusive_ptr<engine::AccumulatorWindow> grad_source;
+  // Param groups added through FusedOptimizer::add_param_group (whose options it merged and
+  // checked): one added another way (torch::optim::Optimizer::add_param_group through a base
+  // reference, which gives a custom optimizer's group the defaults) is refused at the next step.
+  size_t groups_added = 0;
 };
 
 // GradScaler's pass over the gradients the next step of `opt` reads, through its current step

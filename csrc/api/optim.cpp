@@ -586,6 +586,7 @@ void FusedOptimizer::add_param_group(const OptimizerParamGroup& param_group) {
     param_groups_.pop_back();
     throw;
   }
+  internals_->groups_added = param_groups_.size();
 }
 
 void FusedOptimizer::check_params(size_t gi) {
@@ -617,6 +618,12 @@ void FusedOptimizer::check_params(size_t gi) {
 }
 
 void FusedOptimizer::validate() {
+  TORCH_CHECK_VALUE(
+      param_groups_.size() == internals_->groups_added, "param_groups()[", internals_->groups_added,
+      "] was not added by this optimizer's add_param_group (torch::optim::Optimizer::add_param_group, called "
+      "through a base-class reference, gives an ampfuse optimizer's group the defaults, not the options "
+      "asked for): add it through the ampfuse optimizer, e.g. static_cast<ampfuse::optim::FusedOptimizer&>(opt)"
+      ".add_param_group(group).");
   std::vector<at::Tensor> params, grads, state;
   std::vector<int64_t> owner, groups, indices;
   std::vector<std::string> keys;

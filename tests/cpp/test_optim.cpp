@@ -370,6 +370,28 @@ TEST(Optim, GroupOptionsAreHonouredLikeTorch) {
   EXPECT_EQ(ours.param_groups().back().options().get_lr(), 0.7);
 }
 
+// torch::optim::Optimizer::add_param_group is not virtual: called through a base reference it
+// gives an ampfuse optimizer's group the defaults (lr 0.5 asked, 0.001 applied, silently). The
+// next step refuses, naming the group, with nothing changed; through the ampfuse type it works.
+TEST(Optim, AGroupAddedThroughTheBaseClassIsRefusedAtTheNextStep) {
+  auto params = make_params(at::kFloat);
+  ampfuse::optim::AdamW opt(params, ampfuse::optim::AdamWOptions(1e-3));
+  auto extra = at::randn({4}).set_requires_grad(true);
+  torch::optim::Optimizer& base = opt;
+  base.add_param_group(torch::optim::OptimizerParamGroup(
+      {extra}, std::make_unique<ampfuse::optim::AdamWOptions>(ampfuse::optim::AdamWOptions(0.5).weight_decay(0.25))));
+  set_grads(params, grads_for(0, at::kFloat));
+  extra.mutable_grad() = at::ones({4});
+  const auto before = copy_params(params);
+  EXPECT_TRUE(throws_with([&] { opt.step(); }, "param_groups()[1] was not added by this optimizer's add_param_group"));
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(bitwise_equal(params[i], before[i])) << i;
+  opt.param_groups().pop_back();
+  opt.add_param_group(torch::optim::OptimizerParamGroup(
+      {extra}, std::make_unique<ampfuse::optim::AdamWOptions>(ampfuse::optim::AdamWOptions(0.5).weight_decay(0.25))));
+  EXPECT_EQ(opt.param_groups().back().options().get_lr(), 0.5);
+  opt.step();
+}
+
 // ---- checkpoints ---------------------------------------------------------------------------------
 template <typename Opt, typename Options>
 void round_trip(at::ScalarType dtype, Options options) {
