@@ -142,8 +142,8 @@ _update_case("growth-1", r"growth_factor must be a finite number > 1.0, got 1", 
 _update_case("growth-inf", r"growth_factor must be a finite number > 1.0, got inf", lambda a, k: a.update(growth_factor=math.inf))
 _update_case("backoff-1", r"backoff_factor must be in \(0, 1\), got 1", lambda a, k: a.update(backoff_factor=1.0))
 _update_case("backoff-0", r"backoff_factor must be in \(0, 1\), got 0", lambda a, k: a.update(backoff_factor=0.0))
-_update_case("interval-0", "growth_interval must be an integer >= 1, got 0", lambda a, k: a.update(growth_interval=0))
-_update_case("hysteresis-0", "hysteresis must be an integer >= 1, got 0", lambda a, k: k.update(hysteresis=0))
+_update_case("interval-0", "growth_interval must be an integer in \\[1, 2147483647\\], got 0", lambda a, k: a.update(growth_interval=0))
+_update_case("hysteresis-0", "hysteresis must be an integer in \\[1, 2147483647\\], got 0", lambda a, k: k.update(hysteresis=0))
 _update_case("hysteresis-no-tracker", r"hysteresis_tracker \(a 1-element torch.int32 tensor", lambda a, k: k.update(hysteresis=2))
 _update_case("min-above-max", r"min_scale \(10\) must not be greater than max_scale \(1\)", lambda a, k: k.update(min_scale=10.0, max_scale=1.0))
 _update_case("min-negative", "min_scale must be a finite number >= 0, got -1", lambda a, k: k.update(min_scale=-1.0))
@@ -465,7 +465,7 @@ _accumulator_case("load-buffer", ValueError, r"buffers\['(cpu|cuemu:0|cuda:0)'\]
                   lambda m, a: a.load_state_dict(dict(a.state_dict(), buffers={str(m.weight.device): torch.zeros(3)})))
 _accumulator_case("load-micro_step", ValueError, r"micro_step must be an integer in \[0, 3\), got 7",
                   lambda m, a: a.load_state_dict(dict(a.state_dict(), micro_step=7)))
-_accumulator_case("load-scaler", ValueError, "the state dict's hysteresis must be an integer >= 1, got 0",
+_accumulator_case("load-scaler", ValueError, "the state dict's hysteresis must be an integer in \\[1, 2147483647\\], got 0",
                   lambda m, a: a.load_state_dict(dict(a.state_dict(), scaler=dict(a.scaler.state_dict(), hysteresis=0))))
 
 

@@ -543,6 +543,21 @@ def test_hysteresis_and_max_scale():
     assert s.get_scale() == 128.0  # grew 32 -> 64 -> 128, then capped
 
 
+@pytest.mark.parametrize(("kw", "msg"), [
+    (dict(growth_interval=0), r"growth_interval must be an integer in \[1, 2147483647\], got 0"),
+    (dict(growth_interval=2**40), r"growth_interval must be an integer in \[1, 2147483647\]"),
+    (dict(backoff_factor=0.0), r"backoff_factor must be in \(0, 1\), got 0"),
+    (dict(growth_factor=math.inf), "growth_factor must be a finite number > 1.0, got inf"),
+    (dict(init_scale=1e39), "init_scale must be a positive finite number that float32 holds"),
+], ids=["interval-0", "interval-2^40", "backoff-0", "growth-inf", "init-1e39"])
+def test_options_update_would_refuse_are_refused_at_construction(kw, msg):
+    """By the rule the update op applies: otherwise the first update() fails after the optimizer
+    stepped, and every later iteration fails too."""
+    with pytest.raises(RuntimeError, match=msg):
+        ampfuse.GradScaler("cpu", **kw)
+    ampfuse.GradScaler("cpu", enabled=False, **kw)  # a disabled scaler checks nothing, as torch's
+
+
 def test_extension_arguments_are_validated():
     for kw, msg in [
         (dict(hysteresis=0), "hysteresis must be an integer >= 1"),

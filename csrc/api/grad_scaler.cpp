@@ -147,6 +147,10 @@ GradScaler::GradScaler(GradScalerOptions options)
   if (options_.enabled()) {
     TORCH_CHECK(options_.growth_factor() > 1.0, "The growth factor must be > 1.0.");
     TORCH_CHECK(options_.backoff_factor() < 1.0, "The backoff factor must be < 1.0.");
+    // what update() would refuse after a step, refused now
+    engine::check_init_scale(options_.init_scale());
+    engine::check_update_options(options_.growth_factor(), options_.backoff_factor(), options_.growth_interval(),
+                                 options_.hysteresis());
     init_scale_ = clamped(init_scale_, "init_scale");
   }
 }
@@ -329,6 +333,12 @@ void GradScaler::record_inf_check(torch::optim::Optimizer& optimizer,
                                   PerDevice found_inf_per_device) {
   TORCH_CHECK(as_fused(optimizer) != nullptr,
               "An external inf check can only stand in for the check of an ampfuse optimizer.");
+  for (const auto& [device, t] : found_inf_per_device) {
+    TORCH_CHECK_VALUE(t.defined() && t.numel() == 1 && t.scalar_type() == at::kFloat, "found_inf for ", device,
+                      " must be a 1-element float32 tensor, got ",
+                      t.defined() ? c10::str(t.scalar_type(), " of shape ", t.sizes()) : std::string("undefined"),
+                      ".");
+  }
   auto& state = check_unscale_stage(optimizer, "unscale_");
   state.found_inf_per_device = std::move(found_inf_per_device);
   state.grads_still_scaled = true;
@@ -462,15 +472,21 @@ int64_t GradScaler::get_growth_tracker() const {
 double GradScaler::get_growth_factor() const { return options_.growth_factor(); }
 void GradScaler::set_growth_factor(double growth_factor) {
   TORCH_CHECK(growth_factor > 1.0, "The growth factor must be > 1.0.");
+  engine::check_update_options(growth_factor, options_.backoff_factor(), options_.growth_interval(),
+                               options_.hysteresis());
   options_.growth_factor(growth_factor);
 }
 double GradScaler::get_backoff_factor() const { return options_.backoff_factor(); }
 void GradScaler::set_backoff_factor(double backoff_factor) {
   TORCH_CHECK(backoff_factor < 1.0, "The backoff factor must be < 1.0.");
+  engine::check_update_options(options_.growth_factor(), backoff_factor, options_.growth_interval(),
+                               options_.hysteresis());
   options_.backoff_factor(backoff_factor);
 }
 int64_t GradScaler::get_growth_interval() const { return options_.growth_interval(); }
 void GradScaler::set_growth_interval(int64_t growth_interval) {
+  engine::check_update_options(options_.growth_factor(), options_.backoff_factor(), growth_interval,
+                               options_.hysteresis());
   options_.growth_interval(growth_interval);
 }
 bool GradScaler::is_enabled() const { return options_.enabled(); }

@@ -147,28 +147,29 @@ ScalerCheckpoint check_scaler_checkpoint(const c10::Dict<std::string, c10::IValu
   auto is_int = [](const c10::IValue& v) { return v.isInt(); };  // bools are not ints here
   ScalerCheckpoint out;
   const c10::IValue scale = entries.at("scale");
-  TORCH_CHECK_VALUE(is_number(scale) && std::isfinite(number(scale)) && number(scale) > 0, source,
-                    "'s scale must be a positive finite number, got ", repr(scale), ".");
+  TORCH_CHECK_VALUE(is_number(scale) && number(scale) > 0 && number(scale) <= std::numeric_limits<float>::max(),
+                    source, "'s scale must be a positive finite number that float32 holds, got ", repr(scale), ".");
   out.scale = number(scale);
   const c10::IValue growth = entries.at("growth_factor");
-  TORCH_CHECK_VALUE(is_number(growth) && number(growth) > 1.0, source,
-                    "'s growth_factor must be > 1.0, got ", repr(growth), ".");
+  TORCH_CHECK_VALUE(is_number(growth) && number(growth) > 1.0 && std::isfinite(number(growth)), source,
+                    "'s growth_factor must be a finite number > 1.0, got ", repr(growth), ".");
   out.growth_factor = number(growth);
   const c10::IValue backoff = entries.at("backoff_factor");
   TORCH_CHECK_VALUE(is_number(backoff) && number(backoff) > 0.0 && number(backoff) < 1.0, source,
                     "'s backoff_factor must be in (0, 1), got ", repr(backoff), ".");
   out.backoff_factor = number(backoff);
   const c10::IValue interval = entries.at("growth_interval");
-  TORCH_CHECK_VALUE(is_int(interval) && interval.toInt() >= 1, source,
-                    "'s growth_interval must be an integer >= 1, got ", repr(interval), ".");
+  constexpr int64_t kMaxCount = std::numeric_limits<int32_t>::max();  // the device counters are int32
+  TORCH_CHECK_VALUE(is_int(interval) && interval.toInt() >= 1 && interval.toInt() <= kMaxCount, source,
+                    "'s growth_interval must be an integer in [1, ", kMaxCount, "], got ", repr(interval), ".");
   out.growth_interval = interval.toInt();
   const c10::IValue tracker = entries.at("_growth_tracker");
-  TORCH_CHECK_VALUE(is_int(tracker) && tracker.toInt() >= 0, source,
-                    "'s _growth_tracker must be an integer >= 0, got ", repr(tracker), ".");
+  TORCH_CHECK_VALUE(is_int(tracker) && tracker.toInt() >= 0 && tracker.toInt() <= kMaxCount, source,
+                    "'s _growth_tracker must be an integer in [0, ", kMaxCount, "], got ", repr(tracker), ".");
   out.growth_tracker = tracker.toInt();
   const c10::IValue hysteresis = get("hysteresis", c10::IValue(current.hysteresis));
-  TORCH_CHECK_VALUE(is_int(hysteresis) && hysteresis.toInt() >= 1, source,
-                    "'s hysteresis must be an integer >= 1, got ", repr(hysteresis), ".");
+  TORCH_CHECK_VALUE(is_int(hysteresis) && hysteresis.toInt() >= 1 && hysteresis.toInt() <= kMaxCount, source,
+                    "'s hysteresis must be an integer in [1, ", kMaxCount, "], got ", repr(hysteresis), ".");
   out.hysteresis = hysteresis.toInt();
   // A torch checkpoint carries no hysteresis budget: start with a full one.
   const c10::IValue left = get("_hysteresis_tracker", c10::IValue(out.hysteresis));
@@ -227,6 +228,30 @@ c10::Dict<std::string, c10::IValue> scaler_checkpoint_op(const c10::Dict<std::st
 
 void scale_bounds_op(const c10::IValue& min_scale, const c10::IValue& max_scale) {
   check_scale_bounds(min_scale, max_scale);
+}
+
+void check_update_options(double growth_factor, double backoff_factor, int64_t growth_interval, int64_t hysteresis) {
+  constexpr int64_t kMaxCount = std::numeric_limits<int32_t>::max();  // the device counters are int32
+  TORCH_CHECK(growth_factor > 1.0 && std::isfinite(growth_factor),
+              "growth_factor must be a finite number > 1.0, got ", growth_factor, ".");
+  TORCH_CHECK(backoff_factor > 0.0 && backoff_factor < 1.0, "backoff_factor must be in (0, 1), got ",
+              backoff_factor, ".");
+  TORCH_CHECK(growth_interval >= 1 && growth_interval <= kMaxCount, "growth_interval must be an integer in [1, ",
+              kMaxCount, "], got ", growth_interval, ".");
+  TORCH_CHECK(hysteresis >= 1 && hysteresis <= kMaxCount, "hysteresis must be an integer in [1, ", kMaxCount,
+              "], got ", hysteresis, ".");
+}
+
+void check_init_scale(double init_scale) {
+  TORCH_CHECK(init_scale > 0.0 && init_scale <= std::numeric_limits<float>::max(),
+              "init_scale must be a positive finite number that float32 holds (at most ",
+              std::numeric_limits<float>::max(), "), got ", init_scale, ".");
+}
+
+void scaler_options_op(double init_scale, double growth_factor, double backoff_factor, int64_t growth_interval,
+                       int64_t hysteresis) {
+  check_init_scale(init_scale);
+  check_update_options(growth_factor, backoff_factor, growth_interval, hysteresis);
 }
 
 }  // namespace ampfuse::engine

@@ -32,6 +32,15 @@ std::string repr(const c10::IValue& v);
 // unbounded) not below the smallest normal float32; min <= max. Raises c10::ValueError.
 void check_scale_bounds(const c10::IValue& min_scale, const c10::IValue& max_scale);
 
+// The options a scale update takes, as the update op checks them (and the scalers at
+// construction, so that an option update() would refuse is refused before any step): growth
+// factor finite and > 1, backoff factor in (0, 1), growth interval and hysteresis integers in
+// [1, 2^31 - 1]. Raises c10::Error naming the option.
+void check_update_options(double growth_factor, double backoff_factor, int64_t growth_interval, int64_t hysteresis);
+
+// A scale a scaler starts from: positive, finite and representable in float32.
+void check_init_scale(double init_scale);
+
 // The values a scaler checkpoint sets, checked.
 struct ScalerCheckpoint {
   double scale = 0.0;
@@ -61,5 +70,7 @@ c10::Dict<std::string, c10::IValue> scaler_checkpoint_op(const c10::Dict<std::st
                                                           std::optional<double> max_scale,
                                                           std::vector<int64_t> stats, std::string source);
 void scale_bounds_op(const c10::IValue& min_scale, const c10::IValue& max_scale);
+void scaler_options_op(double init_scale, double growth_factor, double backoff_factor, int64_t growth_interval,
+                       int64_t hysteresis);
 
 }  // namespace ampfuse::engine

@@ -145,6 +145,9 @@ TORCH_LIBRARY(ampfuse, m) {
   // The scale bounds' rules (None, or numbers: min_scale finite in [0, FLT_MAX], max_scale > 0 and
   // not below FLT_MIN, min <= max). Raises ValueError.
   m.def("scale_bounds_check(Any min_scale, Any max_scale) -> ()", &ampfuse::engine::scale_bounds_op);
+  m.def("scaler_options_check(float init_scale, float growth_factor, float backoff_factor, int growth_interval, "
+        "int hysteresis) -> ()",
+        &ampfuse::engine::scaler_options_op);
   // The names of update_scale_'s counters in the order of the stats tensor (ampfuse/scale_stat.h):
   // Python's ampfuse.ops.ScaleStat is built from them.
   m.def("scale_stat_names() -> str[]", []() {

@@ -1,5 +1,7 @@
 #include "ops/validation.h"
 
+#include "engine/scaler_rules.h"
+
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
@@ -209,14 +211,7 @@ ScaleRuleParams check_update_scale_args(const at::Tensor& scale, const at::Tenso
   check_scalar_tensor(scale, "scale", c10::kFloat, device);
   check_scalar_tensor(growth_tracker, "growth_tracker", c10::kInt, device);
   check_scalar_tensor(found_inf, "found_inf", c10::kFloat, device);
-  TORCH_CHECK(growth_factor > 1.0 && std::isfinite(growth_factor),
-              "growth_factor must be a finite number > 1.0, got ", growth_factor, ".");
-  TORCH_CHECK(backoff_factor > 0.0 && backoff_factor < 1.0,
-              "backoff_factor must be in (0, 1), got ", backoff_factor, ".");
-  TORCH_CHECK(growth_interval >= 1 && growth_interval <= std::numeric_limits<int32_t>::max(),
-              "growth_interval must be an integer >= 1, got ", growth_interval, ".");
-  TORCH_CHECK(hysteresis >= 1 && hysteresis <= std::numeric_limits<int32_t>::max(),
-              "hysteresis must be an integer >= 1, got ", hysteresis, ".");
+  engine::check_update_options(growth_factor, backoff_factor, growth_interval, hysteresis);
   if (hysteresis_tracker) {
     check_scalar_tensor(*hysteresis_tracker, "hysteresis_tracker", c10::kInt, device);
   } else {

@@ -212,6 +212,9 @@ class GradScaler(torch.amp.GradScaler):
                 raise AssertionError("The growth factor must be > 1.0.")
             if backoff_factor >= 1.0:
                 raise AssertionError("The backoff factor must be < 1.0.")
+            # what update() would refuse after a step, refused now (the engine's rule)
+            torch.ops.ampfuse.scaler_options_check(init_scale, growth_factor, backoff_factor, growth_interval,
+                                                   hysteresis)
             self._init_scale = init_scale
             self._scale: torch.Tensor | None = None
             self._growth_factor = growth_factor

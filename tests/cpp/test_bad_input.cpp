@@ -156,9 +156,9 @@ TEST(BadInput, GradScalerLoadChecksFirst) {
     out.write("hysteresis", c10::IValue(hysteresis));
   };
   EXPECT_TRUE(throws_with([&] { load_with([&](auto& out) { base(out, 8.0, 0); }); },
-                          "hysteresis must be an integer >= 1, got 0."));
+                          "hysteresis must be an integer in [1, 2147483647], got 0."));
   EXPECT_TRUE(throws_with([&] { load_with([&](auto& out) { base(out, -1.0, 1); }); },
-                          "the checkpoint's scale must be a positive finite number, got -1"));
+                          "the checkpoint's scale must be a positive finite number that float32 holds, got -1"));
   EXPECT_TRUE(throws_with([&] {
                 load_with([&](auto& out) {
                   base(out, 8.0, 1);

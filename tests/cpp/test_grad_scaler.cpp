@@ -65,6 +65,21 @@ TEST(GradScaler, OptionsAreValidated) {
                           "(the float32 range), got 1e+39."));
   EXPECT_TRUE(throws_with([] { ampfuse::GradScaler s(O().max_scale(0.0)); },
                           "max_scale must be a number > 0"));
+  // What update() would refuse after the optimizer stepped is refused here (the same rule), and
+  // an init_scale that float32 does not hold is named.
+  EXPECT_TRUE(throws_with([] { ampfuse::GradScaler s(O().growth_interval(0)); },
+                          "growth_interval must be an integer in [1, 2147483647], got 0."));
+  EXPECT_TRUE(throws_with([] { ampfuse::GradScaler s(O().growth_interval(int64_t{1} << 40)); },
+                          "growth_interval must be an integer in [1, 2147483647], got 1099511627776."));
+  EXPECT_TRUE(throws_with([] { ampfuse::GradScaler s(O().backoff_factor(0.0)); },
+                          "backoff_factor must be in (0, 1), got 0."));
+  EXPECT_TRUE(throws_with([] { ampfuse::GradScaler s(O().growth_factor(std::numeric_limits<double>::infinity())); },
+                          "growth_factor must be a finite number > 1.0, got inf."));
+  EXPECT_TRUE(throws_with([] { ampfuse::GradScaler s(O().init_scale(1e39)); },
+                          "init_scale must be a positive finite number that float32 holds"));
+  ampfuse::GradScaler ok;
+  EXPECT_TRUE(throws_with([&] { ok.set_growth_interval(0); }, "growth_interval must be an integer in [1, "));
+  EXPECT_EQ(ok.get_growth_interval(), 2000);
   // A disabled scaler does not check the growth/backoff factors (as torch).
   ampfuse::GradScaler disabled(O().enabled(false).growth_factor(0.5));
   EXPECT_FALSE(disabled.is_enabled());
@@ -380,6 +395,45 @@ TEST(GradScaler, UpdateWithANewScale) {
 }
 
 // ---- checkpoints -----------------------------------------------------------------------------------
+// A checkpoint value past what the device state holds (a scale float32 does not hold, a growth
+// tracker past int32) is refused, naming the entry, before anything changes: it once passed the
+// checks and threw half-way, leaving the new growth factor with the old scale.
+TEST(GradScaler, LoadRefusesValuesTheDeviceStateCannotHold) {
+  for (const bool big_scale : {true, false}) {
+    std::stringstream stream;
+    {
+      torch::serialize::OutputArchive out;
+      out.write("scale", c10::IValue(big_scale ? 1e39 : 8.0));
+      out.write("growth_factor", c10::IValue(3.0));
+      out.write("backoff_factor", c10::IValue(0.25));
+      out.write("growth_interval", c10::IValue(int64_t{10}));
+      out.write("_growth_tracker", c10::IValue(big_scale ? int64_t{0} : int64_t{1} << 40));
+      out.save_to(stream);
+    }
+    ampfuse::GradScaler dst(ampfuse::GradScalerOptions().init_scale(16.0));
+    torch::serialize::InputArchive in;
+    in.load_from(stream);
+    EXPECT_TRUE(throws_with([&] { dst.load(in); },
+                            big_scale ? "the checkpoint's scale must be a positive finite number that float32 holds"
+                                      : "the checkpoint's _growth_tracker must be an integer in [0, 2147483647]"));
+    EXPECT_EQ(dst.get_scale(), 16.0);
+    EXPECT_EQ(dst.get_growth_factor(), 2.0);
+  }
+}
+
+// An external inf check's flags are 1-element float32 tensors: another is refused where it is
+// recorded (it once failed at step() and kept failing at every update()).
+TEST(GradScaler, RecordInfCheckRefusesAFlagThatIsNotOneFloat) {
+  auto params = make_params(at::kFloat);
+  ampfuse::optim::SGD opt(params, ampfuse::optim::SGDOptions(0.1));
+  ampfuse::GradScaler scaler;
+  EXPECT_TRUE(throws_with(
+      [&] { scaler.record_inf_check(opt, {{c10::Device("cpu"), at::zeros({3}, at::kLong)}}); },
+      "found_inf for cpu must be a 1-element float32 tensor, got Long of shape [3]."));
+  scaler.scale(at::ones({}));
+  scaler.record_inf_check(opt, {{c10::Device("cpu"), at::zeros({}, at::kFloat)}});
+}
+
 TEST(GradScaler, SaveLoadRoundTripsBitwise) {
   const auto options = ampfuse::GradScalerOptions()
                            .init_scale(512.0)
