@@ -345,4 +345,14 @@ void GradAccumulator::load(InputArchive& archive) {
   window_ended_ = false;
 }
 
+OutputArchive& operator<<(OutputArchive& archive, const GradAccumulator& accumulator) {
+  accumulator.save(archive);
+  return archive;
+}
+
+InputArchive& operator>>(InputArchive& archive, GradAccumulator& accumulator) {
+  accumulator.load(archive);
+  return archive;
+}
+
 }  // namespace ampfuse

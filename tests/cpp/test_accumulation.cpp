@@ -607,19 +607,16 @@ TEST(GradAccumulator, MatchesTorchsLoopOnRandomScenarios) {
 
 namespace {
 
+// Through torch::save / torch::load, as an application saves its optimizer and scaler.
 std::string save_to_string(const ampfuse::GradAccumulator& acc) {
   std::stringstream buf;
-  torch::serialize::OutputArchive out;
-  acc.save(out);
-  out.save_to(buf);
+  torch::save(acc, buf);
   return buf.str();
 }
 
 void load_from_string(ampfuse::GradAccumulator& acc, const std::string& bytes) {
   std::stringstream buf(bytes);
-  torch::serialize::InputArchive in;
-  in.load_from(buf);
-  acc.load(in);
+  torch::load(acc, buf);
 }
 
 }  // namespace

@@ -125,4 +125,10 @@ class GradAccumulator {
   std::unique_ptr<Window> window_;
 };
 
+// torch::save(accumulator, path) / torch::load(accumulator, path).
+torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
+                                            const GradAccumulator& accumulator);
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive,
+                                           GradAccumulator& accumulator);
+
 }  // namespace ampfuse
