@@ -470,14 +470,15 @@ def _token_loss(model, tokens, labels):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1), ignore_index=-100)
 
 
-def _fsdp_token_worker(rank: int, world: int):
+def _fsdp_token_worker(rank: int, world: int, root: bool = True):
     import ampfuse
     from torch.distributed.fsdp import fully_shard
 
     model, tokens, labels = _token_lm_and_batch()
     for layer in model:
         fully_shard(layer)
-    fully_shard(model)
+    if root:
+        fully_shard(model)
     acc = ampfuse.GradAccumulator(model, ampfuse.optim.SGD(model.parameters(), lr=0.5), steps=3)
     for k in range(3):  # rank 0: sequences 0-2 (14, 1, 3 tokens); rank 1: 3-5 (7, 2, 5)
         i = 3 * rank + k
@@ -486,10 +487,12 @@ def _fsdp_token_worker(rank: int, world: int):
     return [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
-def test_fsdp2_token_weighted_window_equals_the_full_batch_token_mean():
+@pytest.mark.parametrize("root", [True, False], ids=["sharded-root", "sharded-layers-only"])
+def test_fsdp2_token_weighted_window_equals_the_full_batch_token_mean(root):
     """Two FSDP2 ranks with different token counts: the window's step is the mean over every token
-    of both ranks' micro-batches (the ranks' totals summed over the mesh)."""
-    got = run_ranks(_fsdp_token_worker, 2)[0]
+    of both ranks' micro-batches (the ranks' totals summed over the mesh), also with fully_shard on
+    the layers only (each rank once divided its shard by its own total)."""
+    got = run_ranks(_fsdp_token_worker, 2, root)[0]
     model, tokens, labels = _token_lm_and_batch()
     _token_loss(model, tokens, labels).backward()
     torch.optim.SGD(model.parameters(), lr=0.5).step()

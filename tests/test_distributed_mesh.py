@@ -191,13 +191,13 @@ def _scale_backed_off(log: list, scaler) -> bool:
     return float(scaler.get_scale()) < before
 
 
-def _accumulate(setup: str) -> dict:
+def _accumulate(setup: str, dtype: torch.dtype = torch.float32) -> dict:
     """GradAccumulator (2 micro-batches a window, clipping) for 2 windows; an inf put into rank 1's
     w2.bias gradient on the second window's last micro-batch."""
     import ampfuse
 
     rank = torch.distributed.get_rank()
-    model, mesh, dp, ndp = _build(setup)
+    model, mesh, dp, ndp = _build(setup, dtype)
     opt = ampfuse.optim.AdamW(model.parameters(), lr=LR)
     acc = ampfuse.GradAccumulator(model, opt, ampfuse.GradScaler("cpu", init_scale=2.0**12), steps=2, max_grad_norm=MAX_NORM)
     scales = []
@@ -210,7 +210,7 @@ def _accumulate(setup: str) -> dict:
             tp = mesh.get_local_rank("tp")
             x = x[:, tp * 2:(tp + 1) * 2]
         with acc.accumulate():
-            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+            acc.backward(torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y))
             if step == 3 and rank == 1:
                 model.w2.bias.grad._local_tensor.view(-1)[0] = math.inf
         if step % 2:
@@ -442,6 +442,10 @@ def _scenarios(rank: int, world: int, ckpt: str) -> dict:
             out[f"acc-{setup}"] = _accumulate(setup)
         except Exception:  # noqa: BLE001
             out[f"acc-{setup}"] = {"error": traceback.format_exc()}
+    try:  # tensor parallel alone (no FSDP2 module), bf16 params: fp32 buffers shaped as DTensors
+        out["acc-tp-bf16"] = _accumulate("tp", torch.bfloat16)
+    except Exception:  # noqa: BLE001
+        out["acc-tp-bf16"] = {"error": traceback.format_exc()}
     for setup in DCP_SETUPS:
         try:
             out[f"dcp-{setup}"] = _dcp_save(ckpt, setup)
@@ -612,10 +616,12 @@ def test_tp_fsdp2_with_sequence_parallel(mesh_runs):
             torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("setup", ["tpfsdp", "hsdp", "sp"])
+@pytest.mark.parametrize("setup", ["tpfsdp", "hsdp", "sp", "tp-bf16"])
 def test_grad_accumulator_on_meshes(mesh_runs, setup):
     """The accumulator's ops follow the same rule: an inf on one rank skips the window on all
-    ranks (FSDP2 x TP, HSDP, and sequence parallelism, whose Partial gradients it reduces)."""
+    ranks (FSDP2 x TP, HSDP, sequence parallelism, whose Partial gradients it reduces, and tensor
+    parallelism alone with bf16 params, whose fp32 sums are DTensors like their gradients: it once
+    made plain buffers and failed at the first micro-batch)."""
     res = [_ok(mesh_runs[r], f"acc-{setup}") for r in range(4)]
     for r in res:
         assert r["windows"] == 2 and r["scales"] == [2.0**12, 2.0**11]

@@ -36,12 +36,22 @@ __all__ = ["GradAccumulator"]
 _LOW = (torch.float16, torch.bfloat16)
 
 
-def _is_fsdp2(model: torch.nn.Module) -> bool:
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without DTensor
+        return False
+    return isinstance(t, DTensor)
+
+
+def _fsdp2_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``model`` that ``fully_shard`` made FSDP2 modules: the root, or only some
+    layers (a valid layout: the layers' params are sharded all the same)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without FSDP2
-        return False
-    return isinstance(model, FSDPModule)
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def _framework_wrapper_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any | None:
@@ -153,7 +163,8 @@ class GradAccumulator:
             raise ValueError(f"fsdp_sync must be 'window' or 'micro_batch', got {fsdp_sync!r}.")
         self.model = model
         self._ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-        self._fsdp = _is_fsdp2(model)
+        self._fsdp_modules = _fsdp2_modules(model)
+        self._fsdp = bool(self._fsdp_modules)
         self._fsdp_sync_window = self._fsdp and fsdp_sync == "window"
         self._group = getattr(model, "process_group", None) if self._ddp else None
         self.optimizer = optimizer
@@ -184,7 +195,10 @@ class GradAccumulator:
         params = self._all_params()
         # The buffers, flags and micro-batch plan (engine/accumulator_window.h); the param groups
         # its plan was built for (each list and a copy of its entries).
-        self._window = torch.classes.ampfuse.AccumulatorWindow(bool(fp32_accumulation), self._fsdp)
+        # per-param buffers for DTensor params (FSDP2 anywhere in the model, or tensor parallel):
+        # a DTensor over each local shard, as the gradients are
+        per_param = self._fsdp or any(_is_dtensor(p) for p in params)
+        self._window = torch.classes.ampfuse.AccumulatorWindow(bool(fp32_accumulation), per_param)
         self._window.start(params)
         self._acc_plan_groups: list[tuple[list, list]] = []
         self._plan_ref: tuple[int, Any] = (0, None)  # the plan's id and its Python object
@@ -252,8 +266,8 @@ class GradAccumulator:
         sync = last and not self._low
         model: Any = self.model  # DDP's no_sync, FSDP2's set_requires_gradient_sync
         ctx = model.no_sync() if (self._ddp and not sync) else contextlib.nullcontext()
-        if self._fsdp:
-            model.set_requires_gradient_sync(last or not self._fsdp_sync_window)
+        for fsdp_module in self._fsdp_modules:  # (the root need not be one of them)
+            cast(Any, fsdp_module).set_requires_gradient_sync(last or not self._fsdp_sync_window, recurse=False)
         self._in_context = True
         self._backward_called = False
         try:
