@@ -10,8 +10,10 @@
 
 #include <algorithm>
 #include <array>
+#include <charconv>
 #include <cmath>
 #include <cstring>
+#include <system_error>
 #include <functional>
 #include <string>
 #include <type_traits>
@@ -340,7 +342,7 @@ void fused_load(torch::optim::Optimizer& opt, InputArchive& archive,
   auto& groups = opt.param_groups();
   TORCH_CHECK(num_groups == groups.size(), "The checkpoint has ", num_groups,
               " parameter groups but the optimizer has ", groups.size(), ".");
-  std::vector<std::vector<std::string>> keys(num_groups);
+  std::vector<std::vector<uint64_t>> keys(num_groups);
   std::vector<Options> options;
   for (size_t g = 0; g < num_groups; ++g) {
     InputArchive group_archive;
@@ -353,7 +355,18 @@ void fused_load(torch::optim::Optimizer& opt, InputArchive& archive,
     for (size_t i = 0; i < size; ++i) {
       c10::IValue key;
       group_archive.read("params/" + std::to_string(i), key);
-      keys[g].push_back(key.toStringRef());
+      // a parameter's key: the number torch's serializer writes as a string
+      uint64_t parsed = 0;
+      const std::string* text = key.isString() ? &key.toStringRef() : nullptr;
+      const bool ok = text != nullptr && !text->empty() &&
+                      [&] {
+                        const auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), parsed);
+                        return ec == std::errc() && end == text->data() + text->size();
+                      }();
+      TORCH_CHECK_VALUE(ok, "The checkpoint's param_groups/", g, "/params/", i,
+                        " must be a parameter key (a number as a string), got ",
+                        text != nullptr ? "'" + *text + "'" : std::string(key.tagKind()), ".");
+      keys[g].push_back(parsed);
     }
     InputArchive options_archive;
     group_archive.read("options", options_archive);
@@ -374,7 +387,7 @@ void fused_load(torch::optim::Optimizer& opt, InputArchive& archive,
   c10::List<std::optional<at::Tensor>> slots;
   for (size_t g = 0; g < num_groups; ++g) {
     for (size_t i = 0; i < keys[g].size(); ++i) {
-      auto it = saved_state.find(reinterpret_cast<void*>(std::stoull(keys[g][i])));
+      auto it = saved_state.find(reinterpret_cast<void*>(keys[g][i]));
       if (it == saved_state.end()) continue;
       ps.push_back(groups[g].params()[i].detach());
       group_of.push_back(static_cast<int64_t>(g));
@@ -438,12 +451,31 @@ c10::IValue to_ivalue(const T& v) {
   }
 }
 
+// Option `key` of a checkpoint into `out`, its type checked (a number where a float is kept); a
+// value of another type is refused naming the option (torch's IValue casts would assert).
 template <typename T>
-void from_ivalue(const c10::IValue& v, T& out) {
+void from_ivalue(const c10::IValue& v, T& out, const char* key) {
+  auto refuse = [&](const char* what) {
+    TORCH_CHECK_VALUE(false, "The checkpoint's option '", key, "' must be ", what, ", got ", v.tagKind(), ".");
+  };
   if constexpr (std::is_same_v<T, c10::ScalarType>) {
+    if (!v.isInt()) refuse("a dtype (an int)");
     out = static_cast<c10::ScalarType>(v.toInt());
+  } else if constexpr (std::is_same_v<T, double>) {
+    if (!(v.isDouble() || v.isInt())) refuse("a float");
+    out = v.isDouble() ? v.toDouble() : static_cast<double>(v.toInt());
+  } else if constexpr (std::is_same_v<T, bool>) {
+    if (!v.isBool()) refuse("a bool");
+    out = v.toBool();
+  } else if constexpr (std::is_same_v<T, int64_t>) {
+    if (!v.isInt()) refuse("an int");
+    out = v.toInt();
   } else {
-    out = v.to<T>();
+    try {
+      out = v.to<T>();
+    } catch (const c10::Error&) {
+      refuse("of the option's type");
+    }
   }
 }
 
@@ -458,7 +490,7 @@ template <typename O>
 void read_options(O& o, InputArchive& archive) {
   O::fields(o, [&](const char* key, auto& value) {
     c10::IValue v;
-    if (archive.try_read(key, v)) from_ivalue(v, value);
+    if (archive.try_read(key, v)) from_ivalue(v, value, key);
   });
 }
 

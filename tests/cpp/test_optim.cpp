@@ -6,8 +6,10 @@
 #include <torch/optim/sgd.h>
 #include <torch/serialize.h>
 
+#include <functional>
 #include <limits>
 #include <sstream>
+#include <string>
 
 #include "ampfuse/optim.h"
 #include "test_utils.h"
@@ -774,4 +776,55 @@ TEST(Optim, StepPlanRefusesWhatTheValidatedWayRefuses) {
   params[1].mutable_grad() = params[1].detach();  // the param's own memory
   EXPECT_TRUE(throws_with([&] { opt.step(); }, "shares memory with the parameter"));
   for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(bitwise_equal(params[i], before[i]));
+}
+
+// A checkpoint whose options or parameter keys have the wrong type is refused naming the entry,
+// before anything changes (torch's IValue casts asserted "please report a bug to PyTorch", and a
+// key that is not a number gave a bare std::invalid_argument).
+TEST(Optim, LoadNamesAWrongTypedOptionOrKey) {
+  auto params = make_params(at::kFloat);
+  ampfuse::optim::AdamW opt(params, ampfuse::optim::AdamWOptions(1e-3));
+  auto checkpoint = [&](const std::function<void(torch::serialize::OutputArchive&)>& options,
+                        c10::IValue key) {
+    torch::serialize::OutputArchive out;
+    out.write("pytorch_version", c10::IValue(std::string("2")));
+    torch::serialize::OutputArchive state(out.compilation_unit()), groups(out.compilation_unit()),
+        group(out.compilation_unit()), opts(out.compilation_unit());
+    out.write("state", state);
+    groups.write("param_groups/size", at::tensor(int64_t{1}));
+    group.write("params/size", at::tensor(static_cast<int64_t>(params.size())));
+    for (size_t i = 0; i < params.size(); ++i) {
+      group.write("params/" + std::to_string(i), i == 0 ? key : c10::IValue(std::to_string(100 + i)));
+    }
+    options(opts);
+    group.write("options", opts);
+    groups.write("param_groups/0", group);
+    out.write("param_groups", groups);
+    std::stringstream buf;
+    out.save_to(buf);
+    return buf.str();
+  };
+  auto load = [&](const std::string& bytes) {
+    std::stringstream buf(bytes);
+    torch::serialize::InputArchive in;
+    in.load_from(buf);
+    opt.load(in);
+  };
+  const c10::IValue good_key(std::string("99"));
+  EXPECT_TRUE(throws_with([&] { load(checkpoint([](auto& o) { o.write("lr", c10::IValue(std::string("x"))); }, good_key)); },
+                          "The checkpoint's option 'lr' must be a float, got String."));
+  EXPECT_TRUE(throws_with([&] { load(checkpoint([](auto& o) { o.write("amsgrad", c10::IValue(int64_t{1})); }, good_key)); },
+                          "The checkpoint's option 'amsgrad' must be a bool, got Int."));
+  EXPECT_TRUE(throws_with([&] { load(checkpoint([](auto& o) { o.write("rounding_seed", c10::IValue(1.5)); }, good_key)); },
+                          "The checkpoint's option 'rounding_seed' must be"));
+  EXPECT_TRUE(throws_with(
+      [&] { load(checkpoint([](auto& o) { o.write("betas", c10::IValue(std::vector<double>{0.9, 0.99})); }, good_key)); },
+      "The checkpoint's option 'betas' must be"));
+  EXPECT_TRUE(throws_with([&] { load(checkpoint([](auto&) {}, c10::IValue(int64_t{7}))); },
+                          "The checkpoint's param_groups/0/params/0 must be a parameter key (a number as a string), got Int."));
+  EXPECT_TRUE(throws_with([&] { load(checkpoint([](auto&) {}, c10::IValue(std::string("abc")))); },
+                          "must be a parameter key (a number as a string), got 'abc'."));
+  EXPECT_EQ(opt.param_groups()[0].options().get_lr(), 1e-3);
+  load(checkpoint([](auto& o) { o.write("lr", c10::IValue(int64_t{2})); }, good_key));  // an int where a float is kept
+  EXPECT_EQ(opt.param_groups()[0].options().get_lr(), 2.0);
 }
