@@ -274,6 +274,22 @@ def test_an_inf_or_nan_stays_itself_and_its_block_keeps_its_other_values(dtype, 
 
 @pytest.mark.parametrize(("dtype", "nonnegative"), FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_marked_block_of_absmax_zero_keeps_its_inf_and_nan(dtype, nonnegative, device):
+    """A block whose finite values are all 0 or below fp32's normal range has absmax -0: its
+    finite values are stored as zeros, its inf and NaN still as themselves (an inf once took the
+    finite values' magnitude of 0 and decoded as 0 in the fp8 formats)."""
+    x = torch.cat([torch.tensor([math.inf, 0.0, 1e-45, -math.inf, math.nan, -3e-39]), torch.zeros(250),
+                   torch.tensor([math.inf])])
+    codes, absmax = ops.quantize_blocks(x.to(device), dtype, nonnegative=nonnegative)
+    assert absmax.cpu().view(torch.int32).tolist() == [-2**31, -2**31]  # -0.0: marked, no magnitude
+    out = ops.dequantize_blocks(codes, absmax, nonnegative=nonnegative).cpu()
+    assert out[0] == math.inf and out[-1] == math.inf and out[4].isnan()
+    assert out[3] == (0.0 if nonnegative else -math.inf)
+    assert bool((out[[1, 2, 5]] == 0).all()) and bool((out[6:-1] == 0).all())
+
+
+@pytest.mark.parametrize(("dtype", "nonnegative"), FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("device", DEVICES)
 def test_every_code_of_a_marked_block_survives_a_round_trip(dtype, nonnegative, device):
     """Every code a marked block can hold (the marks, and every finite code but the ones the marks
     take), decoded and encoded again: the same codes and absmax."""

@@ -335,8 +335,10 @@ AMPFUSE_HOST_DEVICE uint8_t quant_encode_marked(float x, uint8_t c, float a, con
                                                 bool nonnegative) {
   const bool sign = f != QuantFormat::Dynamic8Unsigned;
   if (x != x) return static_cast<uint8_t>(quant_nan_mark(f));
+  if (fabsf(x) == INFINITY) {  // (before the zero test: a block of absmax 0 gives inf a magnitude of 0)
+    return static_cast<uint8_t>((x < 0.0f && nonnegative) ? 0 : (sign && x < 0.0f) ? 0x81 : 1);
+  }
   if (a == 0.0f) return c;  // 0, a negative second moment
-  if (fabsf(x) == INFINITY) return static_cast<uint8_t>((sign && x < 0.0f) ? 0x81 : 1);
   const int idx = sign ? (c & 0x7F) : c, up = quant_first_unmarked(f);
   if (idx == 0 || idx >= up) return c;
   const bool down = !nonnegative && a - table[0] < table[up] - a;
