@@ -323,12 +323,7 @@ void GradAccumulator::load(InputArchive& archive) {
     const bool saved_scaled = archive.try_read("sums_scaled", sums_scaled)
                                   ? (sums_scaled.isBool() && sums_scaled.toBool())
                                   : archive.try_read("scaler", saved_scaler);
-    const bool scaled = scaler_ != nullptr && scaler_->is_enabled();
-    TORCH_CHECK_VALUE(saved_scaled == scaled, "The checkpoint was saved inside a window ",
-                      saved_scaled ? "with" : "without", " an enabled GradScaler, and this accumulator has ",
-                      scaled ? "one" : "none", ": its partial sums are ", saved_scaled ? "" : "not ",
-                      "multiplied by the loss scale. Load it into an accumulator ",
-                      saved_scaled ? "with" : "without", " one, or save at a window boundary.");
+    engine::check_window_sums_scale(saved_scaled, scaler_ != nullptr && scaler_->is_enabled(), "The checkpoint");
   }
   torch::serialize::InputArchive optimizer_archive, scaler_archive;
   archive.read("optimizer", optimizer_archive);

@@ -332,6 +332,14 @@ std::vector<int64_t> AccumulatorWindow::indices_of_buffered(const std::vector<at
 }
 
 // ---- checkpoints --------------------------------------------------------------------------------
+void check_window_sums_scale(bool saved_scaled, bool scaled, const std::string& source) {
+  TORCH_CHECK_VALUE(saved_scaled == scaled, source, " was saved inside a window ", saved_scaled ? "with" : "without",
+                    " an enabled GradScaler, and this accumulator has ", scaled ? "one" : "none",
+                    ": its partial sums are ", saved_scaled ? "" : "not ",
+                    "multiplied by the loss scale. Load it into an accumulator ", saved_scaled ? "with" : "without",
+                    " one, or save at a window boundary.");
+}
+
 std::vector<int64_t> check_accumulator_counters(const c10::Dict<std::string, c10::IValue>& entries, int64_t steps,
                                                 const std::string& source, const std::string& naming) {
   const auto entry = [&](const char* key) { return entries.contains(key) ? entries.at(key) : c10::IValue(); };

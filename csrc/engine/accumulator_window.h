@@ -30,6 +30,11 @@ namespace ampfuse::engine {
 std::vector<int64_t> check_accumulator_counters(const c10::Dict<std::string, c10::IValue>& entries, int64_t steps,
                                                 const std::string& source, const std::string& naming);
 
+// A mid-window checkpoint's partial sums are in the units of the loss scale they were taken under:
+// `saved_scaled` (taken with an enabled scaler) must equal `scaled` (this accumulator has one).
+// `source` names the checkpoint ("the state dict", "The checkpoint"). Raises c10::ValueError.
+void check_window_sums_scale(bool saved_scaled, bool scaled, const std::string& source);
+
 class AccumulatorWindow : public torch::CustomClassHolder {
  public:
   // fp32_accumulation: fp16/bf16 params that require grad are summed in fp32 buffers (else none

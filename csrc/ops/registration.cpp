@@ -137,6 +137,9 @@ TORCH_LIBRARY(ampfuse, m) {
   // [micro_step, windows, skipped_windows_host (0 when absent)]. Raises ValueError naming the entry.
   m.def("accumulator_counters_check(Dict(str, Any) entries, int steps, str source, str naming) -> int[]",
         &ampfuse::engine::check_accumulator_counters);
+  // A mid-window checkpoint and the accumulator agree on an enabled scaler (the sums' units).
+  m.def("accumulator_sums_scale_check(bool saved_scaled, bool scaled, str source) -> ()",
+        &ampfuse::engine::check_window_sums_scale);
   // A param group's hyper-parameters (csrc/engine/hyper_checks.h): values by option name, the
   // group's name and whether options are named as Python does (param_groups[0]['lr']) or as C++
   // (AdamW: lr). Raises ValueError naming the option.

@@ -715,17 +715,10 @@ class GradAccumulator:
                 params, _engine_list(state_dict.get("buffered")), entries("buffers"), entries("found_inf"),
                 _engine_list(state_dict.get("has_grad")), {k: _engine_value(v) for k, v in grads.items()},
                 "the state dict's {} entry", True)
-        if micro != 0:
-            # the partial sums are in the units of the loss scale they were taken under
-            saved_scaled = bool(state_dict.get("scaler"))
-            scaled = self.scaler is not None and bool(self.scaler.is_enabled())
-            if saved_scaled != scaled:
-                raise ValueError(
-                    "the state dict was saved inside a window " + ("with" if saved_scaled else "without")
-                    + " an enabled GradScaler, and this accumulator has " + ("one" if scaled else "none")
-                    + ": its partial sums are " + ("" if saved_scaled else "not ")
-                    + "multiplied by the loss scale. Load it into an accumulator "
-                    + ("with" if saved_scaled else "without") + " one, or save at a window boundary.")
+        if micro != 0:  # the partial sums are in the units of the loss scale they were taken under
+            torch.ops.ampfuse.accumulator_sums_scale_check(
+                bool(state_dict.get("scaler")), self.scaler is not None and bool(self.scaler.is_enabled()),
+                "the state dict")
         count_total = state_dict.get("count_total") if micro != 0 else None
         if count_total is not None and not (isinstance(count_total, torch.Tensor) and count_total.numel() == 1
                                             and count_total.is_floating_point()):

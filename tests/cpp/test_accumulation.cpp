@@ -243,15 +243,13 @@ TEST(GradAccumulator, SchedulerAdvancesOnlyOnWindowsThatStepped) {
   EXPECT_NE(opt.param_groups()[0].options().get_lr(), twin.param_groups()[0].options().get_lr());
 }
 
-TEST(GradAccumulator, ClipsWithoutAScaler) {
-  // bf16 training without loss scaling: the fused step takes the clip coefficient.
-  auto params = make_params(at::kBFloat16);
+namespace {
+
+// A window of two micro-batches (inputs 0 and 1) through `acc`; returns the window's mean
+// gradient, each param's fp32 sum of torch's gradients of the halved losses on a copy.
+std::vector<at::Tensor> window_of_two(ampfuse::GradAccumulator& acc, const std::vector<at::Tensor>& params) {
   auto probe = copy_params(params);
-  ampfuse::optim::SGD opt(params, ampfuse::optim::SGDOptions(1.0));
-  ampfuse::GradAccumulator acc(opt, nullptr, ampfuse::GradAccumulatorOptions(2).max_grad_norm(0.5));
   std::vector<at::Tensor> sums = {at::zeros({129}), at::zeros({6, 5})};
-  std::vector<at::Tensor> masters0;
-  for (const auto& p : params) masters0.push_back(p.detach().to(at::kFloat));
   for (int k = 0; k < 2; ++k) {
     auto xs = inputs(k);
     (loss_of(probe, xs) / 2).backward();
@@ -261,6 +259,19 @@ TEST(GradAccumulator, ClipsWithoutAScaler) {
     }
     acc.backward(loss_of(params, xs));
   }
+  return sums;
+}
+
+}  // namespace
+
+TEST(GradAccumulator, ClipsWithoutAScaler) {
+  // bf16 training without loss scaling: the fused step takes the clip coefficient.
+  auto params = make_params(at::kBFloat16);
+  ampfuse::optim::SGD opt(params, ampfuse::optim::SGDOptions(1.0));
+  ampfuse::GradAccumulator acc(opt, nullptr, ampfuse::GradAccumulatorOptions(2).max_grad_norm(0.5));
+  std::vector<at::Tensor> masters0;
+  for (const auto& p : params) masters0.push_back(p.detach().to(at::kFloat));
+  const auto sums = window_of_two(acc, params);
   EXPECT_FALSE(acc.last_window_skipped().has_value());
   EXPECT_FALSE(opt.step_scaling().has_value());
   double sq = 0;
@@ -279,23 +290,13 @@ TEST(GradAccumulator, ClipsInAnyNormTheSumsTheStepReads) {
   for (const bool with_scaler : {false, true}) {
     for (const double norm_type : {1.0, 3.0}) {
       auto params = make_params(at::kBFloat16);
-      auto probe = copy_params(params);
       ampfuse::optim::SGD opt(params, ampfuse::optim::SGDOptions(1.0));
       ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(1024.0));
       ampfuse::GradAccumulator acc(opt, with_scaler ? &scaler : nullptr,
                                    ampfuse::GradAccumulatorOptions(2).max_grad_norm(0.5).norm_type(norm_type));
-      std::vector<at::Tensor> sums = {at::zeros({129}), at::zeros({6, 5})};
       std::vector<at::Tensor> masters0;
       for (const auto& p : params) masters0.push_back(p.detach().to(at::kFloat));
-      for (int k = 0; k < 2; ++k) {
-        auto xs = inputs(k);
-        (loss_of(probe, xs) / 2).backward();
-        for (size_t i = 0; i < probe.size(); ++i) {
-          sums[i] += probe[i].grad().to(at::kFloat);
-          probe[i].mutable_grad() = at::Tensor();
-        }
-        acc.backward(loss_of(params, xs));
-      }
+      const auto sums = window_of_two(acc, params);
       double total = 0;
       for (const auto& s : sums) total += s.to(at::kDouble).abs().pow(norm_type).sum().item<double>();
       const double coef = std::min(1.0, 0.5 / (std::pow(total, 1.0 / norm_type) + 1e-6));

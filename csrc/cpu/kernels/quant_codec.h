@@ -170,13 +170,14 @@ inline void block_absmax_cpu(const float* x, int64_t n, float* absmax) {
 // them would cost their register-held tables on every path).
 inline bool marked_block(float absmax) { return sign_bit(absmax); }
 
-[[gnu::cold, gnu::noinline]] inline void encode_marked_cpu(const float* x, int64_t n, float absmax, const QuantTable& t, QuantFormat f,
-                              bool nonnegative, uint8_t* out) {
+[[gnu::cold, gnu::noinline]] inline void encode_marked_cpu(const float* x, int64_t n, float absmax,
+                                                           const QuantTable& t, QuantFormat f, bool nonnegative,
+                                                           uint8_t* out) {
   for (int64_t e = 0; e < n; ++e) out[e] = quant_encode(x[e], absmax, t.entries, f, nonnegative);
 }
 
-[[gnu::cold, gnu::noinline]] inline void decode_marked_cpu(const uint8_t* codes, int64_t n, float absmax, const QuantTable& t, QuantFormat f,
-                              float* out) {
+[[gnu::cold, gnu::noinline]] inline void decode_marked_cpu(const uint8_t* codes, int64_t n, float absmax,
+                                                           const QuantTable& t, QuantFormat f, float* out) {
   for (int64_t e = 0; e < n; ++e) out[e] = quant_decode(codes[e], absmax, t.entries, f);
 }
 
@@ -398,17 +399,13 @@ void encode_blocks_as(const float* x, int64_t n, const float* absmax, const Quan
 template <QuantFormat F>
 void decode_blocks_as(const uint8_t* codes, int64_t n, const float* absmax, const QuantTable& t, float* out) {
   constexpr bool kSigned = F != QuantFormat::Dynamic8Unsigned;
-  for (int64_t b0 = 0; b0 < n; b0 += kQuantBlock) {
-    const int64_t end = std::min(n, b0 + kQuantBlock);
-    const float m = absmax[b0 / kQuantBlock];
-    for (int64_t e = b0; e < end; ++e) {
-      const uint32_t c = codes[e];
-      const float v = t.entries[kSigned ? (c & 0x7Fu) : c] * m;
-      uint32_t b;
-      std::memcpy(&b, &v, sizeof b);
-      b ^= kSigned ? (c & 0x80u) << 24 : 0u;
-      std::memcpy(out + e, &b, sizeof b);
-    }
+  for (int64_t e = 0; e < n; ++e) {
+    const uint32_t c = codes[e];
+    const float v = t.entries[kSigned ? (c & 0x7Fu) : c] * absmax[e / kQuantBlock];
+    uint32_t b;
+    std::memcpy(&b, &v, sizeof b);
+    b ^= kSigned ? (c & 0x80u) << 24 : 0u;
+    std::memcpy(out + e, &b, sizeof b);
   }
 }
 
