@@ -520,10 +520,51 @@ def _accumulator_counter_entries(d: dict) -> dict:
     return res
 
 
+def _replaced_param_restarts_master(d: dict) -> dict:
+    res = {}
+    for form, key in ((True, "replaced/float"), ("remainder", "replaced/remainder")):
+        p = d[f"in/{key}/init"].clone().requires_grad_(True)
+        opt = ampfuse.optim.AdamW([p], lr=1e-2, master_weights=form)
+        for k in range(3):
+            p.grad = d[f"in/{key}/grad/{k}"].clone()
+            opt.step()
+        p.data = p.detach().clone()  # the same values, other memory
+        p.grad = d[f"in/{key}/grad/3"].clone()
+        opt.step()
+        res[f"{key}/param"], res[f"{key}/master"] = p.detach().clone(), _master(opt, p)
+    return res
+
+
+def _two_keepers_of_one_master(d: dict) -> dict:
+    shared = d["in/keepers/shared"].clone().requires_grad_(True)
+    own = d["in/keepers/own"].clone().requires_grad_(True)
+    first = ampfuse.optim.AdamW([own, shared], lr=1e-3)
+    second = ampfuse.optim.SGD([shared], lr=1e-3, momentum=0.9)
+    shared.grad, own.grad = d["in/keepers/grad_shared"].clone(), d["in/keepers/grad_own"].clone()
+    first.step()
+    first.step()
+    second.step()
+    before, master = shared.detach().clone(), first.state[shared]["master_param"].clone()
+    res = {"keepers/message": _without_ids(_message(first.step))}
+    res["keepers/unchanged"] = (torch.equal(_bits(shared.detach()), _bits(before))
+                                and torch.equal(_bits(first.state[shared]["master_param"]), _bits(master)))
+    second.step()
+    first.sync_masters_from_params()
+    first.step()
+    res["keepers/back_message"] = _without_ids(_message(second.step))
+    res["keepers/shared"], res["keepers/master"] = shared.detach().clone(), first.state[shared]["master_param"].clone()
+    return res
+
+
+def _without_ids(message: str) -> str:
+    """A message with the object addresses it names replaced (they differ between runs)."""
+    return re.sub(r"\(id 0x[0-9a-f]+\)", "(id ...)", message)
+
+
 _CASES = [_ties, _master_weights_off_and_on, _load_keeps_own_options, _grad_checks_across_groups,
           _bad_scaler_entries, _accumulator_load_checks_the_scaler_first, _idle_param_state_follows_options,
           _accumulator_checkpoint_entries, _optimizer_checkpoint_entries, _group_hyper_entries,
-          _accumulator_counter_entries]
+          _accumulator_counter_entries, _replaced_param_restarts_master, _two_keepers_of_one_master]
 
 
 def _as_python_names(message: str) -> str:
@@ -535,6 +576,7 @@ def _as_python_names(message: str) -> str:
     message = re.sub(r"\b(buffers|found_inf)/0\b", r"\1['cpu']", message)  # the cases run on the CPU
     message = re.sub(r"\bgrads/(\d+)", r"grads[\1]", message)
     message = message.replace("The checkpoint was saved with", "state_dict was saved with")
+    message = _without_ids(message)
     return message.replace("the checkpoint's", "the state dict's")
 
 

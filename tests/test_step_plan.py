@@ -1,4 +1,4 @@
-"""The persistent native step plan (csrc/ops/step_plan.h) behind ampfuse.optim and GradScaler.
+"""The persistent native step plan (csrc/engine/step_plan.h) behind ampfuse.optim and GradScaler.
 
 After a step went the validated way, an ampfuse optimizer holds a native plan; later steps (and
 the scaler's check before them) are one native call each. These tests check that the plan is

@@ -15,6 +15,7 @@
 
 #include "ampfuse/optim.h"
 #include "engine/accumulator_window.h"
+#include "engine/master_keeper.h"
 
 namespace ampfuse::detail {
 
@@ -46,10 +47,14 @@ struct OptimizerInternals {
   // checked): one added another way (torch::optim::Optimizer::add_param_group through a base
   // reference, which gives a custom optimizer's group the defaults) is refused at the next step.
   size_t groups_added = 0;
+  // Who keeps each param's master (claims, the restart of a replaced param's master).
+  c10::intrusive_ptr<engine::MasterKeeper> keeper;
+  // The found_inf the last step was given (last_step_skipped()).
+  std::optional<at::Tensor> last_found_inf;
 };
 
 // GradScaler's pass over the gradients the next step of `opt` reads, through its current step
-// plan: per device [found_inf] or [found_inf, total_norm, clip_coef] (see ops/step_plan.h);
+// plan: per device [found_inf] or [found_inf, total_norm, clip_coef] (see engine/step_plan.h);
 // nullopt when no plan is current or it saw a change (the caller then goes the validated way).
 std::optional<std::vector<at::Tensor>> plan_check(optim::FusedOptimizer& opt,
                                                   const at::Tensor& scale, bool write,

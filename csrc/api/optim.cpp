@@ -26,7 +26,7 @@
 #include "engine/optimizer_state.h"
 #include "engine/scaler_rules.h"
 #include "engine/step_checks.h"
-#include "ops/step_plan.h"
+#include "engine/step_plan.h"
 #include "ops/validation.h"
 
 namespace ampfuse::optim {
@@ -200,12 +200,42 @@ void bring_state(torch::optim::Optimizer& opt, const std::vector<at::Tensor>& pa
   for (size_t i = 0; i < owners.size(); ++i) take_slots<P>(*owners[i], out, i, num);
 }
 
+// The master keeper's claim before a validated step modifies anything: the params it steps with
+// a master (by the group's master_weights), and those whose master it holds.
+template <typename P>
+void claim_masters(FusedOptimizer& opt, engine::MasterKeeper& keeper) {
+  std::vector<at::Tensor> stepping, kept;
+  std::vector<int64_t> groups, indices;
+  auto& states = opt.state();
+  for (size_t gi = 0; gi < opt.param_groups().size(); ++gi) {
+    const auto& group = opt.param_groups()[gi];
+    const std::string mw = master_weights_of(static_cast<const typename P::Options&>(group.options()));
+    for (size_t i = 0; i < group.params().size(); ++i) {
+      const at::Tensor& p = group.params()[i];
+      if (engine::master_kind(p, mw) == "none") continue;
+      if (opt.grad_of(p).defined()) {
+        stepping.push_back(p);
+        groups.push_back(static_cast<int64_t>(gi));
+        indices.push_back(static_cast<int64_t>(i));
+        continue;
+      }
+      auto it = states.find(p.unsafeGetTensorImpl());
+      if (it == states.end()) continue;
+      const auto& s = static_cast<const typename P::State&>(*it->second);
+      if (s.master_param().defined() || s.master_remainder().defined()) kept.push_back(p);
+    }
+  }
+  keeper.claim(stepping, groups, indices, "param_groups()[{g}].params()[{i}]", kept);
+}
+
 // The validated step: every check, state created, one op call per bucket. Reports the buckets
 // it ran and the params it left idle, for the step plan.
 template <typename P>
 void fused_step(FusedOptimizer& opt, std::vector<detail::StepPlanBucket>& ran,
                 std::vector<at::Tensor>& idle, std::unordered_set<const c10::TensorImpl*>& reconcile) {
   opt.validate();
+  auto& keeper = *opt.internals().keeper;
+  claim_masters<P>(opt, keeper);
   size_t gi = 0;
   for (auto& group : opt.param_groups()) {
     const auto& o = static_cast<const typename P::Options&>(group.options());
@@ -216,6 +246,21 @@ void fused_step(FusedOptimizer& opt, std::vector<detail::StepPlanBucket>& ran,
       stepped.push_back(grads.back().defined());
     }
     bring_state<P>(opt, group.params(), stepped, o, reconcile);
+    {
+      std::vector<at::Tensor> ps;
+      std::vector<std::optional<at::Tensor>> masters, rems;
+      for (size_t i = 0; i < group.params().size(); ++i) {
+        auto it = opt.state().find(group.params()[i].unsafeGetTensorImpl());
+        if (it == opt.state().end()) continue;
+        const auto& s = static_cast<const typename P::State&>(*it->second);
+        if (!s.master_param().defined() && !s.master_remainder().defined()) continue;
+        ps.push_back(group.params()[i]);
+        masters.emplace_back(s.master_param().defined() ? std::optional<at::Tensor>(s.master_param()) : std::nullopt);
+        rems.emplace_back(s.master_remainder().defined() ? std::optional<at::Tensor>(s.master_remainder())
+                                                         : std::nullopt);
+      }
+      keeper.restart_replaced(ps, masters, rems);
+    }
     std::vector<Bucket> buckets;
     for (size_t i = 0; i < group.params().size(); ++i) {
       const at::Tensor& p = group.params()[i];
@@ -703,6 +748,27 @@ void FusedOptimizer::remove_grad_buffer(const at::Tensor& param) {
   internals_->grad_buffers.erase(param.unsafeGetTensorImpl());
 }
 
+void FusedOptimizer::sync_masters_from_params() {
+  std::vector<at::Tensor> params;
+  std::vector<std::optional<at::Tensor>> masters, rems;
+  for (const auto& group : param_groups_) {
+    for (const auto& p : group.params()) {
+      std::optional<at::Tensor> master, rem;
+      for (auto& [key, t] : state_tensors(p)) {
+        if (std::strcmp(key, "master_param") == 0) master = t;
+        if (std::strcmp(key, "master_remainder") == 0) rem = t;
+      }
+      if (!master && !rem) continue;
+      params.push_back(p);
+      masters.push_back(std::move(master));
+      rems.push_back(std::move(rem));
+    }
+  }
+  internals_->keeper->sync_from_params(params, masters, rems);
+}
+
+std::optional<at::Tensor> FusedOptimizer::last_step_skipped() const { return internals_->last_found_inf; }
+
 at::Tensor FusedOptimizer::grad_of(const at::Tensor& param) const {
   const auto& in = *internals_;
   auto it = in.grad_buffers.find(param.unsafeGetTensorImpl());
@@ -719,8 +785,8 @@ at::Tensor FusedOptimizer::grad_of(const at::Tensor& param) const {
 namespace ampfuse::detail {
 
 struct OptimizerPlan {
-  c10::intrusive_ptr<ops::StepPlan> plan;
-  c10::intrusive_ptr<ops::AccumulatePlan> source;  // the gradients' source it is bound to
+  c10::intrusive_ptr<engine::StepPlan> plan;
+  c10::intrusive_ptr<engine::AccumulatePlan> source;  // the gradients' source it is bound to
   std::vector<const void*> key;
   int devices = 0;
   bool fp16_grads = false;
@@ -729,8 +795,8 @@ struct OptimizerPlan {
 namespace {
 
 // The micro-batch plan whose sums the next step reads (undefined: the params' .grad()).
-c10::intrusive_ptr<ops::AccumulatePlan> source_of(const OptimizerInternals& in) {
-  return in.grad_source.defined() ? in.grad_source->plan() : c10::intrusive_ptr<ops::AccumulatePlan>();
+c10::intrusive_ptr<engine::AccumulatePlan> source_of(const OptimizerInternals& in) {
+  return in.grad_source.defined() ? in.grad_source->plan() : c10::intrusive_ptr<engine::AccumulatePlan>();
 }
 
 // After a validated step: the plan of the buckets that step ran and the params it left idle (no
@@ -747,7 +813,7 @@ void build_plan(OptimizerInternals& in, const std::vector<StepPlanBucket>& bucke
     }
   }
   auto plan = std::make_shared<OptimizerPlan>();
-  plan->plan = c10::make_intrusive<ops::StepPlan>(adam ? "adam" : "sgd");
+  plan->plan = c10::make_intrusive<engine::StepPlan>(adam ? "adam" : "sgd");
   std::vector<c10::Device> devices;
   for (const auto& b : buckets) {
     plan->plan->add_bucket(static_cast<int64_t>(b.group), b.params, b.masters, b.states[0],
@@ -761,6 +827,7 @@ void build_plan(OptimizerInternals& in, const std::vector<StepPlanBucket>& bucke
   plan->source = source_of(in);
   if (plan->source.defined()) plan->plan->bind_source(plan->source);
   plan->plan->finalize();
+  if (in.keeper.defined()) in.keeper->hold_plan(plan->plan);
   plan->devices = static_cast<int>(devices.size());
   plan->key = std::move(key);
   in.plan = std::move(plan);
@@ -811,7 +878,7 @@ bool FusedOptimizer::step_with_plan() {
     if (sc->found_inf && sc->found_inf->defined()) fi = sc->found_inf;
     if (sc->clip_coef && sc->clip_coef->defined()) cc = sc->clip_coef;
   }
-  if (in.plan->plan->step(gs, fi, cc) == ops::StepPlan::kOk) return true;
+  if (in.plan->plan->step(gs, fi, cc) == engine::StepPlan::kOk) return true;
   in.plan.reset();  // something changed: the validated way, which rebuilds the plan
   return false;
 }
@@ -841,7 +908,7 @@ struct SgdPolicy {
     values.insert("nesterov", o.nesterov());
     engine::check_group_hyper(kName, values, kName, false);
   }
-  static void set_hyper(ops::StepPlan& plan, int64_t group, const Options& o) {
+  static void set_hyper(engine::StepPlan& plan, int64_t group, const Options& o) {
     plan.set_sgd_hyper(group, SgdHyper{o.lr(), o.momentum(), o.dampening(), o.weight_decay(), o.nesterov(),
                                        o.maximize(), stochastic(o), o.rounding_seed()},
                        std::nullopt);
@@ -891,7 +958,7 @@ struct AdamPolicyT {
                                           : c10::IValue(detail::dtype_name(o.exp_avg_sq_dtype())));
     engine::check_group_hyper(kName, values, kName, false);
   }
-  static void set_hyper(ops::StepPlan& plan, int64_t group, const Options& o) {
+  static void set_hyper(engine::StepPlan& plan, int64_t group, const Options& o) {
     plan.set_adam_hyper(group, AdamHyper{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()),
                                          o.eps(), o.weight_decay(), o.amsgrad(), o.maximize(),
                                          kDecoupled, stochastic(o), o.rounding_seed()}, std::nullopt);
@@ -917,6 +984,7 @@ struct AdamWPolicy : AdamPolicyT<AdamWOptions, true> {};
 template <class P>
 Fused<P>::Fused(const std::vector<OptimizerParamGroup>& param_groups, Options defaults)
     : FusedOptimizer(std::make_unique<Options>(defaults)) {
+  internals().keeper = c10::make_intrusive<engine::MasterKeeper>(P::kName);
   check_options(*defaults_);
   for (const auto& group : param_groups) add_param_group(group);
 }
@@ -934,11 +1002,18 @@ at::Tensor Fused<P>::step(LossClosure closure) {
     loss = closure();
   }
   at::NoGradGuard no_grad;
-  if (step_with_plan()) return loss;
+  auto& in = internals();
+  const auto& sc = in.scaling;
+  std::optional<at::Tensor> found_inf =
+      sc && sc->found_inf && sc->found_inf->defined() ? sc->found_inf : std::optional<at::Tensor>();
+  if (step_with_plan()) {
+    in.last_found_inf = std::move(found_inf);
+    return loss;
+  }
   std::vector<detail::StepPlanBucket> ran;
   std::vector<at::Tensor> idle;
-  auto& in = internals();
   fused_step<P>(*this, ran, idle, in.reconcile);
+  in.last_found_inf = std::move(found_inf);
   if (in.grad_buffers.empty()) {
     detail::build_plan(in, ran, idle, !std::is_same_v<P, SgdPolicy>, plan_key());
   }

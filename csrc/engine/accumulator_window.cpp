@@ -7,7 +7,7 @@
 #include <unordered_set>
 
 #include "engine/scaler_rules.h"
-#include "ops/step_plan.h"
+#include "engine/step_plan.h"
 
 namespace ampfuse::engine {
 namespace {
@@ -224,7 +224,7 @@ void AccumulatorWindow::build_plan(const std::vector<at::Tensor>& params) {
       watched.push_back(p);
     }
   }
-  auto plan = c10::make_intrusive<ops::AccumulatePlan>();
+  auto plan = c10::make_intrusive<AccumulatePlan>();
   plan->add(low_, buffers_, found_inf_of(device));
   if (!watched.empty()) plan->add_watched(std::move(watched));
   if (!free.empty()) plan->add_free(std::move(free));

@@ -18,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-#include "ops/step_plan.h"
+#include "engine/step_plan.h"
 
 namespace ampfuse::engine {
 
@@ -96,7 +96,7 @@ class AccumulatorWindow : public torch::CustomClassHolder {
   // has none; nullptr when `param` is not buffered.
   const at::Tensor* window_grad(const at::Tensor& param) const;
   // The plan a step plan binds as its gradients' source (undefined without one).
-  const c10::intrusive_ptr<ops::AccumulatePlan>& plan() const { return plan_; }
+  const c10::intrusive_ptr<AccumulatePlan>& plan() const { return plan_; }
 
   // ---- checkpoints --------------------------------------------------------------------------
   // A mid-window checkpoint's entries, checked against `params` (every param of the optimizer)
@@ -136,7 +136,7 @@ class AccumulatorWindow : public torch::CustomClassHolder {
   std::vector<at::Tensor> flats_;
   std::vector<std::pair<c10::Device, at::Tensor>> found_inf_;  // every device seen, kept
   std::unordered_map<const c10::TensorImpl*, size_t> index_;  // buffered param -> its place
-  c10::intrusive_ptr<ops::AccumulatePlan> plan_;
+  c10::intrusive_ptr<AccumulatePlan> plan_;
   int64_t plan_id_ = 0;
   struct Pending {
     std::vector<at::Tensor> low, flats, found_infs;

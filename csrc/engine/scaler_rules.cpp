@@ -230,18 +230,6 @@ void scale_bounds_op(const c10::IValue& min_scale, const c10::IValue& max_scale)
   check_scale_bounds(min_scale, max_scale);
 }
 
-void check_update_options(double growth_factor, double backoff_factor, int64_t growth_interval, int64_t hysteresis) {
-  constexpr int64_t kMaxCount = std::numeric_limits<int32_t>::max();  // the device counters are int32
-  TORCH_CHECK(growth_factor > 1.0 && std::isfinite(growth_factor),
-              "growth_factor must be a finite number > 1.0, got ", growth_factor, ".");
-  TORCH_CHECK(backoff_factor > 0.0 && backoff_factor < 1.0, "backoff_factor must be in (0, 1), got ",
-              backoff_factor, ".");
-  TORCH_CHECK(growth_interval >= 1 && growth_interval <= kMaxCount, "growth_interval must be an integer in [1, ",
-              kMaxCount, "], got ", growth_interval, ".");
-  TORCH_CHECK(hysteresis >= 1 && hysteresis <= kMaxCount, "hysteresis must be an integer in [1, ", kMaxCount,
-              "], got ", hysteresis, ".");
-}
-
 void check_init_scale(double init_scale) {
   TORCH_CHECK(init_scale > 0.0 && init_scale <= std::numeric_limits<float>::max(),
               "init_scale must be a positive finite number that float32 holds (at most ",

@@ -1,11 +1,13 @@
 // The GradScaler's numeric rules, once for both surfaces: the scale bounds and the checkpoint's
 // entries (types, ranges, defaults). The C++ GradScaler calls these directly; Python reaches
 // them through the ampfuse::scaler_checkpoint_check and ampfuse::scale_bounds_check ops
-// (registration.cpp), so both raise the same message for the same bad entry.
+// (engine/bindings.cpp), so both raise the same message for the same bad entry.
 #pragma once
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
+
+#include "ops/validation.h"
 
 #include <cstdint>
 #include <optional>
@@ -32,11 +34,9 @@ std::string repr(const c10::IValue& v);
 // unbounded) not below the smallest normal float32; min <= max. Raises c10::ValueError.
 void check_scale_bounds(const c10::IValue& min_scale, const c10::IValue& max_scale);
 
-// The options a scale update takes, as the update op checks them (and the scalers at
-// construction, so that an option update() would refuse is refused before any step): growth
-// factor finite and > 1, backoff factor in (0, 1), growth interval and hysteresis integers in
-// [1, 2^31 - 1]. Raises c10::Error naming the option.
-void check_update_options(double growth_factor, double backoff_factor, int64_t growth_interval, int64_t hysteresis);
+// The options a scale update takes (the update op's rule, ops/validation.h), checked by the
+// scalers at construction too, so that an option update() would refuse is refused before any step.
+using detail::check_update_options;
 
 // A scale a scaler starts from: positive, finite and representable in float32.
 void check_init_scale(double init_scale);

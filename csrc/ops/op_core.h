@@ -1,5 +1,5 @@
 // The op bodies without their argument checks, for callers that validated the arguments once and
-// keep them valid (the persistent step plan, ops/step_plan.h), and the backend of each device
+// keep them valid (the persistent step plan, engine/step_plan.h), and the backend of each device
 // type, for callers that run kernels without going through the dispatcher.
 #pragma once
 

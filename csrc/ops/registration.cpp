@@ -4,11 +4,6 @@
 
 #include "ampfuse/ops.h"
 #include "ampfuse/scale_stat.h"
-#include "engine/accumulator_window.h"
-#include "engine/hyper_checks.h"
-#include "engine/optimizer_state.h"
-#include "engine/scaler_rules.h"
-#include "ops/step_plan.h"
 
 TORCH_LIBRARY(ampfuse, m) {
   // Unscale every tensor in place by inv_scale; found_inf := 1 if any element is inf/NaN (never
@@ -125,94 +120,33 @@ TORCH_LIBRARY(ampfuse, m) {
   m.def(
       "step_grads_check(Tensor[] params, Tensor[] grads, Tensor[] state, int[] state_owner, "
       "str[] state_keys, int[] groups, int[] indices, str naming) -> ()");
-  // Engine rules without tensors (csrc/engine), the one definition both surfaces use.
+  // Engine rules without tensors (csrc/engine, registered by engine/bindings.cpp), the one
+  // definition both surfaces use.
   // The GradScaler checkpoint's entries checked (types, ranges, absent ampfuse entries taking the
   // given current values); returns the values to apply, by name. `source` names the checkpoint
   // in messages. Raises ValueError naming the entry.
   m.def(
       "scaler_checkpoint_check(Dict(str, Any) entries, int hysteresis, bool consecutive_hysteresis, "
-      "float? min_scale, float? max_scale, int[] stats, str source) -> Dict(str, Any)",
-      &ampfuse::engine::scaler_checkpoint_op);
+      "float? min_scale, float? max_scale, int[] stats, str source) -> Dict(str, Any)");
   // A GradAccumulator checkpoint's counters (csrc/engine/accumulator_window.h): returns
   // [micro_step, windows, skipped_windows_host (0 when absent)]. Raises ValueError naming the entry.
-  m.def("accumulator_counters_check(Dict(str, Any) entries, int steps, str source, str naming) -> int[]",
-        &ampfuse::engine::check_accumulator_counters);
+  m.def("accumulator_counters_check(Dict(str, Any) entries, int steps, str source, str naming) -> int[]");
   // A mid-window checkpoint and the accumulator agree on an enabled scaler (the sums' units).
-  m.def("accumulator_sums_scale_check(bool saved_scaled, bool scaled, str source) -> ()",
-        &ampfuse::engine::check_window_sums_scale);
+  m.def("accumulator_sums_scale_check(bool saved_scaled, bool scaled, str source) -> ()");
   // A param group's hyper-parameters (csrc/engine/hyper_checks.h): values by option name, the
   // group's name and whether options are named as Python does (param_groups[0]['lr']) or as C++
   // (AdamW: lr). Raises ValueError naming the option.
-  m.def("group_hyper_check(str optimizer, Dict(str, Any) values, str group, bool python_naming) -> ()",
-        &ampfuse::engine::group_hyper_op);
+  m.def("group_hyper_check(str optimizer, Dict(str, Any) values, str group, bool python_naming) -> ()");
   // The scale bounds' rules (None, or numbers: min_scale finite in [0, FLT_MAX], max_scale > 0 and
   // not below FLT_MIN, min <= max). Raises ValueError.
-  m.def("scale_bounds_check(Any min_scale, Any max_scale) -> ()", &ampfuse::engine::scale_bounds_op);
+  m.def("scale_bounds_check(Any min_scale, Any max_scale) -> ()");
   m.def("scaler_options_check(float init_scale, float growth_factor, float backoff_factor, int growth_interval, "
-        "int hysteresis) -> ()",
-        &ampfuse::engine::scaler_options_op);
+        "int hysteresis) -> ()");
   // The names of update_scale_'s counters in the order of the stats tensor (ampfuse/scale_stat.h):
   // Python's ampfuse.ops.ScaleStat is built from them.
   m.def("scale_stat_names() -> str[]", []() {
     return std::vector<std::string>(std::begin(ampfuse::kScaleStatNames), std::end(ampfuse::kScaleStatNames));
   });
-  using ampfuse::engine::AccumulatorWindow;
-  using ampfuse::ops::AccumulatePlan;
-  using ampfuse::ops::StepPlan;
-  // GradAccumulator's micro-batch plan (ops/step_plan.h): a micro-batch's fp32 accumulation in
-  // one native call, and the window's flags a StepPlan reads its sums by. Held by an
-  // AccumulatorWindow; eager only, as StepPlan.
-  m.class_<AccumulatePlan>("AccumulatePlan");
-  // GradAccumulator's window (engine/accumulator_window.h): layout, collect, the window's end and
-  // the partial sums of a mid-window checkpoint.
-  using Tensors = std::vector<at::Tensor>;
-  m.class_<AccumulatorWindow>("AccumulatorWindow")
-      .def(torch::init<bool, bool>())
-      .def("start", &AccumulatorWindow::start)
-      .def("plan_says_same_layout", &AccumulatorWindow::plan_says_same_layout)
-      .def("collect", &AccumulatorWindow::collect)
-      .def("collect_planned", &AccumulatorWindow::collect_planned)
-      .def("drop_plan", &AccumulatorWindow::drop_plan)
-      .def("has_plan", &AccumulatorWindow::has_plan)
-      .def("plan_id", &AccumulatorWindow::plan_id)
-      .def("plan_says_no_grads", &AccumulatorWindow::plan_says_no_grads)
-      .def("plan", [](const c10::intrusive_ptr<AccumulatorWindow>& self) { return self->plan(); })
-      .def("scale", &AccumulatorWindow::scale)
-      .def("end", &AccumulatorWindow::end)
-      .def("params", [](const c10::intrusive_ptr<AccumulatorWindow>& self) { return Tensors(self->params()); })
-      .def("buffers", [](const c10::intrusive_ptr<AccumulatorWindow>& self) { return Tensors(self->buffers()); })
-      .def("flats", [](const c10::intrusive_ptr<AccumulatorWindow>& self) {
-        Tensors out;
-        for (const auto& f : self->flats()) if (f.defined()) out.push_back(f);
-        return out;
-      })
-      .def("device_names", &AccumulatorWindow::device_names)
-      .def("found_infs", &AccumulatorWindow::found_infs)
-      .def("flags", &AccumulatorWindow::flags_list)
-      .def("set_flags", &AccumulatorWindow::set_flags_list)
-      .def("indices_of_buffered", &AccumulatorWindow::indices_of_buffered)
-      .def("check_checkpoint", &AccumulatorWindow::check_checkpoint)
-      .def("load", &AccumulatorWindow::load);
-  // The persistent step plan of an optimizer (ops/step_plan.h): its tensors validated once, a
-  // step (or the scaler's check) one native call whatever the number of params. Eager only:
-  // compiled and traced steps go through the ops above. (Registered after AccumulatePlan, which
-  // bind_source takes.)
-  m.class_<StepPlan>("StepPlan")
-      .def(torch::init<std::string>())
-      .def("set_hyper", &StepPlan::set_hyper)
-      .def("hyper_names", &StepPlan::hyper_names)
-      .def("add_bucket", &StepPlan::add_bucket, "",
-           {torch::arg("group"), torch::arg("params"), torch::arg("masters"), torch::arg("state0"),
-            torch::arg("state1"), torch::arg("state2"), torch::arg("steps"), torch::arg("fp32_grads"),
-            torch::arg("absmax0") = c10::List<at::Tensor>(), torch::arg("absmax1") = c10::List<at::Tensor>(),
-            torch::arg("absmax2") = c10::List<at::Tensor>()})
-      .def("add_idle", &StepPlan::add_idle)
-      .def("bind_source", &StepPlan::bind_source)
-      .def("finalize", &StepPlan::finalize)
-      .def("step", &StepPlan::step)
-      .def("check", &StepPlan::check)
-      .def("num_params", &StepPlan::num_params)
-      .def("kind", &StepPlan::kind);
 }
 
 namespace ampfuse {

@@ -1,6 +1,5 @@
 #include "ops/validation.h"
 
-#include "engine/scaler_rules.h"
 
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
@@ -13,6 +12,18 @@
 #include <string>
 
 namespace ampfuse::detail {
+
+void check_update_options(double growth_factor, double backoff_factor, int64_t growth_interval, int64_t hysteresis) {
+  constexpr int64_t kMaxCount = std::numeric_limits<int32_t>::max();  // the device counters are int32
+  TORCH_CHECK(growth_factor > 1.0 && std::isfinite(growth_factor),
+              "growth_factor must be a finite number > 1.0, got ", growth_factor, ".");
+  TORCH_CHECK(backoff_factor > 0.0 && backoff_factor < 1.0, "backoff_factor must be in (0, 1), got ",
+              backoff_factor, ".");
+  TORCH_CHECK(growth_interval >= 1 && growth_interval <= kMaxCount, "growth_interval must be an integer in [1, ",
+              kMaxCount, "], got ", growth_interval, ".");
+  TORCH_CHECK(hysteresis >= 1 && hysteresis <= kMaxCount, "hysteresis must be an integer in [1, ", kMaxCount,
+              "], got ", hysteresis, ".");
+}
 
 std::string dtype_name(c10::ScalarType t) {
   switch (t) {
@@ -211,7 +222,7 @@ ScaleRuleParams check_update_scale_args(const at::Tensor& scale, const at::Tenso
   check_scalar_tensor(scale, "scale", c10::kFloat, device);
   check_scalar_tensor(growth_tracker, "growth_tracker", c10::kInt, device);
   check_scalar_tensor(found_inf, "found_inf", c10::kFloat, device);
-  engine::check_update_options(growth_factor, backoff_factor, growth_interval, hysteresis);
+  check_update_options(growth_factor, backoff_factor, growth_interval, hysteresis);
   if (hysteresis_tracker) {
     check_scalar_tensor(*hysteresis_tracker, "hysteresis_tracker", c10::kInt, device);
   } else {

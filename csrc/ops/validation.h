@@ -14,6 +14,11 @@
 
 namespace ampfuse::detail {
 
+// The options a scale update takes: growth factor finite and > 1, backoff factor in (0, 1),
+// growth interval and hysteresis integers in [1, 2^31 - 1] (the device counters are int32).
+// Raises c10::Error naming the option.
+void check_update_options(double growth_factor, double backoff_factor, int64_t growth_interval, int64_t hysteresis);
+
 // "torch.float16" style name for error messages.
 std::string dtype_name(c10::ScalarType t);
 

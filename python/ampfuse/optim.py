@@ -184,11 +184,10 @@ class _Plan:
     the group's structural options and which params have a gradient of which dtype stay the same
     (checked at every step: O(1) for the state, one pass over the params for the rest)."""
 
-    __slots__ = ("params", "ids", "generation", "signature", "grad_dtypes", "param_dtypes", "buckets", "data")
+    __slots__ = ("params", "ids", "generation", "signature", "grad_dtypes", "param_dtypes", "buckets")
 
     def __init__(self, params, ids, generation, signature, grad_dtypes, param_dtypes, buckets) -> None:
         self.params = params
-        self.data = _data_ptrs(params)  # per param: where its memory was (a replaced param moved it)
         self.ids = ids
         self.generation = generation
         self.signature = signature
@@ -197,20 +196,9 @@ class _Plan:
         self.buckets = buckets  # [(device, [index in group], {list name: [tensors]})]
 
 
-def _data_ptrs(params: list[torch.Tensor]) -> tuple[int, ...] | None:
-    """Where each param's memory is, or None when that cannot be asked (a tensor subclass without
-    storage such as DTensor, or while torch.compile traces)."""
-    if torch.compiler.is_compiling():
-        return None
-    try:
-        return tuple(map(torch.Tensor.data_ptr, params))
-    except RuntimeError:
-        return None
-
-
 class _NativePlan:
     """The optimizer's persistent native step plan (``torch.classes.ampfuse.StepPlan``, see
-    csrc/ops/step_plan.h) and what it was built for: the state object and its generation, and per
+    csrc/engine/step_plan.h) and what it was built for: the state object and its generation, and per
     param group its params list, their ids and the group's structural options. Those are the
     owner's to check (O(groups) plus one C-level pass over the ids); the plan checks the rest
     (gradients, param data) natively at every call."""
@@ -296,11 +284,6 @@ def _same_snapshots(a: list[tuple[tuple, tuple]], b: list[tuple[tuple, tuple]]) 
     )
 
 
-# The ampfuse optimizer that keeps each param's master (see _FusedOptimizer._claim_masters); by
-# identity, holding neither the param nor the optimizer alive.
-_MASTER_KEEPERS: Any = torch.utils.weak.WeakIdKeyDictionary()
-
-
 class _FusedOptimizer(torch.optim.Optimizer):
     """Shared machinery: argument checks, lazy fp32 state, cached bucket plans, checkpoints."""
 
@@ -320,8 +303,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         # params whose loaded fp32 master the next step reconciles with the param (ties)
         self._reconcile: set[int] = set()
         self._last_found_inf: torch.Tensor | None = None
-        # params whose master another optimizer took over (see _claim_masters)
-        self._taken_from: Any = torch.utils.weak.WeakIdKeyDictionary()
+        # who keeps each param's master, and the restart of a replaced param's (csrc/engine/master_keeper.h)
+        self._keeper = torch.classes.ampfuse.MasterKeeper(type(self).__name__)
         super().__init__(params, defaults)
         self.state = _State(self.state)
 
@@ -347,7 +330,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         # pickle) has new params, and keeps the check against converting the model afterwards.
         state = super().__getstate__()
         state = dict(state)
-        state.pop("_native", None)  # a native object: rebuilt by the first step
+        state.pop("_native", None)  # native objects: rebuilt by the first step
+        state.pop("_keeper", None)
         state["_param_dtypes_by_position"] = [
             [self._param_dtypes.get(id(p)) for p in g["params"]] for g in self.param_groups
         ]
@@ -366,7 +350,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._native = None
         self._reconcile = set()
         self._last_found_inf = None
-        self._taken_from = torch.utils.weak.WeakIdKeyDictionary()
+        self._keeper = torch.classes.ampfuse.MasterKeeper(type(self).__name__)
         self.state = _State(self.state)
 
     # ---- parameters --------------------------------------------------------------------------
@@ -471,52 +455,40 @@ class _FusedOptimizer(torch.optim.Optimizer):
             torch.ops.ampfuse.step_grads_check(params, gs, state, owner, keys, groups, indices,
                                                "param_groups[{g}]['params'][{i}]")
 
-    def _keeps_master_of(self, p: torch.Tensor) -> bool:
-        """Whether ``p`` is one of this optimizer's params and its state holds a master of it."""
-        state = self.state.get(p)
-        if not isinstance(state, Mapping) or (state.get("master_param") is None and state.get("master_remainder") is None):
-            return False
-        return any(q is p for group in self.param_groups for q in group["params"])
-
     def _claim_masters(self, grads: Mapping | None) -> None:
-        """Records this optimizer as the keeper of the masters of the params it steps with one.
-
-        A master belongs to one optimizer. A param may be handed over: a second optimizer that
-        steps it with its own master takes it, and the first one's plans are dropped, so that its
-        next step comes here. Two optimizers stepping one param in turn each take the other's
-        writes for edits of the param, restart their masters from it at every step and train as if
-        there were no masters: the step of an optimizer whose param was taken from it since it
-        last stepped it is refused, before anything is modified (``sync_masters_from_params``
-        takes the params back)."""
-        taken = []
+        """This optimizer keeps the masters of the params it steps with one (the engine's master
+        keeper, csrc/engine/master_keeper.h): a param another ampfuse optimizer took over with
+        its own master since this one last stepped it is refused, before anything is modified
+        (``sync_masters_from_params`` takes the params back)."""
+        stepping, groups, indices, kept = [], [], [], []
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
-                if self._grad(p, grads) is None or self._master_kind(p, group) is None:
+                if self._master_kind(p, group) is None:
                     continue
-                ref = _MASTER_KEEPERS.get(p)
-                other = ref() if ref is not None else None
-                if other is None or other is self or not other._keeps_master_of(p):
-                    taken.append((p, None))
+                if self._grad(p, grads) is not None:
+                    stepping.append(p)
+                    groups.append(gi)
+                    indices.append(i)
                     continue
-                if p in self._taken_from:
-                    raise RuntimeError(
-                        f"param_groups[{gi}]['params'][{i}] of this {type(self).__name__} (a {p.dtype} param of shape "
-                        f"{tuple(p.shape)}) was stepped by another ampfuse optimizer, a {type(other).__name__} "
-                        f"(id {id(other):#x}), with its own fp32 master since this one last stepped it; a param's "
-                        "master belongs to one optimizer (two masters stepped in turn each take the other's updates "
-                        "for edits, and train as if there were none). Give the param to one optimizer, or build one "
-                        "of them with master_weights=False; to hand the param back to this one, call its "
-                        "sync_masters_from_params() first."
-                    )
-                taken.append((p, other))
-        me = weakref.ref(self)
-        for p, other in taken:
-            _MASTER_KEEPERS[p] = me
-            self._taken_from.pop(p, None)
-            if other is not None:
-                other._taken_from[p] = me
-                other._plans.clear()  # its next step checks again
-                other._native = None
+                st = self.state.get(p)
+                if isinstance(st, Mapping) and (st.get("master_param") is not None or st.get("master_remainder") is not None):
+                    kept.append(p)
+        self._keeper.claim(stepping, groups, indices, "param_groups[{g}]['params'][{i}]", kept)
+
+    def _master_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Every param with a master, its fp32 master and its remainder (either None)."""
+        params, masters, remainders = [], [], []
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p)
+                if not isinstance(st, Mapping):
+                    continue
+                master, rem = st.get("master_param"), st.get("master_remainder")
+                if isinstance(master, torch.Tensor) or isinstance(rem, torch.Tensor):
+                    params.append(p)
+                    masters.append(master if isinstance(master, torch.Tensor) else None)
+                    remainders.append(rem if isinstance(rem, torch.Tensor) else None)
+        return params, masters, remainders
 
     _engine_name = ""  # the optimizer's name for the engine's checks: "SGD", "Adam", "AdamW"
 
@@ -580,17 +552,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         params another ampfuse optimizer took over with its own master (see the README,
         "A master belongs to one optimizer").
         """
-        self._taken_from.clear()  # the params are this optimizer's again: its next step claims them
-        self._plans.clear()
-        self._native = None
+        params, masters, remainders = self._master_lists()
         with torch.no_grad():
-            for group in self.param_groups:
-                for p in group["params"]:
-                    st = self.state.get(p, {})
-                    if st.get("master_param") is not None:
-                        st["master_param"].copy_(p)
-                    if st.get("master_remainder") is not None:
-                        st["master_remainder"].zero_()
+            self._keeper.sync_from_params(list(map(_local, params)), [None if m is None else _local(m) for m in masters],
+                                          [None if r is None else _local(r) for r in remainders])
 
     # ---- step --------------------------------------------------------------------------------
     def _signature(self, group: dict[str, Any]) -> tuple:
@@ -692,9 +657,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
                      for p, g in zip(params, grad_list)):
                 stale = True  # _validate names the gradient the kernel would refuse
             work.append((gi, group, grad_list, grad_dtypes, ids, plan))
+        compiling = torch.compiler.is_compiling()
         if stale:
             self._validate(grads)  # before anything (state creation included) is modified
-            self._claim_masters(grads)
+            if not compiling:
+                self._claim_masters(grads)
             for k, (gi, group, grad_list, grad_dtypes, ids, plan) in enumerate(work):
                 if plan is None:
                     self._plans[gi] = plan = self._build_plan(group, ids, grad_dtypes)
@@ -705,8 +672,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         else:
             for gi, group, *_ in work:
                 self._check_group_options(gi, group)
-        for gi, group, _, _, _, plan in work:
-            self._restart_replaced_masters(group, plan)
+            if not compiling and self._keeper.needs_claim():
+                self._claim_masters(grads)
+        if not compiling:
+            self._keeper.restart_replaced(*self._master_lists())
         for gi, group, grad_list, _, _, plan in work:
             for device, idx, lists in plan.buckets:
                 s: dict[str, torch.Tensor | float | None] = {
@@ -730,29 +699,6 @@ class _FusedOptimizer(torch.optim.Optimizer):
         host sync, if any. ``None`` before the first step and after a step given no flag. With
         several optimizers under one scaler, each reports its own step."""
         return self._last_found_inf
-
-    def _restart_replaced_masters(self, group: dict[str, Any], plan: _Plan) -> None:
-        """A param whose memory moved since its group's plan was built (``p.data = new``,
-        ``p.set_(new)``) was replaced: its whole master restarts from it. (The step's own edit
-        check goes element by element: it would keep the old master wherever the new value rounds
-        to what the old master rounds to.) A param that changed dtype or shape too never gets
-        here: its plan is rebuilt, after the checks that name it."""
-        if plan.data is None:
-            return
-        now = _data_ptrs(group["params"])
-        if now is None or now == plan.data:
-            return
-        with torch.no_grad():
-            for p, before, after in zip(group["params"], plan.data, now):
-                state = self.state.get(p) if before != after else None
-                if not isinstance(state, Mapping):
-                    continue
-                master, rem = state.get("master_param"), state.get("master_remainder")
-                if master is not None and master.shape == p.shape:
-                    master.copy_(p)
-                if rem is not None and rem.shape == p.shape:
-                    rem.zero_()  # the master is the param itself
-        plan.data = now
 
     # ---- the native step plan ------------------------------------------------------------------
     _native_kind = ""  # "sgd" or "adam": the StepPlan kind (empty: no native plan)
@@ -796,6 +742,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if source is not None:
             plan.bind_source(source)
         plan.finalize()
+        self._keeper.hold_plan(plan)
         return _NativePlan(plan, self.state, self.state.generation, groups, len(devices), fp16_grads, source)
 
     def _live_native(self, source: Any = None) -> _NativePlan | None:

@@ -62,7 +62,8 @@ Options& options_of(torch::optim::Optimizer& opt, size_t group) {
   return static_cast<Options&>(opt.param_groups()[group].options());
 }
 
-at::Tensor master_of(const ampfuse::optim::SGDParamState& s, const at::Tensor& p) {
+template <class State>
+at::Tensor master_of(const State& s, const at::Tensor& p) {
   return s.master_remainder().defined() ? ampfuse::optim::join_master(p.detach(), s.master_remainder())
                                         : s.master_param().clone();
 }
@@ -455,6 +456,61 @@ void idle_param_state_follows_options() {
                                                       : s.master_param().clone());
 }
 
+
+// A param replaced between steps (set_data, as torch::load(module, ...) does) restarts its whole
+// master from the new value, in both master forms.
+void replaced_param_restarts_master() {
+  for (const bool remainder : {false, true}) {
+    const std::string key = remainder ? "replaced/remainder" : "replaced/float";
+    at::manual_seed(5);
+    at::Tensor p = at::randn({64}).to(at::kBFloat16).set_requires_grad(true);
+    put("in/" + key + "/init", p.detach().clone());
+    AdamW opt(std::vector<at::Tensor>{p}, AdamWOptions(1e-2).master_remainders(remainder));
+    for (int k = 0; k < 3; ++k) {
+      const at::Tensor g = at::randn({64}).to(at::kBFloat16);
+      put("in/" + key + "/grad/" + std::to_string(k), g);
+      p.mutable_grad() = g.clone();
+      opt.step();
+    }
+    p.set_data(p.detach().clone());  // the same values, other memory
+    const at::Tensor g = at::randn({64}).to(at::kBFloat16);
+    put("in/" + key + "/grad/3", g);
+    p.mutable_grad() = g.clone();
+    opt.step();
+    put(key + "/param", p.detach().clone());
+    put(key + "/master", master_of(state_of(opt, p), p));
+  }
+}
+
+// Two optimizers stepping one bf16 param in turn, each with a master: the step of the one the
+// param was taken from is refused (nothing changes) until its sync_masters_from_params().
+void two_keepers_of_one_master() {
+  at::manual_seed(6);
+  at::Tensor shared = at::randn({4, 4}).to(at::kBFloat16).set_requires_grad(true);
+  at::Tensor own = at::randn({3}).to(at::kBFloat16).set_requires_grad(true);
+  put("in/keepers/shared", shared.detach().clone());
+  put("in/keepers/own", own.detach().clone());
+  AdamW first(std::vector<at::Tensor>{own, shared}, AdamWOptions(1e-3));
+  SGD second(std::vector<at::Tensor>{shared}, SGDOptions(1e-3).momentum(0.9));
+  const at::Tensor gs = at::randn({4, 4}).to(at::kBFloat16), go = at::randn({3}).to(at::kBFloat16);
+  put("in/keepers/grad_shared", gs);
+  put("in/keepers/grad_own", go);
+  shared.mutable_grad() = gs.clone();
+  own.mutable_grad() = go.clone();
+  first.step();
+  first.step();
+  second.step();
+  const at::Tensor before = shared.detach().clone(), master = state_of(first, shared).master_param().clone();
+  put("keepers/message", message_of([&] { first.step(); }));
+  put("keepers/unchanged", same_bits(shared.detach(), before) &&
+                               same_bits(state_of(first, shared).master_param(), master));
+  second.step();
+  first.sync_masters_from_params();
+  first.step();
+  put("keepers/back_message", message_of([&] { second.step(); }));
+  put("keepers/shared", shared.detach().clone());
+  put("keepers/master", state_of(first, shared).master_param().clone());
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -475,6 +531,8 @@ int main(int argc, char** argv) {
       {"optimizer_checkpoint_entries", optimizer_checkpoint_entries},
       {"group_hyper_entries", group_hyper_entries},
       {"accumulator_counter_entries", accumulator_counter_entries},
+      {"replaced_param_restarts_master", replaced_param_restarts_master},
+      {"two_keepers_of_one_master", two_keepers_of_one_master},
   };
   for (const auto& [name, run] : cases) put(std::string("error/") + name, message_of(run));
   const std::vector<char> bytes = torch::pickle_save(c10::IValue(out));

@@ -223,6 +223,75 @@ TEST(Optim, MastersForHalfAndBFloat16) {
   }
 }
 
+TEST(Optim, AReplacedParamRestartsItsWholeMaster) {
+  for (const bool remainder : {false, true}) {
+    at::manual_seed(3);
+    at::Tensor p = at::randn({64}).to(at::kBFloat16).set_requires_grad(true);
+    ampfuse::optim::AdamW opt(std::vector<at::Tensor>{p},
+                              ampfuse::optim::AdamWOptions(1e-2).master_remainders(remainder));
+    for (int k = 0; k < 3; ++k) {
+      p.mutable_grad() = at::randn({64}).to(at::kBFloat16);
+      opt.step();
+    }
+    const at::Tensor replacement = p.detach().clone();  // the same values, other memory
+    p.set_data(replacement);
+    auto& o = static_cast<ampfuse::optim::AdamWOptions&>(opt.param_groups()[0].options());
+    o.lr(0.0).weight_decay(0.0);
+    p.mutable_grad() = at::randn({64}).to(at::kBFloat16);
+    opt.step();
+    auto& s = static_cast<ampfuse::optim::AdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+    if (remainder) {
+      EXPECT_FALSE(s.master_remainder().any().item<bool>());
+    } else {
+      EXPECT_TRUE(bitwise_equal(s.master_param(), replacement.to(at::kFloat)));
+    }
+    EXPECT_TRUE(bitwise_equal(p.detach(), replacement));
+  }
+}
+
+TEST(Optim, AParamSteppedInTurnByTwoOptimizersWithMastersIsRefusedUntilHandedBack) {
+  at::Tensor shared = at::randn({4, 4}).to(at::kBFloat16).set_requires_grad(true);
+  ampfuse::optim::AdamW first(std::vector<at::Tensor>{shared}, ampfuse::optim::AdamWOptions(1e-3));
+  ampfuse::optim::SGD second(std::vector<at::Tensor>{shared}, ampfuse::optim::SGDOptions(1e-3).momentum(0.9));
+  shared.mutable_grad() = at::randn({4, 4}).to(at::kBFloat16);
+  first.step();
+  first.step();  // through the step plan
+  second.step();  // takes the param over
+  const at::Tensor before = shared.detach().clone();
+  EXPECT_TRUE(throws_with([&] { first.step(); },
+                          "param_groups()[0].params()[0] of this AdamW (a torch.bfloat16 param of shape (4, 4)) "
+                          "was stepped by another ampfuse optimizer, a SGD"));
+  EXPECT_TRUE(bitwise_equal(shared.detach(), before));
+  first.sync_masters_from_params();
+  first.step();
+  EXPECT_TRUE(throws_with([&] { second.step(); }, "of this SGD"));
+  // Without a master, a second optimizer steps alongside.
+  ampfuse::optim::SGD plain(std::vector<at::Tensor>{shared}, ampfuse::optim::SGDOptions(1e-3).master_weights(false));
+  plain.step();
+}
+
+TEST(Optim, SyncMastersFromParamsAndLastStepSkipped) {
+  at::Tensor p = at::randn({8}).to(at::kBFloat16).set_requires_grad(true);
+  ampfuse::optim::AdamW opt(std::vector<at::Tensor>{p}, ampfuse::optim::AdamWOptions(1e-2));
+  EXPECT_FALSE(opt.last_step_skipped().has_value());
+  p.mutable_grad() = at::randn({8}).to(at::kBFloat16);
+  const at::Tensor found_inf = at::ones({1});
+  opt.set_step_scaling(ampfuse::StepScaling{at::ones({}), found_inf, std::nullopt});
+  opt.step();
+  ASSERT_TRUE(opt.last_step_skipped().has_value());
+  EXPECT_TRUE(opt.last_step_skipped()->is_same(found_inf));
+  opt.clear_step_scaling();
+  opt.step();
+  EXPECT_FALSE(opt.last_step_skipped().has_value());
+  {
+    at::NoGradGuard no_grad;
+    p.fill_(0.5);
+  }
+  opt.sync_masters_from_params();
+  auto& s = static_cast<ampfuse::optim::AdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+  EXPECT_TRUE(bitwise_equal(s.master_param(), at::full({8}, 0.5)));
+}
+
 TEST(Optim, WithoutMastersLowPrecisionParamsAreUpdatedDirectly) {
   auto params = make_params(at::kBFloat16);
   auto before = ampfuse_test::clone_all(params);

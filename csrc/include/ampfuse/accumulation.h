@@ -92,7 +92,7 @@ class GradAccumulator {
   const std::optional<at::Tensor>& last_window_skipped() const;
 
   // Whether the next micro-batch's pass can go through the native plan (the same object as
-  // Python's GradAccumulator, csrc/ops/step_plan.h): built by the first pass that went the
+  // Python's GradAccumulator, csrc/engine/step_plan.h): built by the first pass that went the
   // validated way, it sums every gradient in one native call while the params and the layout
   // stay as they were.
   bool has_accumulate_plan() const;

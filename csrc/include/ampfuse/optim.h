@@ -230,7 +230,20 @@ class FusedOptimizer : public torch::optim::Optimizer {
   // it; exposed for callers that want to fail early.
   void validate();
 
-  // The persistent step plan (the same native object as Python's, csrc/ops/step_plan.h): built by
+  // Restarts every fp32 master (or bf16 remainder) from its param now. The step does this by
+  // itself for a param edited or replaced since the last step; call this to have the masters
+  // (and a checkpoint saved now) follow such edits before the next step. It also takes back the
+  // params another ampfuse optimizer took over with its own master: a param's master belongs to
+  // one optimizer, and the step of one whose param was taken since it last stepped it is
+  // refused (naming the param and both optimizers) until this is called.
+  void sync_masters_from_params();
+
+  // The found_inf flag the last step() was given (GradScaler's, through step_scaling()): a
+  // 1-element device tensor, non-zero when that step changed nothing; reading it is the caller's
+  // host sync, if any. nullopt before the first step and after a step given no flag.
+  std::optional<at::Tensor> last_step_skipped() const;
+
+  // The persistent step plan (the same native object as Python's, csrc/engine/step_plan.h): built by
   // a step that went the validated way, used by the following steps while the param groups, the
   // state and the structural options stay as they were, no grad buffer is set and the gradients
   // come from where they came from then (.grad, or a GradAccumulator window's fp32 sums); per

@@ -1,5 +1,5 @@
 // The persistent step plan (see step_plan.h).
-#include "ops/step_plan.h"
+#include "engine/step_plan.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -16,7 +16,12 @@
 #include "ops/op_core.h"
 #include "ops/validation.h"
 
-namespace ampfuse::ops {
+namespace ampfuse::engine {
+
+using ops::Backend;
+using ops::device_backend;
+namespace core = ops::core;
+
 namespace {
 
 // The hyper-parameters by name, as Python's param groups name them (the betas split in two;
@@ -585,6 +590,7 @@ int64_t StepPlan::step(const std::optional<at::Tensor>& grad_scale,
                        const std::optional<at::Tensor>& found_inf,
                        const std::optional<at::Tensor>& clip_coef) {
   TORCH_CHECK(finalized_, "StepPlan.step: the plan is not finalized.");
+  if (expired_) return kStale;
   // Everything is checked before the first bucket runs.
   for (auto& b : buckets_) {
     TORCH_CHECK(static_cast<size_t>(b.group) < hyper_.size() && hyper_[b.group].set,
@@ -651,6 +657,7 @@ int64_t StepPlan::step(const std::optional<at::Tensor>& grad_scale,
 std::vector<at::Tensor> StepPlan::check(const at::Tensor& scale, bool write, bool with_norm,
                                         double norm_type, std::optional<double> max_norm) {
   TORCH_CHECK(finalized_, "StepPlan.check: the plan is not finalized.");
+  if (expired_) return {};
   if (with_norm) {
     detail::check_norm_args(norm_type, max_norm, std::nullopt, num_params_, scale.device());
   }
@@ -925,4 +932,4 @@ bool AccumulatePlan::same_layout() const {
   return true;
 }
 
-}  // namespace ampfuse::ops
+}  // namespace ampfuse::engine

@@ -14,7 +14,8 @@
 // answer by dropping the plan.
 //
 // Used by ampfuse.optim (Python, as torch.classes.ampfuse.StepPlan), ampfuse.GradScaler's
-// checks, and the C++ optimizers and scaler (csrc/api).
+// checks, and the C++ optimizers and scaler (csrc/api). The engine's: the op layer (csrc/ops)
+// knows nothing of it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -30,7 +31,7 @@
 #include "ops/op_core.h"
 #include "ops/rules.h"
 
-namespace ampfuse::ops {
+namespace ampfuse::engine {
 
 class AccumulatePlan;
 
@@ -87,6 +88,9 @@ class StepPlan : public torch::CustomClassHolder {
   std::vector<at::Tensor> check(const at::Tensor& scale, bool write, bool with_norm,
                                 double norm_type, std::optional<double> max_norm);
 
+  // From now on every step() and check() is stale (the owner's master keeper lost a param).
+  void expire() { expired_ = true; }
+
   int64_t num_params() const { return num_params_; }
   std::string kind() const { return adam_ ? "adam" : "sgd"; }
 
@@ -109,7 +113,7 @@ class StepPlan : public torch::CustomClassHolder {
   struct Bucket {
     int64_t group = 0;
     c10::Device device{c10::kCPU};
-    const Backend* backend = nullptr;
+    const ops::Backend* backend = nullptr;
     c10::ScalarType param_dtype = c10::kFloat;
     c10::ScalarType grad_dtype = c10::kFloat;
     caffe2::TypeMeta param_meta, grad_meta;  // the same, as TensorImpl holds them
@@ -141,7 +145,7 @@ class StepPlan : public torch::CustomClassHolder {
     bool rows_ok = false;
     bool use_rows = false;  // this call
     std::vector<kernels::OptimTensor> rows;
-    core::OptimDTypes dtypes;
+    ops::core::OptimDTypes dtypes;
     std::vector<c10::Storage> keep;
     // Per param, its index in the bound source, or -1 (`.grad`); empty without a source.
     std::vector<int64_t> source_index;
@@ -168,6 +172,7 @@ class StepPlan : public torch::CustomClassHolder {
 
   bool adam_;
   bool finalized_ = false;
+  bool expired_ = false;
   int64_t num_params_ = 0;
   std::vector<Bucket> buckets_;
   std::vector<at::Tensor> idle_;
@@ -223,7 +228,7 @@ class AccumulatePlan : public torch::CustomClassHolder {
  private:
   struct Entry {
     c10::Device device{c10::kCPU};
-    const Backend* backend = nullptr;
+    const ops::Backend* backend = nullptr;
     std::vector<at::Tensor> params, buffers;
     at::Tensor found_inf;
     std::vector<float*> acc;                // the buffers' data
@@ -248,4 +253,4 @@ class AccumulatePlan : public torch::CustomClassHolder {
   bool finalized_ = false;
 };
 
-}  // namespace ampfuse::ops
+}  // namespace ampfuse::engine
