@@ -674,8 +674,16 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 self._check_group_options(gi, group)
             if not compiling and self._keeper.needs_claim():
                 self._claim_masters(grads)
-        if not compiling:
-            self._keeper.restart_replaced(*self._master_lists())
+        if not compiling:  # a param replaced since its master was last seen restarts the master
+            for *_, plan in work:
+                for _, _, lists in plan.buckets:
+                    masters = lists.get("masters")
+                    if masters:
+                        none = [None] * len(masters)
+                        if masters[0].dtype == torch.float32:
+                            self._keeper.restart_replaced(lists["params"], masters, none)
+                        else:
+                            self._keeper.restart_replaced(lists["params"], none, masters)
         for gi, group, grad_list, _, _, plan in work:
             for device, idx, lists in plan.buckets:
                 s: dict[str, torch.Tensor | float | None] = {
