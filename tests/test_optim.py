@@ -14,6 +14,7 @@ import gc
 import io
 import math
 import re
+import weakref
 
 import numpy as np
 import pytest
@@ -1063,3 +1064,19 @@ def test_adam_argument_rules_as_strict_as_torch(cls, kwargs, match):
         torch_cls([nn.Parameter(torch.zeros(2))], **kwargs)
     with pytest.raises(ValueError, match=match):
         cls([nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+@pytest.mark.parametrize("form", [True, "remainder"])
+def test_a_deleted_optimizer_frees_its_state(form):
+    """The step plan and the master keeper hold nothing once the optimizer is gone: its masters
+    and moments are freed with it (nothing else keeps a reference)."""
+    p = nn.Parameter(torch.randn(64).bfloat16())
+    opt = ampfuse.optim.AdamW([p], lr=1e-3, master_weights=form)
+    for k in range(3):  # the last steps go through the native plan
+        _set_grads([p], k)
+        opt.step()
+    state = [weakref.ref(t) for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
+    assert len(state) >= 3
+    del opt
+    gc.collect()
+    assert all(ref() is None for ref in state)

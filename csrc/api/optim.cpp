@@ -246,10 +246,11 @@ void fused_step(FusedOptimizer& opt, std::vector<detail::StepPlanBucket>& ran,
       stepped.push_back(grads.back().defined());
     }
     bring_state<P>(opt, group.params(), stepped, o, reconcile);
-    {
+    {  // a param that steps now, replaced since its master was last seen, restarts the master
       std::vector<at::Tensor> ps;
       std::vector<std::optional<at::Tensor>> masters, rems;
       for (size_t i = 0; i < group.params().size(); ++i) {
+        if (!stepped[i]) continue;
         auto it = opt.state().find(group.params()[i].unsafeGetTensorImpl());
         if (it == opt.state().end()) continue;
         const auto& s = static_cast<const typename P::State&>(*it->second);

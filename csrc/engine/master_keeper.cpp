@@ -73,9 +73,17 @@ void MasterKeeper::lose(const c10::TensorImpl* p, const WeakTensor& param) {
   expire_plan();
 }
 
-void MasterKeeper::expire_plan() {
-  needs_claim_ = true;
+void MasterKeeper::expire_plan() {  // under the registry's mutex
+  needs_claim_.store(true);
   if (auto plan = plan_.lock(); plan.defined()) plan->expire();
+}
+
+void MasterKeeper::release_resources() {
+  std::lock_guard<std::mutex> lock(registry().mutex);
+  kept_.clear();
+  taken_.clear();
+  seen_.clear();
+  plan_ = c10::weak_intrusive_ptr<StepPlan>(c10::intrusive_ptr<StepPlan>());
 }
 
 void MasterKeeper::claim(const std::vector<at::Tensor>& stepping, const std::vector<int64_t>& groups,
@@ -120,11 +128,11 @@ void MasterKeeper::claim(const std::vector<at::Tensor>& stepping, const std::vec
   kept_.clear();
   for (const auto& t : kept) kept_.emplace(t.unsafeGetTensorImpl(), weak_of(t));
   for (const auto& t : stepping) kept_.emplace(t.unsafeGetTensorImpl(), weak_of(t));
-  needs_claim_ = false;
+  needs_claim_.store(false);
   reg.sweep();
 }
 
-bool MasterKeeper::needs_claim() const { return needs_claim_; }
+bool MasterKeeper::needs_claim() const { return needs_claim_.load(); }
 
 namespace {
 
@@ -160,18 +168,19 @@ void MasterKeeper::restart_replaced(const std::vector<at::Tensor>& params,
                 if (without_storage(p)) return;
                 const c10::TensorImpl* key = p.unsafeGetTensorImpl();
                 auto it = seen_.find(key);
-                const void* now = p.data_ptr();
+                const void* now = p.const_data_ptr();
                 if (it != seen_.end() && alive_as(it->second.param, key) &&
-                    it->second.master == held->unsafeGetTensorImpl() && it->second.data != now &&
+                    alive_as(it->second.master, held->unsafeGetTensorImpl()) && it->second.data != now &&
                     held->sizes() == p.sizes()) {
                   restart_from(p, master, rem);
                 }
-                seen_.insert_or_assign(key, Seen{weak_of(p), now, held->unsafeGetTensorImpl()});
+                seen_.insert_or_assign(key, Seen{weak_of(p), now, weak_of(*held)});
               });
-  if (seen_.size() > 2 * params.size() + 64) {  // params that left the optimizer
+  if (seen_.size() >= 2 * seen_swept_at_) {  // params that left the optimizer
     for (auto it = seen_.begin(); it != seen_.end();) {
-      it = it->second.param.expired() ? seen_.erase(it) : std::next(it);
+      it = it->second.param.expired() || it->second.master.expired() ? seen_.erase(it) : std::next(it);
     }
+    seen_swept_at_ = std::max<size_t>(64, seen_.size());
   }
 }
 
@@ -179,14 +188,13 @@ void MasterKeeper::sync_from_params(const std::vector<at::Tensor>& params,
                                     const std::vector<std::optional<at::Tensor>>& masters,
                                     const std::vector<std::optional<at::Tensor>>& remainders) {
   each_master("sync_from_params", params, masters, remainders, restart_from);
-  {
-    std::lock_guard<std::mutex> lock(registry().mutex);
-    taken_.clear();  // the params are this optimizer's again: its next step claims them
-  }
+  std::lock_guard<std::mutex> lock(registry().mutex);
+  taken_.clear();  // the params are this optimizer's again: its next step claims them
   expire_plan();
 }
 
 void MasterKeeper::hold_plan(const std::optional<c10::intrusive_ptr<StepPlan>>& plan) {
+  std::lock_guard<std::mutex> lock(registry().mutex);
   plan_ = c10::weak_intrusive_ptr<StepPlan>(plan.has_value() ? *plan : c10::intrusive_ptr<StepPlan>());
 }
 

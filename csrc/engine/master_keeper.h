@@ -19,6 +19,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/custom_class.h>
 
+#include <atomic>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -67,24 +68,29 @@ class MasterKeeper : public torch::CustomClassHolder {
 
   const std::string& optimizer() const { return optimizer_; }
 
+  // When the last owner lets go (the registry's weak references may keep the object).
+  void release_resources() override;
+
  private:
   using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
   struct Seen {
     WeakTensor param;
     const void* data = nullptr;
-    const c10::TensorImpl* master = nullptr;
+    WeakTensor master;
   };
   bool keeps(const c10::TensorImpl* p) const;
   void lose(const c10::TensorImpl* p, const WeakTensor& param);
   void expire_plan();
 
   std::string optimizer_;
-  // The params whose masters this keeper holds (as of its last claim), those another keeper took
-  // from it since, and each param's memory when its master was last seen.
+  // The params whose masters this keeper holds (as of its last claim) and those another keeper
+  // took from it since (both guarded by the registry's mutex), and each param's memory when its
+  // master was last seen.
   std::unordered_map<const c10::TensorImpl*, WeakTensor> kept_, taken_;
   std::unordered_map<const c10::TensorImpl*, Seen> seen_;
-  bool needs_claim_ = false;
-  c10::weak_intrusive_ptr<StepPlan> plan_{c10::intrusive_ptr<StepPlan>()};
+  size_t seen_swept_at_ = 64;
+  std::atomic<bool> needs_claim_{false};
+  c10::weak_intrusive_ptr<StepPlan> plan_{c10::intrusive_ptr<StepPlan>()};  // registry's mutex
 };
 
 }  // namespace ampfuse::engine

@@ -586,11 +586,18 @@ bool StepPlan::idle_unchanged() const {
   return true;
 }
 
+void StepPlan::release_resources() {
+  buckets_.clear();
+  idle_.clear();
+  hyper_.clear();
+  source_.reset();
+}
+
 int64_t StepPlan::step(const std::optional<at::Tensor>& grad_scale,
                        const std::optional<at::Tensor>& found_inf,
                        const std::optional<at::Tensor>& clip_coef) {
   TORCH_CHECK(finalized_, "StepPlan.step: the plan is not finalized.");
-  if (expired_) return kStale;
+  if (expired_.load(std::memory_order_relaxed)) return kStale;
   // Everything is checked before the first bucket runs.
   for (auto& b : buckets_) {
     TORCH_CHECK(static_cast<size_t>(b.group) < hyper_.size() && hyper_[b.group].set,
@@ -657,7 +664,7 @@ int64_t StepPlan::step(const std::optional<at::Tensor>& grad_scale,
 std::vector<at::Tensor> StepPlan::check(const at::Tensor& scale, bool write, bool with_norm,
                                         double norm_type, std::optional<double> max_norm) {
   TORCH_CHECK(finalized_, "StepPlan.check: the plan is not finalized.");
-  if (expired_) return {};
+  if (expired_.load(std::memory_order_relaxed)) return {};
   if (with_norm) {
     detail::check_norm_args(norm_type, max_norm, std::nullopt, num_params_, scale.device());
   }

@@ -21,6 +21,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -88,8 +89,11 @@ class StepPlan : public torch::CustomClassHolder {
   std::vector<at::Tensor> check(const at::Tensor& scale, bool write, bool with_norm,
                                 double norm_type, std::optional<double> max_norm);
 
-  // From now on every step() and check() is stale (the owner's master keeper lost a param).
-  void expire() { expired_ = true; }
+  // From now on every step() and check() is stale (the owner's master keeper lost a param; may
+  // be called from another thread).
+  void expire() { expired_.store(true, std::memory_order_relaxed); }
+  // When the last owner lets go (a weak reference may keep the object): the tensors go now.
+  void release_resources() override;
 
   int64_t num_params() const { return num_params_; }
   std::string kind() const { return adam_ ? "adam" : "sgd"; }
@@ -172,7 +176,7 @@ class StepPlan : public torch::CustomClassHolder {
 
   bool adam_;
   bool finalized_ = false;
-  bool expired_ = false;
+  std::atomic<bool> expired_{false};
   int64_t num_params_ = 0;
   std::vector<Bucket> buckets_;
   std::vector<at::Tensor> idle_;
