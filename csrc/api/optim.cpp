@@ -246,22 +246,6 @@ void fused_step(FusedOptimizer& opt, std::vector<detail::StepPlanBucket>& ran,
       stepped.push_back(grads.back().defined());
     }
     bring_state<P>(opt, group.params(), stepped, o, reconcile);
-    {  // a param that steps now, replaced since its master was last seen, restarts the master
-      std::vector<at::Tensor> ps;
-      std::vector<std::optional<at::Tensor>> masters, rems;
-      for (size_t i = 0; i < group.params().size(); ++i) {
-        if (!stepped[i]) continue;
-        auto it = opt.state().find(group.params()[i].unsafeGetTensorImpl());
-        if (it == opt.state().end()) continue;
-        const auto& s = static_cast<const typename P::State&>(*it->second);
-        if (!s.master_param().defined() && !s.master_remainder().defined()) continue;
-        ps.push_back(group.params()[i]);
-        masters.emplace_back(s.master_param().defined() ? std::optional<at::Tensor>(s.master_param()) : std::nullopt);
-        rems.emplace_back(s.master_remainder().defined() ? std::optional<at::Tensor>(s.master_remainder())
-                                                         : std::nullopt);
-      }
-      keeper.restart_replaced(ps, masters, rems);
-    }
     std::vector<Bucket> buckets;
     for (size_t i = 0; i < group.params().size(); ++i) {
       const at::Tensor& p = group.params()[i];
@@ -285,6 +269,8 @@ void fused_step(FusedOptimizer& opt, std::vector<detail::StepPlanBucket>& ran,
       }
     }
     for (auto& b : buckets) {
+      // a param replaced since its master was last seen restarts the master
+      if (!b.masters.empty()) keeper.restart_replaced(b.params, b.masters);
       P::run(o, b, scaling_on(opt.step_scaling(), b.device));
       ran.push_back(detail::StepPlanBucket{gi, b.params, b.masters, b.steps, b.states, b.absmaxes,
                                            b.grad_dtype == at::kFloat && b.param_dtype != at::kFloat});
@@ -750,22 +736,18 @@ void FusedOptimizer::remove_grad_buffer(const at::Tensor& param) {
 }
 
 void FusedOptimizer::sync_masters_from_params() {
-  std::vector<at::Tensor> params;
-  std::vector<std::optional<at::Tensor>> masters, rems;
+  std::vector<at::Tensor> params, masters;
   for (const auto& group : param_groups_) {
     for (const auto& p : group.params()) {
-      std::optional<at::Tensor> master, rem;
       for (auto& [key, t] : state_tensors(p)) {
-        if (std::strcmp(key, "master_param") == 0) master = t;
-        if (std::strcmp(key, "master_remainder") == 0) rem = t;
+        if (std::strcmp(key, "master_param") == 0 || std::strcmp(key, "master_remainder") == 0) {
+          params.push_back(p);
+          masters.push_back(std::move(t));
+        }
       }
-      if (!master && !rem) continue;
-      params.push_back(p);
-      masters.push_back(std::move(master));
-      rems.push_back(std::move(rem));
     }
   }
-  internals_->keeper->sync_from_params(params, masters, rems);
+  internals_->keeper->sync_from_params(params, masters);
 }
 
 std::optional<at::Tensor> FusedOptimizer::last_step_skipped() const { return internals_->last_found_inf; }

@@ -136,46 +136,39 @@ bool MasterKeeper::needs_claim() const { return needs_claim_.load(); }
 
 namespace {
 
-// fn(param, its fp32 master or null, its remainder or null) for every param that has either.
-template <typename Fn>
-void each_master(const char* what, const std::vector<at::Tensor>& params,
-                 const std::vector<std::optional<at::Tensor>>& masters,
-                 const std::vector<std::optional<at::Tensor>>& remainders, Fn fn) {
-  TORCH_CHECK(masters.size() == params.size() && remainders.size() == params.size(), "MasterKeeper.", what,
-              ": params, masters and remainders must have one entry per param.");
-  at::NoGradGuard no_grad;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor* master = masters[i].has_value() && masters[i]->defined() ? &*masters[i] : nullptr;
-    const at::Tensor* rem = remainders[i].has_value() && remainders[i]->defined() ? &*remainders[i] : nullptr;
-    if (master != nullptr || rem != nullptr) fn(params[i], master, rem);
-  }
+void check_pairs(const char* what, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& masters) {
+  TORCH_CHECK(masters.size() == params.size(), "MasterKeeper.", what,
+              ": params and masters must have one entry per param.");
 }
 
-// The master is the param itself.
-void restart_from(const at::Tensor& p, const at::Tensor* master, const at::Tensor* rem) {
-  if (master != nullptr) master->copy_(p);
-  if (rem != nullptr) rem->zero_();
+// The master (an fp32 master or an int16 remainder) is the param itself.
+void restart_from(const at::Tensor& p, const at::Tensor& master) {
+  if (master.scalar_type() == at::kShort) {
+    master.zero_();
+  } else {
+    master.copy_(p);
+  }
 }
 
 }  // namespace
 
-void MasterKeeper::restart_replaced(const std::vector<at::Tensor>& params,
-                                    const std::vector<std::optional<at::Tensor>>& masters,
-                                    const std::vector<std::optional<at::Tensor>>& remainders) {
-  each_master("restart_replaced", params, masters, remainders,
-              [&](const at::Tensor& p, const at::Tensor* master, const at::Tensor* rem) {
-                const at::Tensor* held = master != nullptr ? master : rem;
-                if (without_storage(p)) return;
-                const c10::TensorImpl* key = p.unsafeGetTensorImpl();
-                auto it = seen_.find(key);
-                const void* now = p.const_data_ptr();
-                if (it != seen_.end() && alive_as(it->second.param, key) &&
-                    alive_as(it->second.master, held->unsafeGetTensorImpl()) && it->second.data != now &&
-                    held->sizes() == p.sizes()) {
-                  restart_from(p, master, rem);
-                }
-                seen_.insert_or_assign(key, Seen{weak_of(p), now, weak_of(*held)});
-              });
+void MasterKeeper::restart_replaced(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& masters) {
+  check_pairs("restart_replaced", params, masters);
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    const at::Tensor& master = masters[i];
+    if (without_storage(p)) continue;
+    const c10::TensorImpl* key = p.unsafeGetTensorImpl();
+    auto it = seen_.find(key);
+    const void* now = p.const_data_ptr();
+    if (it != seen_.end() && alive_as(it->second.param, key) &&
+        alive_as(it->second.master, master.unsafeGetTensorImpl()) && it->second.data != now &&
+        master.sizes() == p.sizes()) {
+      restart_from(p, master);
+    }
+    seen_.insert_or_assign(key, Seen{weak_of(p), now, weak_of(master)});
+  }
   if (seen_.size() >= 2 * seen_swept_at_) {  // params that left the optimizer
     for (auto it = seen_.begin(); it != seen_.end();) {
       it = it->second.param.expired() || it->second.master.expired() ? seen_.erase(it) : std::next(it);
@@ -184,10 +177,12 @@ void MasterKeeper::restart_replaced(const std::vector<at::Tensor>& params,
   }
 }
 
-void MasterKeeper::sync_from_params(const std::vector<at::Tensor>& params,
-                                    const std::vector<std::optional<at::Tensor>>& masters,
-                                    const std::vector<std::optional<at::Tensor>>& remainders) {
-  each_master("sync_from_params", params, masters, remainders, restart_from);
+void MasterKeeper::sync_from_params(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& masters) {
+  check_pairs("sync_from_params", params, masters);
+  {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) restart_from(params[i], masters[i]);
+  }
   std::lock_guard<std::mutex> lock(registry().mutex);
   taken_.clear();  // the params are this optimizer's again: its next step claims them
   expire_plan();

@@ -48,19 +48,15 @@ class MasterKeeper : public torch::CustomClassHolder {
   // its last claim, or the masters were synced from the params).
   bool needs_claim() const;
 
-  // Per param with a master (masters[i] an fp32 master or remainders[i] an int16 remainder;
-  // neither: skipped): if its memory moved since the last call that saw it with this very master
-  // tensor, the master restarts from it (master = param, remainder = 0). Records every param's
-  // memory. Tensor subclasses without storage (DTensor) are skipped.
-  void restart_replaced(const std::vector<at::Tensor>& params,
-                        const std::vector<std::optional<at::Tensor>>& masters,
-                        const std::vector<std::optional<at::Tensor>>& remainders);
+  // masters[i]: params[i]'s master, an fp32 master or an int16 remainder (told by its dtype).
+  // A param whose memory moved since the last call that saw it with this very master tensor
+  // restarts its master from it (master = param, remainder = 0). Records every param's memory.
+  // Tensor subclasses without storage (DTensor) are skipped.
+  void restart_replaced(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& masters);
 
-  // Every master restarts from its param now (master = param, remainder = 0), and the params
-  // taken from this keeper are its own again: the next step claims them back.
-  void sync_from_params(const std::vector<at::Tensor>& params,
-                        const std::vector<std::optional<at::Tensor>>& masters,
-                        const std::vector<std::optional<at::Tensor>>& remainders);
+  // Every master restarts from its param now (as above), and the params taken from this keeper
+  // are its own again: the next step claims them back.
+  void sync_from_params(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& masters);
 
   // The plan of the optimizer's steps (held weakly): expired (it then reports stale, so the owner
   // goes the validated way, which claims) when a param is taken from this keeper. None: no plan.

@@ -475,21 +475,6 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     kept.append(p)
         self._keeper.claim(stepping, groups, indices, "param_groups[{g}]['params'][{i}]", kept)
 
-    def _master_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor | None]]:
-        """Every param with a master, its fp32 master and its remainder (either None)."""
-        params, masters, remainders = [], [], []
-        for group in self.param_groups:
-            for p in group["params"]:
-                st = self.state.get(p)
-                if not isinstance(st, Mapping):
-                    continue
-                master, rem = st.get("master_param"), st.get("master_remainder")
-                if isinstance(master, torch.Tensor) or isinstance(rem, torch.Tensor):
-                    params.append(p)
-                    masters.append(master if isinstance(master, torch.Tensor) else None)
-                    remainders.append(rem if isinstance(rem, torch.Tensor) else None)
-        return params, masters, remainders
-
     _engine_name = ""  # the optimizer's name for the engine's checks: "SGD", "Adam", "AdamW"
 
     def _hyper_values(self, group: dict[str, Any]) -> dict[str, Any]:
@@ -552,10 +537,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
         params another ampfuse optimizer took over with its own master (see the README,
         "A master belongs to one optimizer").
         """
-        params, masters, remainders = self._master_lists()
+        params, masters = [], []  # each param with a master, and its fp32 master or remainder
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p)
+                for key in ("master_param", "master_remainder"):
+                    master = st.get(key) if isinstance(st, Mapping) else None
+                    if isinstance(master, torch.Tensor):
+                        params.append(_local(p))
+                        masters.append(_local(master))
         with torch.no_grad():
-            self._keeper.sync_from_params(list(map(_local, params)), [None if m is None else _local(m) for m in masters],
-                                          [None if r is None else _local(r) for r in remainders])
+            self._keeper.sync_from_params(params, masters)
 
     # ---- step --------------------------------------------------------------------------------
     def _signature(self, group: dict[str, Any]) -> tuple:
@@ -677,13 +669,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if not compiling:  # a param replaced since its master was last seen restarts the master
             for *_, plan in work:
                 for _, _, lists in plan.buckets:
-                    masters = lists.get("masters")
-                    if masters:
-                        none = [None] * len(masters)
-                        if masters[0].dtype == torch.float32:
-                            self._keeper.restart_replaced(lists["params"], masters, none)
-                        else:
-                            self._keeper.restart_replaced(lists["params"], none, masters)
+                    if lists.get("masters"):
+                        self._keeper.restart_replaced(lists["params"], lists["masters"])
         for gi, group, grad_list, _, _, plan in work:
             for device, idx, lists in plan.buckets:
                 s: dict[str, torch.Tensor | float | None] = {
