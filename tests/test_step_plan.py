@@ -401,7 +401,7 @@ def test_pickle_and_deepcopy_after_the_plan_is_built():
 
 
 def test_plan_object_rejects_bad_construction():
-    with pytest.raises(RuntimeError, match="StepPlan kind must be 'sgd' or 'adam'"):
+    with pytest.raises(ValueError, match="unknown optimizer kind 'lamb'; the kinds are 'sgd', 'adam'"):
         torch.classes.ampfuse.StepPlan("lamb")
     plan = torch.classes.ampfuse.StepPlan("sgd")
     with pytest.raises(RuntimeError, match="params must not be empty"):

@@ -445,18 +445,53 @@ void fused_load(torch::optim::Optimizer& opt, InputArchive& archive,
   }
 }
 
-// ---- hyper-parameter checks: the engine's (engine/hyper_checks.h), options named "AdamW: lr" ----
-template <typename O>
-c10::Dict<std::string, c10::IValue> common_hyper(const O& o) {
-  auto values = engine::entry_dict();
-  values.insert("lr", o.lr());
-  values.insert("weight_decay", o.weight_decay());
-  values.insert("state_dtype", detail::dtype_name(o.state_dtype()));
-  values.insert("rounding_seed", o.rounding_seed());
+// ---- hyper-parameters: the engine's checks (engine/hyper_checks.h, options named "AdamW: lr") and
+// the kind descriptor's values (engine/optimizer_kind.h), both read from the options by name ----
+template <typename T>
+c10::IValue option_value(const T& v) {
+  if constexpr (std::is_same_v<T, c10::ScalarType>) {
+    return v == at::ScalarType::Undefined ? c10::IValue() : c10::IValue(detail::dtype_name(v));
+  } else if constexpr (std::is_same_v<T, std::tuple<double, double>>) {
+    return c10::ivalue::Tuple::create(std::get<0>(v), std::get<1>(v));
+  } else {
+    return c10::IValue(v);
+  }
+}
+
+// A group's options by name (the optimizer's own, decoupled_weight_decay, besides its fields).
+template <class P>
+c10::Dict<std::string, c10::IValue> option_values(const typename P::Options& o) {
   TORCH_CHECK_VALUE(!(o.master_remainders() && o.stochastic_rounding()),
                     "master_remainders and stochastic_rounding exclude each other: a bf16 param keeps a remainder "
                     "or is rounded stochastically; set one of them.");
+  auto values = engine::entry_dict();
+  P::Options::fields(o, [&](const char* key, const auto& v) { values.insert(key, option_value(v)); });
+  P::add_options(values);
   return values;
+}
+
+// The kind's hyper-parameter values of options `values` (engine/optimizer_kind.h), stochastic
+// rounding and its seed from the master options.
+template <class P>
+std::vector<double> kind_values(const typename P::Options& o, const c10::Dict<std::string, c10::IValue>& values) {
+  std::vector<double> out;
+  for (const engine::HyperSpec& h : engine::kind_of_optimizer(P::kName).hyper) {
+    if (*h.option == '\0') {
+      out.push_back(h.type == engine::HyperType::Seed ? static_cast<double>(o.rounding_seed())
+                                                      : static_cast<double>(stochastic(o)));
+      continue;
+    }
+    auto it = values.find(h.option);
+    if (it == values.end()) {
+      out.push_back(h.fallback);
+      continue;
+    }
+    c10::IValue v = it->value();
+    if (h.element >= 0) v = v.toTupleRef().elements()[h.element];
+    out.push_back(v.isBool() ? static_cast<double>(v.toBool()) : v.isInt() ? static_cast<double>(v.toInt())
+                                                                           : v.toDouble());
+  }
+  return out;
 }
 
 template <typename O>
@@ -771,6 +806,7 @@ struct OptimizerPlan {
   c10::intrusive_ptr<engine::StepPlan> plan;
   c10::intrusive_ptr<engine::AccumulatePlan> source;  // the gradients' source it is bound to
   std::vector<const void*> key;
+  std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> options;  // each group's, as last packed
   int devices = 0;
   bool fp16_grads = false;
 };
@@ -884,18 +920,7 @@ struct SgdPolicy {
   // Momentum switched on mid-run (torch: the buffer is None): the next step taken starts it from
   // the gradient, which the kernel does when the step counter is 0.
   static constexpr bool kRestartOnCreate = true;
-  static void check(const Options& o) {
-    auto values = common_hyper(o);
-    values.insert("momentum", o.momentum());
-    values.insert("dampening", o.dampening());
-    values.insert("nesterov", o.nesterov());
-    engine::check_group_hyper(kName, values, kName, false);
-  }
-  static void set_hyper(engine::StepPlan& plan, int64_t group, const Options& o) {
-    plan.set_sgd_hyper(group, SgdHyper{o.lr(), o.momentum(), o.dampening(), o.weight_decay(), o.nesterov(),
-                                       o.maximize(), stochastic(o), o.rounding_seed()},
-                       std::nullopt);
-  }
+  static void add_options(c10::Dict<std::string, c10::IValue>&) {}
   static void run(const Options& o, Bucket& b, const StepScaling& sc) {
     SgdStepOptions so;
     so.lr = o.lr();
@@ -932,19 +957,8 @@ struct AdamPolicyT {
     return out;
   }
   static constexpr bool kRestartOnCreate = false;
-  static void check(const Options& o) {
-    auto values = common_hyper(o);
-    values.insert("betas", c10::ivalue::Tuple::create(std::get<0>(o.betas()), std::get<1>(o.betas())));
-    values.insert("eps", o.eps());
-    values.insert("exp_avg_sq_dtype", o.exp_avg_sq_dtype() == at::ScalarType::Undefined
-                                          ? c10::IValue()
-                                          : c10::IValue(detail::dtype_name(o.exp_avg_sq_dtype())));
-    engine::check_group_hyper(kName, values, kName, false);
-  }
-  static void set_hyper(engine::StepPlan& plan, int64_t group, const Options& o) {
-    plan.set_adam_hyper(group, AdamHyper{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()),
-                                         o.eps(), o.weight_decay(), o.amsgrad(), o.maximize(),
-                                         kDecoupled, stochastic(o), o.rounding_seed()}, std::nullopt);
+  static void add_options(c10::Dict<std::string, c10::IValue>& values) {
+    values.insert("decoupled_weight_decay", kDecoupled);
   }
   static void run(const Options& o, Bucket& b, const StepScaling& sc) {
     AdamStepOptions ao;
@@ -1008,12 +1022,27 @@ std::vector<const void*> Fused<P>::plan_key() const {
   return plan_key_of<P>(*this);
 }
 
+// Checked and packed when a group's options changed since the plan last took them.
 template <class P>
 void Fused<P>::set_plan_hyper(detail::OptimizerPlan& plan) const {
-  for (const auto& group : param_groups()) P::check(static_cast<const Options&>(group.options()));
-  for (size_t g = 0; g < param_groups().size(); ++g) {
-    P::set_hyper(*plan.plan, static_cast<int64_t>(g),
-                 static_cast<const Options&>(param_groups()[g].options()));
+  const auto& groups = param_groups();
+  bool same = plan.options.size() == groups.size();
+  for (size_t g = 0; same && g < groups.size(); ++g) {
+    same = static_cast<const Options&>(*plan.options[g]) == static_cast<const Options&>(groups[g].options());
+  }
+  if (same) return;
+  std::vector<c10::Dict<std::string, c10::IValue>> values;
+  for (const auto& group : groups) {  // all of them before the plan holds any
+    const auto& o = static_cast<const Options&>(group.options());
+    values.push_back(option_values<P>(o));
+    engine::check_group_hyper(P::kName, values.back(), P::kName, false);
+  }
+  plan.options.clear();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& o = static_cast<const Options&>(groups[g].options());
+    plan.plan->set_packed(static_cast<int64_t>(g), plan.plan->kind_descriptor().pack(kind_values<P>(o, values[g])),
+                          std::nullopt);
+    plan.options.push_back(std::make_unique<Options>(o));
   }
 }
 
@@ -1053,7 +1082,7 @@ std::vector<std::pair<const char*, at::Tensor>> Fused<P>::state_tensors(const at
 
 template <class P>
 void Fused<P>::check_options(const OptimizerOptions& options) const {
-  P::check(options_of<Options>(options, P::kName));
+  engine::check_group_hyper(P::kName, option_values<P>(options_of<Options>(options, P::kName)), P::kName, false);
 }
 
 template class Fused<SgdPolicy>;

@@ -7,6 +7,7 @@
 #include "engine/accumulator_window.h"
 #include "engine/hyper_checks.h"
 #include "engine/master_keeper.h"
+#include "engine/optimizer_kind.h"
 #include "engine/scaler_rules.h"
 #include "engine/step_plan.h"
 
@@ -16,6 +17,7 @@ TORCH_LIBRARY_FRAGMENT(ampfuse, m) {
   m.impl("accumulator_counters_check", &ampfuse::engine::check_accumulator_counters);
   m.impl("accumulator_sums_scale_check", &ampfuse::engine::check_window_sums_scale);
   m.impl("group_hyper_check", &ampfuse::engine::group_hyper_op);
+  m.impl("optimizer_kind", &ampfuse::engine::optimizer_kind_op);
   m.impl("scale_bounds_check", &ampfuse::engine::scale_bounds_op);
   m.impl("scaler_options_check", &ampfuse::engine::scaler_options_op);
 

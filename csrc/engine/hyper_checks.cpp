@@ -4,6 +4,7 @@
 
 #include <optional>
 
+#include "engine/optimizer_kind.h"
 #include "engine/optimizer_state.h"
 #include "engine/scaler_rules.h"
 #include "engine/step_checks.h"
@@ -53,8 +54,7 @@ void check_unit_interval(double value, const std::string& name) {
 void check_group_hyper(const std::string& optimizer, const c10::Dict<std::string, c10::IValue>& values,
                        const std::string& group, bool python_naming) {
   const Namer name{group, python_naming};
-  const bool sgd = optimizer == "SGD";
-  TORCH_CHECK(sgd || optimizer == "Adam" || optimizer == "AdamW", "unknown optimizer '", optimizer, "'.");
+  const OptimizerKind& kind = kind_of_optimizer(optimizer);
 
   // Each option present is checked (the C++ surface passes them all; Python's add_param_group
   // only the state dtype), in the order the Python surface always checked them.
@@ -80,45 +80,35 @@ void check_group_hyper(const std::string& optimizer, const c10::Dict<std::string
                       ") may differ from ", name("state_dtype"), " (", first,
                       ") only when both are 8-bit dtypes; leave it None for one state dtype.");
   }
-  if (has("lr")) {
-    const c10::IValue& lr = values.at("lr");
-    if (lr.isTensor()) {
-      TORCH_CHECK_VALUE(lr.toTensor().numel() == 1, name("lr"),
-                        " must be a number or a 1-element tensor, got shape ", shape_repr(lr.toTensor()), ".");
-    } else {
-      TORCH_CHECK_VALUE(is_number(lr), name("lr"), " must be a number or a 1-element tensor, got ", repr(lr), ".");
-      check_at_least_zero(number(lr), name("lr"));
-    }
-  }
   if (has("rounding_seed")) {
     const c10::IValue& seed = values.at("rounding_seed");
     TORCH_CHECK_VALUE(seed.isInt() && seed.toInt() >= 0 && seed.toInt() < (int64_t{1} << 53), name("rounding_seed"),
                       " must be an integer in [0, 2**53), got ", repr(seed), ".");
   }
-  if (sgd) {
-    if (!has("momentum")) return;
-    // a tensor momentum (a schedule cycles it on the device) counts as > 0 here
-    const std::optional<double> momentum = number_or_tensor_option(values.at("momentum"), name("momentum"));
-    const double dampening = number_option(values.at("dampening"), name("dampening"));
-    const double weight_decay = number_option(values.at("weight_decay"), name("weight_decay"));
-    if (momentum) check_at_least_zero(*momentum, name("momentum"));
-    check_at_least_zero(weight_decay, name("weight_decay"));
-    TORCH_CHECK_VALUE(!values.at("nesterov").toBool() || (momentum.value_or(1.0) > 0.0 && dampening == 0.0), group,
-                      ": nesterov momentum requires a momentum > 0 and zero dampening.");
-    return;
+  // The kind's real hyper-parameters, each present checked: a number in its bounds, or (where the
+  // step reads it on the device: lr, SGD's momentum, Adam's beta1) a 1-element tensor.
+  std::optional<double> device_momentum;  // the kind's device value when a number (nullopt: a tensor)
+  for (const HyperSpec& h : kind.hyper) {
+    if (h.type != HyperType::Real || !has(h.option)) continue;
+    c10::IValue v = values.at(h.option);
+    if (h.element >= 0) {
+      const bool pair = (v.isTuple() && v.toTupleRef().elements().size() == 2) ||
+                        (v.isList() && v.toListRef().size() == 2);
+      TORCH_CHECK_VALUE(pair, name(h.option), " must be a pair of numbers, got ", repr(v), ".");
+      v = v.isTuple() ? v.toTupleRef().elements()[h.element] : v.toListRef()[h.element];
+    }
+    const std::string label = h.element >= 0 ? name(h.option, h.element) : name(h.option);
+    const std::optional<double> x = h.device ? number_or_tensor_option(v, label) : number_option(v, label);
+    if (h.device && std::string(h.name) != "lr") device_momentum = x;
+    if (!x) continue;
+    if (h.bound == HyperBound::AtLeastZero) check_at_least_zero(*x, label);
+    if (h.bound == HyperBound::UnitInterval) check_unit_interval(*x, label);
   }
-  if (!has("betas")) return;
-  const c10::IValue& betas = values.at("betas");
-  const bool pair = (betas.isTuple() && betas.toTupleRef().elements().size() == 2) ||
-                    (betas.isList() && betas.toListRef().size() == 2);
-  TORCH_CHECK_VALUE(pair, name("betas"), " must be a pair of numbers, got ", repr(betas), ".");
-  const auto items = betas.isTuple() ? betas.toTupleRef().elements().vec() : betas.toListRef().vec();
-  // betas[0] may be a tensor (a schedule cycles it on the device)
-  const std::optional<double> beta1 = number_or_tensor_option(items[0], name("betas", 0));
-  if (beta1) check_unit_interval(*beta1, name("betas", 0));
-  check_unit_interval(number_option(items[1], name("betas", 1)), name("betas", 1));
-  for (const char* key : {"eps", "weight_decay"}) {
-    check_at_least_zero(number_option(values.at(key), name(key)), name(key));
+  // SGD's nesterov: a momentum (a tensor counts as > 0) and no dampening.
+  if (has("nesterov") && has("momentum") && has("dampening")) {
+    TORCH_CHECK_VALUE(!values.at("nesterov").toBool() ||
+                          (device_momentum.value_or(1.0) > 0.0 && number(values.at("dampening")) == 0.0),
+                      group, ": nesterov momentum requires a momentum > 0 and zero dampening.");
   }
 }
 

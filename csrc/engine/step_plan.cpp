@@ -24,16 +24,6 @@ namespace core = ops::core;
 
 namespace {
 
-// The hyper-parameters by name, as Python's param groups name them (the betas split in two;
-// stochastic_rounding: the group's master_weights is "stochastic").
-const std::vector<std::string> kSgdNames{"lr",       "momentum", "dampening",           "weight_decay",
-                                         "nesterov", "maximize", "stochastic_rounding", "rounding_seed"};
-const std::vector<std::string> kAdamNames{"lr",       "beta1",
-                                          "beta2",    "eps",
-                                          "weight_decay", "amsgrad",
-                                          "maximize", "decoupled_weight_decay",
-                                          "stochastic_rounding", "rounding_seed"};
-
 // A 1-element scaling tensor as the kernels read it: fp32 on `device` (copied without a sync
 // when it is elsewhere, as the Python optimizers do).
 at::Tensor scalar_on(const at::Tensor& t, const c10::Device& device) {
@@ -47,105 +37,29 @@ std::optional<at::Tensor> scalar_on(const std::optional<at::Tensor>& t,
   return scalar_on(*t, device);
 }
 
-// The state lists' names in messages, as the step ops name their arguments.
-const std::vector<const char*>& state_names(bool adam) {
-  static const std::vector<const char*> sgd{"momentum_buffers", "", ""};
-  static const std::vector<const char*> adam_names{"exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"};
-  return adam ? adam_names : sgd;
-}
-
-// The step op's lists of a bucket's tensors, 8-bit state's absmax lists included.
-detail::OptimLists optim_lists(bool adam, at::TensorList params, at::TensorList grads,
-                               at::TensorList masters, const std::vector<at::Tensor> (&states)[3],
-                               const std::vector<at::Tensor> (&absmaxes)[3], at::TensorList steps) {
-  static const std::vector<const char*> sgd_absmax{"momentum_absmax", "", ""};
-  static const std::vector<const char*> adam_absmax{"exp_avg_absmax", "exp_avg_sq_absmax",
-                                                    "max_exp_avg_sq_absmax"};
-  return detail::OptimLists{params,
-                            grads,
-                            masters,
-                            {states[0], states[1], states[2]},
-                            state_names(adam),
-                            steps,
-                            {absmaxes[0], absmaxes[1], absmaxes[2]},
-                            adam ? adam_absmax : sgd_absmax,
-                            {false, adam, adam}};
-}
-
 }  // namespace
 
-StepPlan::StepPlan(const std::string& kind) {
-  TORCH_CHECK(kind == "sgd" || kind == "adam", "StepPlan kind must be 'sgd' or 'adam', got '",
-              kind, "'.");
-  adam_ = kind == "adam";
-}
+StepPlan::StepPlan(const std::string& kind) : kind_(&optimizer_kind(kind)) {}
 
-StepPlan::GroupHyper& StepPlan::hyper_slot(int64_t group, const std::optional<at::Tensor>& lr,
-                                           const std::optional<at::Tensor>& momentum) {
+void StepPlan::set_packed(int64_t group, PackedHyper hyper, std::optional<at::Tensor> lr,
+                          std::optional<at::Tensor> momentum) {
   TORCH_CHECK(group >= 0, "StepPlan.set_hyper: group must be >= 0, got ", group, ".");
+  TORCH_CHECK(hyper.index() == kind_->packed,
+              "StepPlan.set_hyper: a ", kind_->name, " plan takes its own kind's hyper-parameters.");
   TORCH_CHECK(!lr || lr->numel() == 1, "StepPlan.set_hyper: lr must be a 1-element tensor, got "
               "shape ", lr->sizes(), ".");
   TORCH_CHECK(!momentum || momentum->numel() == 1, "StepPlan.set_hyper: momentum must be a 1-element "
               "tensor, got shape ", momentum->sizes(), ".");
   if (static_cast<size_t>(group) >= hyper_.size()) hyper_.resize(group + 1);
-  return hyper_[group];
+  hyper_[group] = GroupHyper{true, std::move(hyper), std::move(lr), std::move(momentum)};
 }
 
-void StepPlan::set_sgd_hyper(int64_t group, const SgdHyper& hyper, std::optional<at::Tensor> lr,
-                             std::optional<at::Tensor> momentum) {
-  TORCH_CHECK(!adam_, "StepPlan.set_hyper: an adam plan takes Adam hyper-parameters.");
-  auto& slot = hyper_slot(group, lr, momentum);
-  slot = GroupHyper{true, hyper, {}, std::move(lr), std::move(momentum)};
-}
-
-void StepPlan::set_adam_hyper(int64_t group, const AdamHyper& hyper, std::optional<at::Tensor> lr,
-                              std::optional<at::Tensor> momentum) {
-  TORCH_CHECK(adam_, "StepPlan.set_hyper: an sgd plan takes SGD hyper-parameters.");
-  auto& slot = hyper_slot(group, lr, momentum);
-  slot = GroupHyper{true, {}, hyper, std::move(lr), std::move(momentum)};
-}
-
-std::vector<std::string> StepPlan::hyper_names() const { return adam_ ? kAdamNames : kSgdNames; }
+std::vector<std::string> StepPlan::hyper_names() const { return kind_->hyper_names(); }
 
 void StepPlan::set_hyper(int64_t group, const c10::Dict<std::string, double>& hyper,
                          std::optional<at::Tensor> lr, std::optional<at::Tensor> momentum) {
-  const auto& names = adam_ ? kAdamNames : kSgdNames;
-  auto listed = [&names] {
-    std::string out;
-    for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
-    return out;
-  };
-  for (const auto& entry : hyper) {
-    TORCH_CHECK(std::find(names.begin(), names.end(), entry.key()) != names.end(),
-                "StepPlan.set_hyper: unknown hyper-parameter '", entry.key(), "'; a ", kind(),
-                " plan takes ", listed(), ".");
-  }
-  std::vector<double> v;
-  for (const auto& n : names) {
-    auto it = hyper.find(n);
-    TORCH_CHECK(it != hyper.end(), "StepPlan.set_hyper: hyper-parameter '", n, "' is missing; a ",
-                kind(), " plan takes ", listed(), ".");
-    v.push_back(it->value());
-  }
-  auto flag = [&](size_t k) {
-    TORCH_CHECK(v[k] == 0.0 || v[k] == 1.0, "StepPlan.set_hyper: '", names[k],
-                "' is a flag (0 or 1), got ", v[k], ".");
-    return v[k] != 0.0;
-  };
-  // The seed, an integer a double holds exactly.
-  auto seed = [&](size_t k) {
-    TORCH_CHECK(v[k] == std::floor(v[k]) && std::fabs(v[k]) <= 9007199254740992.0, "StepPlan.set_hyper: '",
-                names[k], "' is an integer of at most 2**53 in magnitude, got ", v[k], ".");
-    return static_cast<int64_t>(v[k]);
-  };
-  if (adam_) {
-    set_adam_hyper(group,
-                   AdamHyper{v[0], v[1], v[2], v[3], v[4], flag(5), flag(6), flag(7), flag(8), seed(9)},
-                   std::move(lr), std::move(momentum));
-  } else {
-    set_sgd_hyper(group, SgdHyper{v[0], v[1], v[2], v[3], flag(4), flag(5), flag(6), seed(7)},
-                  std::move(lr), std::move(momentum));
-  }
+  set_packed(group, kind_->pack(kind_->values_by_name(hyper, "StepPlan.set_hyper")), std::move(lr),
+             std::move(momentum));
 }
 
 StepPlan::Span StepPlan::extent_of(c10::IntArrayRef sizes, c10::IntArrayRef strides,
@@ -174,8 +88,13 @@ void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
   TORCH_CHECK(!finalized_, "StepPlan.add_bucket: the plan is finalized.");
   TORCH_CHECK(!params.empty(), "StepPlan.add_bucket: params must not be empty.");
   TORCH_CHECK(group >= 0, "StepPlan.add_bucket: group must be >= 0, got ", group, ".");
-  TORCH_CHECK(adam_ || (state1.empty() && state2.empty() && absmax1.empty() && absmax2.empty()),
-              "StepPlan.add_bucket: an sgd plan has one state list (momentum buffers).");
+  {
+    const std::vector<at::Tensor>* extra[] = {&state0, &state1, &state2, &absmax0, &absmax1, &absmax2};
+    for (size_t k = kind_->states.size(); k < 3; ++k) {
+      TORCH_CHECK(extra[k]->empty() && extra[k + 3]->empty(), "StepPlan.add_bucket: a ", kind_->name,
+                  " plan has ", kind_->states.size(), " state list(s).");
+    }
+  }
   Bucket b;
   b.group = group;
   b.device = params[0].device();
@@ -196,7 +115,7 @@ void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
   b.absmaxes[0] = std::move(absmax0);
   b.absmaxes[1] = std::move(absmax1);
   b.absmaxes[2] = std::move(absmax2);
-  const detail::OptimLists l = optim_lists(adam_, params, probe, masters, b.states, b.absmaxes, steps);
+  const detail::OptimLists l = kind_->lists(params, probe, masters, b.states, b.absmaxes, steps);
   detail::check_optim_args(l, {}, std::nullopt, std::nullopt, std::nullopt);
   for (const auto& p : params) {
     b.geom_at.push_back(b.geom.size());
@@ -218,7 +137,7 @@ void StepPlan::add_bucket(int64_t group, std::vector<at::Tensor> params,
   b.refs.resize(b.params.size());
   b.spans.resize(b.params.size());
   b.clear_of_written.assign(b.params.size(), Span{});
-  b.dtypes = core::optim_dtypes(optim_lists(adam_, b.params, probe, b.masters, b.states, b.absmaxes, b.steps));
+  b.dtypes = core::optim_dtypes(kind_->lists(b.params, probe, b.masters, b.states, b.absmaxes, b.steps));
   // The rows, when every tensor of every row lies flat in its param's element order.
   bool flat = true;
   for (size_t i = 0; i < b.params.size() && flat; ++i) {
@@ -624,37 +543,25 @@ int64_t StepPlan::step(const std::optional<at::Tensor>& grad_scale,
     return kStale;
   }
   auto lists = [this](Bucket& b) {
-    return optim_lists(adam_, b.params, b.grads, b.masters, b.states, b.absmaxes, b.steps);
+    return kind_->lists(b.params, b.grads, b.masters, b.states, b.absmaxes, b.steps);
   };
-  auto sgd_hyper = [this](const Bucket& b) { return hyper_[b.group].sgd; };
-  auto adam_hyper = [this](const Bucket& b) { return hyper_[b.group].adam; };
   for (auto& b : buckets_) {
-    const detail::OptimLists l = lists(b);
-    if (adam_) {
-      detail::check_adam_hyper(adam_hyper(b), l);
-    } else {
-      detail::check_sgd_hyper(sgd_hyper(b), l, hyper_[b.group].momentum.has_value());
-    }
+    kind_->check(hyper_[b.group].packed, lists(b), hyper_[b.group].momentum.has_value());
   }
   for (auto& b : buckets_) {
     const detail::OptimLists l = lists(b);
     const detail::HyperTensors ht{scalar_on(hyper_[b.group].lr, b.device),
                                   scalar_on(hyper_[b.group].momentum, b.device),
-                                  adam_ ? "beta1_tensor" : "momentum_tensor"};
+                                  kind_->device_tensor};
     const auto gs = scalar_on(grad_scale, b.device);
     const auto fi = scalar_on(found_inf, b.device);
     const auto cc = scalar_on(clip_coef, b.device);
     const auto n = static_cast<int64_t>(b.params.size());
-    if (adam_ && b.use_rows) {
-      core::adam_rows(*b.backend, b.rows.data(), n, b.dtypes, adam_hyper(b), b.device, ht,
-                      gs, fi, cc);
-    } else if (adam_) {
-      core::adam_step(*b.backend, l, adam_hyper(b), b.device, ht, gs, fi, cc);
-    } else if (b.use_rows) {
-      core::sgd_rows(*b.backend, b.rows.data(), n, b.dtypes, sgd_hyper(b), b.device, ht,
-                     gs, fi, cc);
+    const PackedHyper& h = hyper_[b.group].packed;
+    if (b.use_rows) {
+      kind_->step_rows(*b.backend, b.rows.data(), n, b.dtypes, h, b.device, ht, gs, fi, cc);
     } else {
-      core::sgd_step(*b.backend, l, sgd_hyper(b), b.device, ht, gs, fi, cc);
+      kind_->step(*b.backend, l, h, b.device, ht, gs, fi, cc);
     }
   }
   release_grads();

@@ -31,6 +31,7 @@
 #include "ops/kernel_api.h"
 #include "ops/op_core.h"
 #include "ops/rules.h"
+#include "engine/optimizer_kind.h"
 
 namespace ampfuse::engine {
 
@@ -48,10 +49,8 @@ class StepPlan : public torch::CustomClassHolder {
   // by name (Python: `hyper_names()` of the kind, each exactly once; flags as 0 or 1). `lr`: the
   // group's lr tensor (1 element, read at every step), or none (hyper.lr is used); `momentum`:
   // likewise SGD's momentum / Adam's beta1.
-  void set_sgd_hyper(int64_t group, const SgdHyper& hyper, std::optional<at::Tensor> lr,
-                     std::optional<at::Tensor> momentum = std::nullopt);
-  void set_adam_hyper(int64_t group, const AdamHyper& hyper, std::optional<at::Tensor> lr,
-                      std::optional<at::Tensor> momentum = std::nullopt);
+  void set_packed(int64_t group, PackedHyper hyper, std::optional<at::Tensor> lr,
+                  std::optional<at::Tensor> momentum = std::nullopt);
   void set_hyper(int64_t group, const c10::Dict<std::string, double>& hyper,
                  std::optional<at::Tensor> lr, std::optional<at::Tensor> momentum);
   std::vector<std::string> hyper_names() const;
@@ -96,18 +95,16 @@ class StepPlan : public torch::CustomClassHolder {
   void release_resources() override;
 
   int64_t num_params() const { return num_params_; }
-  std::string kind() const { return adam_ ? "adam" : "sgd"; }
+  std::string kind() const { return kind_->name; }
+  const OptimizerKind& kind_descriptor() const { return *kind_; }
 
  private:
   struct GroupHyper {
     bool set = false;
-    SgdHyper sgd{};
-    AdamHyper adam{};
+    PackedHyper packed;
     std::optional<at::Tensor> lr;
     std::optional<at::Tensor> momentum;
   };
-  GroupHyper& hyper_slot(int64_t group, const std::optional<at::Tensor>& lr,
-                         const std::optional<at::Tensor>& momentum);
   std::vector<GroupHyper> hyper_;
 
   struct Span {
@@ -174,7 +171,7 @@ class StepPlan : public torch::CustomClassHolder {
   // below zero for negative strides).
   static Span extent_of(c10::IntArrayRef sizes, c10::IntArrayRef strides, size_t item);
 
-  bool adam_;
+  const OptimizerKind* kind_;
   bool finalized_ = false;
   std::atomic<bool> expired_{false};
   int64_t num_params_ = 0;

@@ -137,6 +137,13 @@ TORCH_LIBRARY(ampfuse, m) {
   // group's name and whether options are named as Python does (param_groups[0]['lr']) or as C++
   // (AdamW: lr). Raises ValueError naming the option.
   m.def("group_hyper_check(str optimizer, Dict(str, Any) values, str group, bool python_naming) -> ()");
+  // An optimizer kind's descriptor (csrc/engine/optimizer_kind.h): its hyper-parameters (names, the
+  // group options and pair elements they are read from, types, whether a device tensor may hold
+  // one, values of absent options) and states (keys, the options they exist with, their dtype
+  // options, their block-absmax arguments).
+  m.def(
+      "optimizer_kind(str kind) -> (str[] names, str[] options, int[] elements, str[] types, bool[] device, "
+      "float[] fallbacks, str[] states, str[] gates, str[] dtype_options, str[] absmax)");
   // The scale bounds' rules (None, or numbers: min_scale finite in [0, FLT_MAX], max_scale > 0 and
   // not below FLT_MIN, min <= max). Raises ValueError.
   m.def("scale_bounds_check(Any min_scale, Any max_scale) -> ()");

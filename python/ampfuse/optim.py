@@ -288,7 +288,6 @@ class _FusedOptimizer(torch.optim.Optimizer):
     """Shared machinery: argument checks, lazy fp32 state, cached bucket plans, checkpoints."""
 
     _step_supports_amp_scaling = True
-    _state_keys: tuple[str, ...] = ()
     state: _State  # torch's per-param state, with its change counter
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
@@ -298,8 +297,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._param_dtypes: dict[int, torch.dtype] = {}
         self._plans: dict[int, _Plan] = {}
         self._native: _NativePlan | None = None
-        if os.environ.get("AMPFUSE_STEP_PLAN", "1") == "0":  # every step the validated way (debugging, A/B)
-            self._native_kind = ""
+        self._kind = _kind(self._kind_name)
+        # every step the validated way when AMPFUSE_STEP_PLAN=0 (debugging, A/B)
+        self._native_kind = self._kind_name if os.environ.get("AMPFUSE_STEP_PLAN", "1") != "0" else ""
         # params whose loaded fp32 master the next step reconciles with the param (ties)
         self._reconcile: set[int] = set()
         self._last_found_inf: torch.Tensor | None = None
@@ -348,6 +348,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                         self._param_dtypes[id(p)] = dtype
         self._plans = {}
         self._native = None
+        self._kind = _kind(self._kind_name)
+        self._native_kind = self._kind_name if os.environ.get("AMPFUSE_STEP_PLAN", "1") != "0" else ""
         self._reconcile = set()
         self._last_found_inf = None
         self._keeper = torch.classes.ampfuse.MasterKeeper(type(self).__name__)
@@ -476,10 +478,16 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._keeper.claim(stepping, groups, indices, "param_groups[{g}]['params'][{i}]", kept)
 
     _engine_name = ""  # the optimizer's name for the engine's checks: "SGD", "Adam", "AdamW"
+    _kind_name = ""  # its kind descriptor's name (csrc/engine/optimizer_kind.h): "sgd", "adam"
 
     def _hyper_values(self, group: dict[str, Any]) -> dict[str, Any]:
-        """The group's options the engine checks, by name (see ``_hyper_value``)."""
-        raise NotImplementedError
+        """The group's hyper-parameter options as the engine's check takes them, by option name."""
+        values: dict[str, Any] = {}
+        for h in self._kind.hyper:
+            if h.option and h.option not in values:
+                v = group.get(h.option, h.fallback)
+                values[h.option] = bool(v) if h.type == "flag" else _hyper_value(v)
+        return values
 
     def _check_grads_arg(self, grads: Any) -> None:
         """``step(grads=...)``: a mapping whose keys are this optimizer's params themselves."""
@@ -521,12 +529,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
             _put_slots(self.state[p], names, out[j * len(names):(j + 1) * len(names)])
 
     def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return self._state_keys
+        """The group's state keys: the kind's, each whose option (its gate) is on."""
+        kind = self._kind
+        return tuple(key for key, gate in zip(kind.states, kind.gates) if not gate or _is_on(group[gate]))
 
     def _state_dtypes_for(self, group: dict[str, Any], keys: Sequence[str]) -> tuple[torch.dtype, ...]:
         """The dtype the group asks for each of its state tensors ``keys`` (the engine keeps
-        small params' 8-bit state in fp32)."""
-        return (group.get("state_dtype", torch.float32),) * len(keys)
+        small params' 8-bit state in fp32): its dtype option's, or ``state_dtype`` when None."""
+        kind = self._kind
+        first = group.get("state_dtype", torch.float32)
+        options = (kind.dtype_options[kind.states.index(key)] for key in keys)
+        return tuple(first if group.get(o) is None else group[o] for o in options)
 
     def sync_masters_from_params(self) -> None:
         """Restart every fp32 master from its param now.
@@ -580,7 +593,21 @@ class _FusedOptimizer(torch.optim.Optimizer):
                      tuple(p.dtype for p in group["params"]), plan_buckets)
 
     def _run(self, group: dict[str, Any], lists: dict[str, list], grads: list, s: dict[str, Any]) -> None:
-        raise NotImplementedError
+        """One bucket's step op (``ops.<kind>_step_``), its arguments named by the kind."""
+        kind = self._kind
+        params = lists["params"]
+        hyper: dict[str, Any] = {}
+        for h in kind.hyper:
+            if h.option and h.name != "lr":
+                v = _option_of(group, h)
+                hyper[h.name] = _device_value(v, params) if h.device else bool(v) if h.type == "flag" else v
+        for key, arg in zip(kind.states, kind.absmax):
+            hyper[arg] = lists.get(key + "_absmax", ())
+        getattr(ops, kind.name + "_step_")(
+            params, grads, lists.get("masters", []), *(lists.get(key, []) for key in kind.states), lists["steps"],
+            lr=s["lr"], grad_scale=s["grad_scale"], found_inf=s["found_inf"], clip_coef=s["clip_coef"],
+            rounding_seed=_rounding_seed(group), **hyper,
+        )
 
     @torch.no_grad()
     def step(  # type: ignore[override]
@@ -696,8 +723,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         return self._last_found_inf
 
     # ---- the native step plan ------------------------------------------------------------------
-    _native_kind = ""  # "sgd" or "adam": the StepPlan kind (empty: no native plan)
-    _native_state_keys: tuple[str, ...] = ()
+    _native_kind = ""  # the StepPlan kind (empty: no native plan)
 
     def _build_native(self, source: Any = None) -> _NativePlan | None:
         """The native plan of the current Python plans (all valid: a step just ran through them),
@@ -720,9 +746,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
             if py is None or py.params is not group["params"]:
                 return None
             for device, idx, lists in py.buckets:
-                states = [lists.get(k, []) for k in self._native_state_keys]
+                states = [lists.get(k, []) for k in self._kind.states]
                 states += [[]] * (3 - len(states))
-                absmax = [lists.get(k + "_absmax", []) for k in self._native_state_keys]
+                absmax = [lists.get(k + "_absmax", []) for k in self._kind.states]
                 absmax += [[]] * (3 - len(absmax))
                 grad_dtype = py.grad_dtypes[idx[0]]
                 plan.add_bucket(gi, lists["params"], lists.get("masters", []), *states, lists["steps"],
@@ -775,19 +801,25 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             lr = group["lr"]
             tensor_lr = isinstance(lr, torch.Tensor)
-            native.plan.set_hyper(gi, {"lr": 0.0 if tensor_lr else float(lr), **self._native_group_hyper(group)},
-                                  lr if tensor_lr else None, self._momentum_tensor(group))
+            native.plan.set_hyper(gi, self._native_group_hyper(group), lr if tensor_lr else None,
+                                  self._momentum_tensor(group))
         native.hyper = snapshots if all(map(_immutable_hyper, self.param_groups)) else None
 
     def _native_group_hyper(self, group: dict[str, Any]) -> dict[str, float]:
-        """A group's hyper-parameters but lr, by the plan's names (``StepPlan.hyper_names()``);
-        a device value (:meth:`_momentum_tensor`) as 0."""
-        raise NotImplementedError
+        """A group's hyper-parameters by the plan's names (``StepPlan.hyper_names()``, the kind's);
+        a device value (lr, :meth:`_momentum_tensor`) as 0."""
+        out = _rounding_hyper(group)
+        for h in self._kind.hyper:
+            if h.option:
+                v = _option_of(group, h)
+                out[h.name] = float(bool(v)) if h.type == "flag" else 0.0 if isinstance(v, torch.Tensor) else float(v)
+        return out
 
     def _momentum_tensor(self, group: dict[str, Any]) -> torch.Tensor | None:
-        """The group's momentum (SGD) or beta1 (Adam) when it is a device value (a 1-element
-        tensor the step reads, as a tensor lr: a schedule cycles it on the device), else None."""
-        raise NotImplementedError
+        """The kind's device value besides lr (SGD's momentum, Adam's beta1) when the group holds
+        it as a 1-element tensor (a schedule cycles it on the device), else None."""
+        v = _option_of(group, self._kind.device_value)
+        return v if isinstance(v, torch.Tensor) else None
 
     # ---- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -804,7 +836,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         sd["param_groups"] = [{k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in g.items()}
                               for g in sd["param_groups"]]
         params = [p for g in self.param_groups for p in g["params"]]
-        names = _slot_names(self._native_state_keys)
+        names = _slot_names(self._kind.states)
         keys = [k for k, v in sd["state"].items()  # torch allows other values under non-param keys
                 if isinstance(v, Mapping) and isinstance(k, int) and 0 <= k < len(params)]
         out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in sd["state"].items()}
@@ -812,7 +844,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             slots = [v if isinstance(v := out[k].get(name), torch.Tensor) else None for k in keys for name in names]
             ops._dtensor_support()
             saved = torch.ops.ampfuse.optimizer_state_saved([params[k].detach() for k in keys], slots,
-                                                            list(self._native_state_keys))
+                                                            list(self._kind.states))
             for j, k in enumerate(keys):
                 _put_slots(out[k], names, saved[j * len(names):(j + 1) * len(names)])
         sd["state"] = out
@@ -844,7 +876,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 )
         where = {pid: (gi, i, p) for gi, (g, sg) in enumerate(zip(groups, saved_groups))
                  for i, (pid, p) in enumerate(zip(sg["params"], g["params"]))}
-        names = _slot_names(self._native_state_keys)
+        names = _slot_names(self._kind.states)
         new_state: dict[Any, dict[str, Any]] = {}
         loaded = []  # (pid, gi, i, p): the states the engine checks and converts
         for pid, st in state_dict["state"].items():
@@ -872,7 +904,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             slots += [step, *(_saved_slot(st, name) for name in names[1:])]
         ops._dtensor_support()
         out = torch.ops.ampfuse.optimizer_state_loaded(
-            [p.detach() for *_, p in loaded], slots, list(self._native_state_keys), [gi for _, gi, _, _ in loaded],
+            [p.detach() for *_, p in loaded], slots, list(self._kind.states), [gi for _, gi, _, _ in loaded],
             [i for *_, i, _ in loaded], "param_groups[{g}]['params'][{i}]", self._restart_on_create) if loaded else []
         for j, (pid, _, _, p) in enumerate(loaded):
             converted = {key: deepcopy(v) for key, v in state_dict["state"][pid].items() if key not in names}
@@ -900,6 +932,55 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
+
+
+class _Hyper(NamedTuple):
+    """A hyper-parameter of a kind (``csrc/engine/optimizer_kind.h``: ``HyperSpec``)."""
+
+    name: str  # the step op's and the step plan's name
+    option: str  # the group option it is read from ("": from master_weights)
+    element: int  # its element of a pair option, else -1
+    type: str  # "real", "flag" or "seed"
+    device: bool  # may be a 1-element device tensor
+    fallback: float  # its value when the group lacks the option
+
+
+class _Kind(NamedTuple):
+    """An optimizer kind's descriptor, as the engine holds it (the optimizer_kind op)."""
+
+    name: str
+    hyper: tuple[_Hyper, ...]
+    states: tuple[str, ...]  # state keys
+    gates: tuple[str, ...]  # the option each state exists with ("": always)
+    dtype_options: tuple[str, ...]  # the option each state's dtype is read from (None: state_dtype)
+    absmax: tuple[str, ...]  # the step op's block-absmax argument of each state
+    device_value: _Hyper  # the device value besides lr
+
+
+_KINDS: dict[str, _Kind] = {}
+
+
+def _kind(name: str) -> _Kind:
+    """The engine's kind descriptor ``name``, read once per process."""
+    kind = _KINDS.get(name)
+    if kind is None:
+        names, options, elements, types, device, fallbacks, states, gates, dtypes, absmax = (
+            torch.ops.ampfuse.optimizer_kind(name))
+        hyper = tuple(map(_Hyper, names, options, elements, types, device, fallbacks))
+        kind = _KINDS[name] = _Kind(name, hyper, tuple(states), tuple(gates), tuple(dtypes), tuple(absmax),
+                                    next(h for h in hyper if h.device and h.name != "lr"))
+    return kind
+
+
+def _option_of(group: dict[str, Any], h: _Hyper) -> Any:
+    """The value of hyper-parameter ``h`` in ``group`` (an element of a pair option)."""
+    v = group.get(h.option, h.fallback)
+    return v[h.element] if h.element >= 0 else v
+
+
+def _is_on(value: Any) -> bool:
+    """A state's gate option is on: a tensor (a device value), a nonzero number, True."""
+    return isinstance(value, torch.Tensor) or bool(value)
 
 
 def _saved_slot(state: Mapping, name: str) -> Any:
@@ -1060,25 +1141,8 @@ class SGD(_FusedOptimizer):
     buffer is ``None``. Unlike torch's fused SGD, a skipped first step leaves the buffer so marked.
     """
 
-    _state_keys = ("momentum_buffer",)
-    _native_kind = "sgd"
+    _kind_name = "sgd"
     _engine_name = "SGD"
-
-    def _hyper_values(self, group: dict[str, Any]) -> dict[str, Any]:
-        return {"lr": _hyper_value(group["lr"]), "momentum": _hyper_value(group["momentum"]),
-                "dampening": _hyper_value(group["dampening"]), "weight_decay": _hyper_value(group["weight_decay"]),
-                "nesterov": bool(group["nesterov"])}
-    _native_state_keys = ("momentum_buffer",)
-
-    def _momentum_tensor(self, group: dict[str, Any]) -> torch.Tensor | None:
-        m = group["momentum"]
-        return m if isinstance(m, torch.Tensor) else None
-
-    def _native_group_hyper(self, group: dict[str, Any]) -> dict[str, float]:
-        m = group["momentum"]
-        return {"momentum": 0.0 if isinstance(m, torch.Tensor) else float(m), "dampening": float(group["dampening"]),
-                "weight_decay": float(group["weight_decay"]), "nesterov": float(bool(group["nesterov"])),
-                "maximize": float(bool(group["maximize"])), **_rounding_hyper(group)}
 
     def __init__(
         self,
@@ -1118,19 +1182,6 @@ class SGD(_FusedOptimizer):
     # momentum switched on mid-run (torch: the buffer is None): the next step taken starts it from
     # the gradient, which the kernel does when the step counter is 0
     _restart_on_create = True
-
-    def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
-        m = group["momentum"]
-        return ("momentum_buffer",) if isinstance(m, torch.Tensor) or m != 0 else ()
-
-    def _run(self, group, lists, grads, s) -> None:
-        ops.sgd_step_(
-            lists["params"], grads, lists.get("masters", []), lists.get("momentum_buffer", []), lists["steps"],
-            lr=s["lr"], momentum=_device_value(group["momentum"], lists["params"]), dampening=group["dampening"],
-            weight_decay=group["weight_decay"], nesterov=group["nesterov"], maximize=group["maximize"],
-            grad_scale=s["grad_scale"], found_inf=s["found_inf"], clip_coef=s["clip_coef"],
-            momentum_absmax=lists.get("momentum_buffer_absmax", ()), rounding_seed=_rounding_seed(group),
-        )
 
     def state_dict(self) -> dict[str, Any]:
         """torch's layout: a momentum buffer that was never initialised is saved as ``None``."""
@@ -1222,45 +1273,8 @@ class Adam(_FusedOptimizer):
                         state_dtype=state_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype, rounding_seed=rounding_seed)
         super().__init__(params, defaults)
 
-    _native_kind = "adam"
+    _kind_name = "adam"
     _engine_name = "Adam"
-
-    def _hyper_values(self, group: dict[str, Any]) -> dict[str, Any]:
-        return {key: _hyper_value(group[key]) for key in ("lr", "betas", "eps", "weight_decay")}
-    _native_state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
-    def _momentum_tensor(self, group: dict[str, Any]) -> torch.Tensor | None:
-        beta1 = group["betas"][0]
-        return beta1 if isinstance(beta1, torch.Tensor) else None
-
-    def _native_group_hyper(self, group: dict[str, Any]) -> dict[str, float]:
-        beta1, beta2 = group["betas"]
-        return {"beta1": 0.0 if isinstance(beta1, torch.Tensor) else float(beta1), "beta2": float(beta2), "eps": float(group["eps"]),
-                "weight_decay": float(group["weight_decay"]), "amsgrad": float(bool(group["amsgrad"])),
-                "maximize": float(bool(group["maximize"])),
-                "decoupled_weight_decay": float(bool(group.get("decoupled_weight_decay", False))),
-                **_rounding_hyper(group)}
-
-    def _state_keys_for(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
-
-    def _state_dtypes_for(self, group: dict[str, Any], keys: Sequence[str]) -> tuple[torch.dtype, ...]:
-        first = group.get("state_dtype", torch.float32)
-        second = group.get("exp_avg_sq_dtype")
-        return tuple(first if key == "exp_avg" or second is None else second for key in keys)
-
-    def _run(self, group, lists, grads, s) -> None:
-        beta1, beta2 = group["betas"]
-        ops.adam_step_(
-            lists["params"], grads, lists.get("masters", []), lists["exp_avg"], lists["exp_avg_sq"],
-            lists.get("max_exp_avg_sq", []), lists["steps"],
-            lr=s["lr"], beta1=_device_value(beta1, lists["params"]), beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-            amsgrad=group["amsgrad"], maximize=group["maximize"],
-            decoupled_weight_decay=group.get("decoupled_weight_decay", False),
-            grad_scale=s["grad_scale"], found_inf=s["found_inf"], clip_coef=s["clip_coef"],
-            exp_avg_absmax=lists.get("exp_avg_absmax", ()), exp_avg_sq_absmax=lists.get("exp_avg_sq_absmax", ()),
-            max_exp_avg_sq_absmax=lists.get("max_exp_avg_sq_absmax", ()), rounding_seed=_rounding_seed(group),
-        )
 
 
 class AdamW(Adam):

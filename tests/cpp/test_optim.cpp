@@ -4,10 +4,12 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/serialize.h>
 
 #include <functional>
 #include <limits>
+#include <set>
 #include <sstream>
 #include <string>
 
@@ -268,6 +270,48 @@ TEST(Optim, AParamSteppedInTurnByTwoOptimizersWithMastersIsRefusedUntilHandedBac
   // Without a master, a second optimizer steps alongside.
   ampfuse::optim::SGD plain(std::vector<at::Tensor>{shared}, ampfuse::optim::SGDOptions(1e-3).master_weights(false));
   plain.step();
+}
+
+// The kind descriptor the engine steps each optimizer by reads its hyper-parameters from the
+// options by name: each of them is a field of the optimizer's options (AdamW's decoupled weight
+// decay is the optimizer's own), and so is each state's dtype option.
+template <class Options>
+std::set<std::string> option_fields() {
+  Options o;
+  std::set<std::string> out;
+  Options::fields(o, [&](const char* key, const auto&) { out.insert(key); });
+  return out;
+}
+
+std::vector<std::vector<std::string>> kind_lists(const std::string& kind) {
+  const auto& op = c10::Dispatcher::singleton().findSchemaOrThrow("ampfuse::optimizer_kind", "");
+  torch::jit::Stack stack{c10::IValue(kind)};
+  op.callBoxed(&stack);
+  std::vector<std::vector<std::string>> out;
+  for (const auto& v : stack) {
+    std::vector<std::string> strings;
+    if (v.isList()) {
+      for (const auto& e : v.toListRef()) strings.push_back(e.isString() ? e.toStringRef() : "");
+    }
+    out.push_back(strings);
+  }
+  return out;
+}
+
+TEST(Optim, EveryOptionOfTheKindDescriptorIsAnOptionOfTheCppOptimizer) {
+  for (const auto& [kind, fields] : {std::pair{std::string("sgd"), option_fields<ampfuse::optim::SGDOptions>()},
+                                     std::pair{std::string("adam"), option_fields<ampfuse::optim::AdamWOptions>()}}) {
+    const auto lists = kind_lists(kind);
+    ASSERT_EQ(lists.size(), 10u);
+    const auto& options = lists[1];
+    ASSERT_FALSE(options.empty());
+    for (const auto& option : options) {
+      if (option.empty() || option == "decoupled_weight_decay") continue;
+      EXPECT_TRUE(fields.count(option)) << kind << ": " << option;
+    }
+    for (const auto& gate : lists[7]) EXPECT_TRUE(gate.empty() || fields.count(gate)) << kind << ": " << gate;
+    for (const auto& dtype : lists[8]) EXPECT_TRUE(fields.count(dtype)) << kind << ": " << dtype;
+  }
 }
 
 TEST(Optim, SyncMastersFromParamsAndLastStepSkipped) {
