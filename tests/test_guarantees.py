@@ -177,6 +177,76 @@ def test_compiled_steps_of_optimizers_with_other_hyper_parameters_equal_eager():
         assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
 
 
+def _mlp_training_step(fused_torch: bool):
+    """A small bf16 MLP's training step (forward, scaled backward, unscale and clip, step, update,
+    zero_grad) with ampfuse's AdamW and GradScaler, or torch's fused AdamW and GradScaler."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(torch.bfloat16)
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    if fused_torch:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    else:
+        opt = ampfuse.optim.AdamW(model.parameters(), lr=1e-3)
+        scaler = ampfuse.GradScaler("cpu", init_scale=8.0)
+
+    def step():
+        loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        if fused_torch:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            scaler.unscale_and_clip_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    return model, step
+
+
+def test_compiled_training_step_breaks_no_more_than_torchs_fused_adamw_and_equals_eager():
+    """The steady-state training step (after a first, eager one) traced by torch._dynamo: ampfuse's
+    AdamW and GradScaler give no more graphs and graph breaks than torch's fused AdamW and
+    GradScaler in the same step (the optimizer's step is traced into the graph: it has no break of
+    its own), and compiled steps equal eager steps bitwise."""
+    counts = {}
+    for fused_torch in (True, False):
+        torch._dynamo.reset()
+        _, step = _mlp_training_step(fused_torch)
+        step()
+        explained = torch._dynamo.explain(step)()
+        counts[fused_torch] = (explained.graph_count, explained.graph_break_count)
+    assert counts[False][0] <= counts[True][0] and counts[False][1] <= counts[True][1], counts
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model, step = _mlp_training_step(False)
+        fn = torch.compile(step, backend="aot_eager") if compiled else step
+        for _ in range(4):
+            fn()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_compiled_step_refuses_a_bad_group_value_before_any_group_steps():
+    """A compiled step is traced for its groups' values: a value changed to one the step op refuses
+    (here the second group's lr) is refused when the step is traced again, before any group steps."""
+    torch._dynamo.reset()
+    p, q = torch.randn(64, requires_grad=True), torch.randn(64, requires_grad=True)
+    opt = ampfuse.optim.AdamW([{"params": [p]}, {"params": [q]}], lr=0.1)
+    step = torch.compile(opt.step, backend="aot_eager")
+    for _ in range(2):
+        p.grad, q.grad = torch.randn(64), torch.randn(64)
+        step()
+    opt.param_groups[1]["lr"] = -1.0
+    before = [p.detach().clone(), q.detach().clone(), *(t.clone() for t in opt.state[p].values())]
+    with pytest.raises(Exception, match="lr must be >= 0"):
+        step()
+    after = [p.detach(), q.detach(), *opt.state[p].values()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
 # ------------------------------------------------------------------------------------------------
 # CUDA graphs: what update() does while a capture is under way
 # ------------------------------------------------------------------------------------------------

@@ -31,10 +31,11 @@ std::string shape_repr(const at::Tensor& t) {
 }
 
 bool overlaps(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0 || a.device() != b.device()) return false;
-  if (!a.has_storage() || !b.has_storage() || a.is_meta() || b.is_meta()) return false;
+  if (a.device() != b.device() || !a.has_storage() || !b.has_storage() || a.is_meta() || b.is_meta()) return false;
+  // a fake tensor (a trace, whose sizes may be symbolic) has no data: nothing to compare
   const void* sa = a.storage().data();
   if (sa == nullptr || sa != b.storage().data()) return false;
+  if (a.numel() == 0 || b.numel() == 0) return false;
   const auto [a0, a1] = span(a);
   const auto [b0, b1] = span(b);
   return a0 < b1 && b0 < a1;

@@ -542,7 +542,7 @@ class GradScaler(torch.amp.GradScaler):
             retval = optimizer.step(*args, **kwargs)
             optimizer_state["stage"] = OptState.STEPPED
             return retval
-        scale = self._get_scale_async()
+        scale = self._scale  # set by the unscale that recorded found_inf_per_device
         assert scale is not None
         found_infs = [t.to(scale.device, non_blocking=True) for t in optimizer_state["found_inf_per_device"].values()]
         found_inf = found_infs[0] if len(found_infs) == 1 else sum(found_infs)

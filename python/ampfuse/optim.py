@@ -429,8 +429,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         groups: list[int] = []
         indices: list[int] = []
         state, owner, keys = [], [], []
+        _check_groups_eagerly(self)
         for gi, group in enumerate(self.param_groups):
-            self._check_group_options(gi, group)
             for i, p in enumerate(group["params"]):
                 g = self._grad(p, grads)
                 if g is None:
@@ -603,8 +603,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 hyper[h.name] = _device_value(v, params) if h.device else bool(v) if h.type == "flag" else v
         for key, arg in zip(kind.states, kind.absmax):
             hyper[arg] = lists.get(key + "_absmax", ())
+        states = [lists.get(key, []) for key in kind.states]
         getattr(ops, kind.name + "_step_")(
-            params, grads, lists.get("masters", []), *(lists.get(key, []) for key in kind.states), lists["steps"],
+            params, grads, lists.get("masters", []), *states, lists["steps"],
             lr=s["lr"], grad_scale=s["grad_scale"], found_inf=s["found_inf"], clip_coef=s["clip_coef"],
             rounding_seed=_rounding_seed(group), **hyper,
         )
@@ -654,6 +655,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             self._check_grads_arg(grads)
         work: list[Any] = []  # (gi, group, grads, grad dtypes, ids, plan); every plan built before use
         stale = False
+        compiling = torch.compiler.is_compiling()  # a traced step: the ops check aliasing (no data_ptr)
         strided = torch.strided
         for gi, group in enumerate(self.param_groups):
             params = group["params"]
@@ -672,11 +674,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     or plan.param_dtypes != tuple(p.dtype for p in params)):
                 plan = None
                 stale = True
-            elif any(g is not None and (g.shape != p.shape or (g.data_ptr() == p.data_ptr() and p.numel() != 0))
+            elif any(g is not None and (g.shape != p.shape or (not compiling and g.data_ptr() == p.data_ptr()
+                                                                and p.numel() != 0))
                      for p, g in zip(params, grad_list)):
                 stale = True  # _validate names the gradient the kernel would refuse
             work.append((gi, group, grad_list, grad_dtypes, ids, plan))
-        compiling = torch.compiler.is_compiling()
         if stale:
             self._validate(grads)  # before anything (state creation included) is modified
             if not compiling:
@@ -688,10 +690,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
             generation = self.state.generation  # state creation is part of the plans
             for *_, plan in work:
                 plan.generation = generation
-        else:
-            for gi, group, *_ in work:
-                self._check_group_options(gi, group)
-            if not compiling and self._keeper.needs_claim():
+        elif not compiling:
+            # (a compiled step's values are the ones its graph was traced for, which the eager
+            # step checked; a changed value retraces it, and the step op refuses a bad one)
+            _check_groups_eagerly(self)
+            if self._keeper.needs_claim():
                 self._claim_masters(grads)
         if not compiling:  # a param replaced since its master was last seen restarts the master
             for *_, plan in work:
@@ -990,6 +993,14 @@ def _saved_slot(state: Mapping, name: str) -> Any:
     not find (a live remainder or block absmax, which a checkpoint holds as fp32 values)."""
     value = state.get(name)
     return None if isinstance(value, Mapping) and not value else value
+
+
+@torch._dynamo.disable
+def _check_groups_eagerly(optimizer: _FusedOptimizer) -> None:
+    """Every group's options checked (``_check_group_options``), in one call a compiled step runs
+    eagerly (one graph break, outside the step's loops)."""
+    for gi, group in enumerate(optimizer.param_groups):
+        optimizer._check_group_options(gi, group)
 
 
 @torch._dynamo.disable
