@@ -26,10 +26,11 @@ from typing import Any, cast
 import torch
 
 from ampfuse import ops
-from ampfuse.grad_scaler import GradScaler as _AmpfuseScaler, _engine_value, _fresh_optimizer_state
+from ampfuse._checks import engine_value
+from ampfuse.grad_scaler import GradScaler as _AmpfuseScaler, _fresh_optimizer_state
 from ampfuse._transfer import host_to_device
 from ampfuse.lr_scheduler import counts_taken_steps
-from ampfuse.optim import StepScaling, _FusedOptimizer, _SourcedGrads
+from ampfuse.optim import FusedOptimizer, SourcedGrads, StepScaling
 
 __all__ = ["GradAccumulator"]
 
@@ -103,12 +104,12 @@ def _refuse_raw_framework_optimizer(model: torch.nn.Module, optimizer: torch.opt
 
 def _engine_list(v: Any) -> Any:
     """A checkpoint's list of indices or flags as the engine's checks take it (a 1-d tensor: an
-    empty list has no type to pass as); anything else as _engine_value gives it."""
+    empty list has no type to pass as); anything else as engine_value gives it."""
     if isinstance(v, (list, tuple)) and all(type(x) is int for x in v):
         return torch.tensor(v, dtype=torch.long)
     if isinstance(v, (list, tuple)) and all(type(x) is bool for x in v):
         return torch.tensor(v, dtype=torch.bool)
-    return _engine_value(v)
+    return engine_value(v)
 
 
 class GradAccumulator:
@@ -173,7 +174,7 @@ class GradAccumulator:
         self.max_grad_norm = max_grad_norm
         self.norm_type = float(norm_type)
         self.lr_scheduler = lr_scheduler
-        self._fused_opt = isinstance(optimizer, _FusedOptimizer)
+        self._fused_opt = isinstance(optimizer, FusedOptimizer)
         self._our_scaler = isinstance(self.scaler, _AmpfuseScaler)
         # The fused step reads the fp32 sums when nothing else has to read .grad first.
         self._step_reads_buffers = self._fused_opt and (self.scaler is None or self._our_scaler)
@@ -448,7 +449,7 @@ class GradAccumulator:
             if planned and self._step_reads_buffers and not self._ddp and micro_batches == self.steps:
                 # The steady state: the step plan reads the sums from the window's plan (the
                 # mapping is built only if something goes the validated way).
-                self._step_grads = _SourcedGrads(self._acc_plan, self._window_grads)
+                self._step_grads = SourcedGrads(self._acc_plan, self._window_grads)
             else:
                 low = self._low
                 buffered = {id(p) for p in low}
@@ -622,15 +623,14 @@ class GradAccumulator:
                 if divisor is not None:
                     total = total / divisor.to(total.device, non_blocking=True)
             return ops.clip_coef(total, float(self.max_grad_norm))
-        native = opt._live_native(grads.source) if isinstance(grads, _SourcedGrads) else None
-        if native is not None and native.devices <= 1:
-            device = self._low[0].device
+        device = self._low[0].device if self._low else None
+        if device is not None and grads is not None:
             one = self._unit_scale.get(device)
             if one is None:
                 self._unit_scale[device] = one = torch.ones((), device=device)
             scale = one if divisor is None else divisor.to(device, non_blocking=True)
-            out = native.plan.check(scale, False, True, self.norm_type, float(self.max_grad_norm))
-            if out:
+            out = opt.scaler_check(scale, norm_type=self.norm_type, max_norm=float(self.max_grad_norm), grads=grads)
+            if out is not None and len(out) == 3:  # one device: its clip coefficient
                 return out[2]
         tensors = [g for g in (grads.get(p, p.grad) if grads is not None else p.grad for p in self._all_params()) if g is not None]
         if not tensors:
@@ -692,7 +692,7 @@ class GradAccumulator:
             if key not in state_dict:
                 raise KeyError(f"GradAccumulator state dict has no '{key}' entry.")
         micro, windows, skipped = torch.ops.ampfuse.accumulator_counters_check(
-            {k: _engine_value(state_dict[k]) for k in ("steps", "micro_step", "windows", "skipped_windows_host")
+            {k: engine_value(state_dict[k]) for k in ("steps", "micro_step", "windows", "skipped_windows_host")
              if k in state_dict},
             self.steps, "state_dict", "the state dict's {}")
         sched = state_dict.get("lr_scheduler")
@@ -709,11 +709,11 @@ class GradAccumulator:
 
             def entries(key: str) -> dict[str, Any]:
                 d = state_dict.get(key)
-                return {k: _engine_value(v) for k, v in d.items() if isinstance(k, str)} if isinstance(d, Mapping) else {}
+                return {k: engine_value(v) for k, v in d.items() if isinstance(k, str)} if isinstance(d, Mapping) else {}
 
             self._window.check_checkpoint(
                 params, _engine_list(state_dict.get("buffered")), entries("buffers"), entries("found_inf"),
-                _engine_list(state_dict.get("has_grad")), {k: _engine_value(v) for k, v in grads.items()},
+                _engine_list(state_dict.get("has_grad")), {k: engine_value(v) for k, v in grads.items()},
                 "the state dict's {} entry", True)
         if micro != 0:  # the partial sums are in the units of the loss scale they were taken under
             torch.ops.ampfuse.accumulator_sums_scale_check(

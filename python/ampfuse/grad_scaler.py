@@ -21,7 +21,8 @@ from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 
 from ampfuse import ops
 from ampfuse._transfer import capturing, host_to_device
-from ampfuse.optim import StepScaling, _check_grads_keys, _FusedOptimizer, _grads_source
+from ampfuse._checks import check_grads_keys, engine_value
+from ampfuse.optim import FusedOptimizer, StepScaling
 
 __all__ = ["GradScaler", "OverflowReport"]
 
@@ -66,7 +67,7 @@ def _clip_grad_norm_of_step(optimizer: torch.optim.Optimizer, grads: Grads | Non
     params = _all_params(optimizer)
     if grads is None:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-    _check_grads_keys(optimizer.param_groups, grads)
+    check_grads_keys(optimizer.param_groups, grads)
     held = [_GradOf(grads[p] if p in grads else p.grad) for p in params]
     return torch.nn.utils.clip_grad_norm_(cast(Any, held), max_norm, norm_type)
 
@@ -100,19 +101,6 @@ def _dense_grads_per_group_device(optimizer: torch.optim.Optimizer, allow_fp16: 
     return per_device
 
 
-def _live_native(optimizer: torch.optim.Optimizer, grads: Grads | None, allow_fp16: bool) -> Any:
-    """The native step plan of an ampfuse optimizer, when it is current and its gradients are the
-    ones this pass is for (``.grad``, or the native source of ``grads``; fp16 ones only where
-    allowed), else None: the caller then goes the general way, which also names what is wrong."""
-    source = _grads_source(grads)
-    if (grads is not None and source is None) or not isinstance(optimizer, _FusedOptimizer):
-        return None
-    native = optimizer._live_native(source)
-    if native is None or (native.fp16_grads and not allow_fp16):
-        return None
-    return native
-
-
 class OverflowReport(list):
     """A list of ``(group_index, param_index, name)`` for parameters whose gradient is non-finite."""
 
@@ -123,18 +111,8 @@ def _fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
-def _engine_value(v: Any) -> Any:
-    """``v`` as the engine's checks take it: the values a checkpoint entry can hold pass as they
-    are; anything else as its repr (refused, and named, by the check)."""
-    if v is None or isinstance(v, (bool, int, float, str, torch.Tensor)):
-        return v
-    if isinstance(v, (list, tuple)) and (all(type(x) is int for x in v) or all(type(x) is bool for x in v)):
-        return v
-    return repr(v)
-
-
 def _check_bounds(min_scale: Any, max_scale: Any) -> None:
-    torch.ops.ampfuse.scale_bounds_check(_engine_value(min_scale), _engine_value(max_scale))
+    torch.ops.ampfuse.scale_bounds_check(engine_value(min_scale), engine_value(max_scale))
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -280,8 +258,8 @@ class GradScaler(torch.amp.GradScaler):
         """The gradients the optimizer's step will read (``grads`` overrides ``.grad``), per device;
         sparse gradients as their coalesced values (torch's rule)."""
         if grads is not None:  # a key that is not a param would silently leave its .grad checked
-            _check_grads_keys(optimizer.param_groups, grads)
-        if grads is None and isinstance(optimizer, _FusedOptimizer):
+            check_grads_keys(optimizer.param_groups, grads)
+        if grads is None and isinstance(optimizer, FusedOptimizer):
             fast = _dense_grads_per_group_device(optimizer, allow_fp16)
             if fast is not None:
                 return fast
@@ -335,11 +313,10 @@ class GradScaler(torch.amp.GradScaler):
         """The scaler's own check (and unscale, when ``write``): one launch per device that takes
         ``1/scale`` itself and writes a fresh found_inf (no reciprocal, no zero-fill launches)."""
         assert self._scale is not None
-        native = _live_native(optimizer, grads, allow_fp16)
-        if native is not None:
-            out = native.plan.check(self._scale, write, False, 2.0, None)
-            if out:
-                return {f.device: f for f in out}
+        out = optimizer.scaler_check(self._scale, write=write, grads=grads, allow_fp16=allow_fp16) if isinstance(
+            optimizer, FusedOptimizer) else None
+        if out is not None:
+            return {f.device: f for f in out}
         per_device = self._grads_per_device(optimizer, allow_fp16, grads)
         per_device_scale = _Replicas(self._scale)
         found: dict[torch.device, torch.Tensor] = {}
@@ -352,7 +329,7 @@ class GradScaler(torch.amp.GradScaler):
                     ops.check_norm_(gs, f, scale=per_device_scale.get(device), norm_type=math.inf, overwrite_found_inf=True)
         return found
 
-    def _check_for_step(self, optimizer: _FusedOptimizer, grads: Grads | None) -> None:
+    def _check_for_step(self, optimizer: FusedOptimizer, grads: Grads | None) -> None:
         """The read-only check of the gradients a fused step will read (still scaled): this
         iteration's ``unscale_`` for ``optimizer``."""
         optimizer_state = self._check_unscale_stage(optimizer, "step")
@@ -415,7 +392,7 @@ class GradScaler(torch.amp.GradScaler):
                 raise ValueError(f"max_norm must be a number or a 1-element floating-point tensor, got shape {tuple(max_norm.shape)}, {max_norm.dtype}.")
         elif not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and math.isfinite(max_norm) and max_norm > 0):
             raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}.")
-        fused = isinstance(optimizer, _FusedOptimizer)
+        fused = isinstance(optimizer, FusedOptimizer)
         if grads is not None and not fused:
             raise ValueError("grads= can only be given for an ampfuse optimizer (whose step reads them).")
         # torch's clip_grad_norm_ takes a tensor max_norm too (its hint says float)
@@ -430,18 +407,17 @@ class GradScaler(torch.amp.GradScaler):
         optimizer_state = self._check_unscale_stage(optimizer, "unscale_and_clip_")
         assert self._scale is not None
         float_max = None if isinstance(max_norm, torch.Tensor) else float(max_norm)
-        native = _live_native(optimizer, grads, True) if fused else None
-        if native is not None:
-            single = native.devices <= 1
-            out = native.plan.check(self._scale, False, True, norm_type, float_max if single else None)
-            if out:
-                total_norm = out[1] if single else torch.linalg.vector_norm(
-                    torch.stack([n.to(self._scale.device) for n in out[1::3]]), norm_type)
-                optimizer_state["clip_coef"] = out[2] if single and float_max is not None else ops.clip_coef(total_norm, max_norm)
-                optimizer_state["grads_still_scaled"] = True
-                optimizer_state["found_inf_per_device"] = {f.device: f for f in out[0::3]}
-                optimizer_state["stage"] = OptState.UNSCALED
-                return total_norm
+        out = cast(FusedOptimizer, optimizer).scaler_check(
+            self._scale, norm_type=norm_type, max_norm=float_max, grads=grads) if fused else None
+        if out is not None:
+            single = len(out) == 3
+            total_norm = out[1] if single else torch.linalg.vector_norm(
+                torch.stack([n.to(self._scale.device) for n in out[1::3]]), norm_type)
+            optimizer_state["clip_coef"] = out[2] if single and float_max is not None else ops.clip_coef(total_norm, max_norm)
+            optimizer_state["grads_still_scaled"] = True
+            optimizer_state["found_inf_per_device"] = {f.device: f for f in out[0::3]}
+            optimizer_state["stage"] = OptState.UNSCALED
+            return total_norm
         per_device = self._grads_per_device(optimizer, allow_fp16=fused, grads=grads)
         if any(g.layout is not torch.strided for gs in per_device.values() for g in gs) or any(
             p.grad is not None and p.grad.is_sparse for p in _all_params(optimizer) if grads is not None and p not in grads
@@ -495,7 +471,7 @@ class GradScaler(torch.amp.GradScaler):
         Args:
             found_inf: a 1-element float32 tensor (non-zero: inf/NaN seen), or one per device.
         """
-        if not isinstance(optimizer, _FusedOptimizer):
+        if not isinstance(optimizer, FusedOptimizer):
             raise TypeError("record_inf_check() needs an ampfuse optimizer (ampfuse.optim.*), whose step reads scaled gradients.")
         flags = dict(found_inf) if isinstance(found_inf, Mapping) else {found_inf.device: found_inf}
         for device, t in flags.items():
@@ -528,7 +504,7 @@ class GradScaler(torch.amp.GradScaler):
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale_growth_tracker("step")
-        if not isinstance(optimizer, _FusedOptimizer):
+        if not isinstance(optimizer, FusedOptimizer):
             return super().step(optimizer, *args, **kwargs)
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.STEPPED:
@@ -768,7 +744,7 @@ class GradScaler(torch.amp.GradScaler):
         for key in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"):
             if state_dict and key not in state_dict:  # torch's error type for a missing entry
                 raise KeyError(f"GradScaler state dict has no '{key}' entry.")
-        entries = {k: _engine_value(v) for k, v in state_dict.items() if isinstance(k, str)}
+        entries = {k: engine_value(v) for k, v in state_dict.items() if isinstance(k, str)}
         return torch.ops.ampfuse.scaler_checkpoint_check(
             entries, self._hysteresis, self._consecutive_hysteresis, self._min_scale, self._max_scale,
             list(self._init_stats), "the state dict")

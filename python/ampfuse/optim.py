@@ -28,9 +28,10 @@ import torch.utils.weak
 from torch.optim.optimizer import ParamsT
 
 from ampfuse import ops
+from ampfuse._checks import check_grads_keys
 from ampfuse.ops import join_master, split_master
 
-__all__ = ["SGD", "Adam", "AdamW", "StepScaling", "join_master", "split_master"]
+__all__ = ["SGD", "Adam", "AdamW", "FusedOptimizer", "SourcedGrads", "StepScaling", "join_master", "split_master"]
 
 MasterWeights = Union[bool, Literal["auto", "remainder", "stochastic"]]
 _MASTER_WEIGHTS = (True, False, "auto", "remainder", "stochastic")
@@ -207,7 +208,7 @@ class _NativePlan:
 
     def __init__(self, plan, state, generation, groups, devices, fp16_grads, source=None) -> None:
         self.plan = plan
-        self.source = source  # the AccumulatePlan whose sums it reads (_SourcedGrads), or None
+        self.source = source  # the AccumulatePlan whose sums it reads (SourcedGrads), or None
         self.state = state
         self.generation = generation
         self.groups = groups  # [(params list, a copy of its entries, signature)]
@@ -218,11 +219,12 @@ class _NativePlan:
         self.hyper: list[tuple[tuple, tuple]] | None = None
 
 
-class _SourcedGrads(Mapping):
-    """``step(grads=...)``'s mapping ``{param: gradient or None}`` when the gradients are held by
-    a native ``torch.classes.ampfuse.AccumulatePlan`` (``GradAccumulator``'s fp32 sums): a step
-    plan reads them from ``source`` natively, and the mapping itself is built (by ``build``)
-    only when something goes the validated way."""
+class SourcedGrads(Mapping):
+    """A ``grads=`` mapping ``{param: gradient or None}`` whose gradients a native
+    ``torch.classes.ampfuse.AccumulatePlan`` holds (``GradAccumulator``'s fp32 sums; the
+    accumulator's hand-off to the optimizer): the step's plan (and :meth:`FusedOptimizer.scaler_check`)
+    read them from ``source`` natively, and the mapping itself is built (by ``build``) only when
+    something goes the validated way."""
 
     __slots__ = ("source", "_build", "_dict")
 
@@ -250,8 +252,8 @@ class _SourcedGrads(Mapping):
 
 
 def _grads_source(grads: Any) -> Any:
-    """The native source of ``grads`` (a :class:`_SourcedGrads`), else None."""
-    return grads.source if type(grads) is _SourcedGrads else None
+    """The native source of ``grads`` (a :class:`SourcedGrads`), else None."""
+    return grads.source if type(grads) is SourcedGrads else None
 
 
 # Values that cannot change without being replaced in the group dict (identity tells a change).
@@ -284,8 +286,12 @@ def _same_snapshots(a: list[tuple[tuple, tuple]], b: list[tuple[tuple, tuple]]) 
     )
 
 
-class _FusedOptimizer(torch.optim.Optimizer):
-    """Shared machinery: argument checks, lazy fp32 state, cached bucket plans, checkpoints."""
+class FusedOptimizer(torch.optim.Optimizer):
+    """The base of ampfuse's optimizers: torch's optimizer interface, fused steps with the
+    master, state and precision options, and the hand-off with a loss scaler. A scaler gives a
+    step its scale and found_inf (``step(scaling=StepScaling(...))``, or torch's ``grad_scale`` /
+    ``found_inf`` attributes) and may make its gradient check through :meth:`scaler_check`; it
+    reads nothing else of the optimizer."""
 
     _step_supports_amp_scaling = True
     state: _State  # torch's per-param state, with its change counter
@@ -489,13 +495,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 values[h.option] = bool(v) if h.type == "flag" else _hyper_value(v)
         return values
 
-    def _check_grads_arg(self, grads: Any) -> None:
-        """``step(grads=...)``: a mapping whose keys are this optimizer's params themselves."""
+    def check_grads(self, grads: Any) -> None:
+        """A ``grads=`` argument (of :meth:`step`, or a scaler's methods for this optimizer): None,
+        or a mapping whose keys are this optimizer's params themselves. Raises TypeError or
+        ValueError naming what is wrong."""
         if grads is None:
             return
         if not isinstance(grads, Mapping):
             raise TypeError(f"grads must be a mapping from parameters to gradients (or None), got {type(grads).__name__}.")
-        _check_grads_keys(self.param_groups, grads)
+        check_grads_keys(self.param_groups, grads)
 
     # ---- state -------------------------------------------------------------------------------
     _restart_on_create = False  # a state tensor created for a param resets its step counter
@@ -637,7 +645,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         _check_scaling(scaling)
         source = _grads_source(grads)
         if source is None:
-            self._check_grads_arg(grads)
+            self.check_grads(grads)
         if not isinstance(self.state, _State):  # replaced from outside (e.g. opt.state = ...)
             self.state = _State(self.state)
             self._plans.clear()
@@ -652,7 +660,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             # was changed; the validated way below names what is wrong, and rebuilds the plan.
             self._native = None
         if source is not None:
-            self._check_grads_arg(grads)
+            self.check_grads(grads)
         work: list[Any] = []  # (gi, group, grads, grad dtypes, ids, plan); every plan built before use
         stale = False
         compiling = torch.compiler.is_compiling()  # a traced step: the ops check aliasing (no data_ptr)
@@ -717,6 +725,39 @@ class _FusedOptimizer(torch.optim.Optimizer):
             self._native = self._build_native(source)
         return loss
 
+    def scaler_check(
+        self,
+        scale: torch.Tensor,
+        *,
+        write: bool = False,
+        norm_type: float | None = None,
+        max_norm: float | None = None,
+        grads: Mapping[torch.Tensor, torch.Tensor | None] | None = None,
+        allow_fp16: bool = True,
+    ) -> list[torch.Tensor] | None:
+        """A loss scaler's pass over the gradients the next :meth:`step` reads, made by the step's
+        plan in one native call per device: each gradient divided by ``scale`` (in place when
+        ``write``, else read only) and checked for inf/NaN, and with ``norm_type`` (2 or inf)
+        their total norm and, given ``max_norm`` and one device, the clip coefficient.
+
+        Returns per device ``[found_inf]``, or ``[found_inf, total_norm, clip_coef]`` with a norm
+        (``clip_coef`` only on one device), the tensors on that device. Returns None, having
+        done nothing, when the plan cannot make the pass: before the first step, after a change
+        the next step must validate, under ``torch.compile`` or a dispatch mode, for a ``grads``
+        mapping other than a ``GradAccumulator``'s sums, or with fp16 gradients when not
+        ``allow_fp16``. The caller then makes the same pass with the ops.
+        """
+        source = _grads_source(grads)
+        if grads is not None and source is None:
+            return None
+        native = self._live_native(source)
+        if native is None or (native.fp16_grads and not allow_fp16):
+            return None
+        with_norm = norm_type is not None
+        out = native.plan.check(scale, write, with_norm, 2.0 if norm_type is None else float(norm_type),
+                                max_norm if native.devices <= 1 else None)
+        return list(out) or None
+
     @property
     def last_step_skipped(self) -> torch.Tensor | None:
         """The ``found_inf`` flag the last :meth:`step` was given: a 1-element device tensor,
@@ -730,7 +771,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _build_native(self, source: Any = None) -> _NativePlan | None:
         """The native plan of the current Python plans (all valid: a step just ran through them),
-        reading the gradients ``source`` holds from it (see :class:`_SourcedGrads`)."""
+        reading the gradients ``source`` holds from it (see :class:`SourcedGrads`)."""
         if not self._native_kind or torch._C._len_torch_dispatch_stack():
             return None
         python_key = torch._C.DispatchKey.Python
@@ -996,7 +1037,7 @@ def _saved_slot(state: Mapping, name: str) -> Any:
 
 
 @torch._dynamo.disable
-def _check_groups_eagerly(optimizer: _FusedOptimizer) -> None:
+def _check_groups_eagerly(optimizer: FusedOptimizer) -> None:
     """Every group's options checked (``_check_group_options``), in one call a compiled step runs
     eagerly (one graph break, outside the step's loops)."""
     for gi, group in enumerate(optimizer.param_groups):
@@ -1061,22 +1102,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else t
 
 
-def _check_grads_keys(param_groups: list[dict[str, Any]], grads: Mapping) -> None:
-    """Every key of ``grads`` must be one of the optimizer's params (the tensor itself: a tensor
-    key is found by identity, so ``p.detach()`` or a copy would silently be ignored)."""
-    if not grads:
-        return
-    ids = {id(p) for g in param_groups for p in g["params"]}
-    for key in grads:
-        if id(key) not in ids:
-            what = (f"a tensor of shape {tuple(key.shape)} and dtype {key.dtype}" if isinstance(key, torch.Tensor)
-                    else f"{type(key).__name__} {key!r}")
-            raise ValueError(
-                f"grads has a key that is not a parameter of this optimizer ({what}); its keys must be the "
-                "parameters themselves (not p.detach(), p.data or a copy)."
-            )
-
-
 def _check_scaling(scaling: Any) -> StepScaling:
     """``step(scaling=...)``: each field None or a 1-element tensor, checked before anything changes."""
     if not isinstance(scaling, StepScaling):
@@ -1117,7 +1142,7 @@ def _float_hyper(name: str, value: Any) -> float:
     return value
 
 
-class SGD(_FusedOptimizer):
+class SGD(FusedOptimizer):
     """Fused SGD with optional fp32 master weights (``torch.optim.SGD`` semantics).
 
     Args:
@@ -1203,7 +1228,7 @@ class SGD(_FusedOptimizer):
         return sd
 
 
-class Adam(_FusedOptimizer):
+class Adam(FusedOptimizer):
     """Fused Adam with optional fp32 master weights (``torch.optim.Adam`` semantics).
 
     Args:
