@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 import torch
@@ -156,3 +157,17 @@ def simulate_capture(on: bool) -> bool:
     kernels zero themselves; metadata tables not uploaded, only found if already resident), so
     that the emulated suite runs those paths. Returns the previous setting."""
     return bool(_native().ampfuse_simulate_capture(1 if on else 0))
+
+
+_dtensor_ready = False
+
+
+def dtensor_support() -> None:
+    """Registers the DTensor handlers (ampfuse.distributed) once torch.distributed.tensor is in
+    use: called before the ops (and the engine calls) that DTensors may reach."""
+    global _dtensor_ready
+    if not _dtensor_ready and "torch.distributed.tensor" in sys.modules:
+        from ampfuse import distributed
+
+        distributed.install()
+        _dtensor_ready = True

@@ -27,7 +27,8 @@ import torch
 
 from ampfuse import ops
 from ampfuse._checks import engine_value
-from ampfuse.grad_scaler import GradScaler as _AmpfuseScaler, _fresh_optimizer_state
+from ampfuse._library import dtensor_support
+from ampfuse.grad_scaler import GradScaler as _AmpfuseScaler, ScalerHandOff
 from ampfuse._transfer import host_to_device
 from ampfuse.lr_scheduler import counts_taken_steps
 from ampfuse.optim import FusedOptimizer, SourcedGrads, StepScaling
@@ -359,7 +360,7 @@ class GradAccumulator:
         validated way: anything it was not built for sends the pass that way again)."""
         if self._check_plan() and self._window.collect_planned():
             return
-        ops._dtensor_support()  # the validated pass reaches the ops with DTensors under FSDP2
+        dtensor_support()  # the validated pass reaches the ops with DTensors under FSDP2
         had = self._window.has_plan()
         allow = not (os.environ.get("AMPFUSE_STEP_PLAN", "1") == "0" or torch.compiler.is_compiling()
                      or torch._C._len_torch_dispatch_stack())
@@ -470,7 +471,7 @@ class GradAccumulator:
             self.last_window_skipped = self._step()
         except BaseException:
             if self.scaler is not None:  # a failed step must not leave this iteration half-recorded
-                self.scaler._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+                ScalerHandOff(self.scaler).forget_iteration()
             raise
         finally:
             # zero sums and flags, no .grad anywhere
@@ -514,21 +515,6 @@ class GradAccumulator:
         empty = (total == 0).to(torch.float32)
         return torch.where(total > 0, total, torch.ones_like(total)), empty
 
-    @contextlib.contextmanager
-    def _scale_times(self, divisor: torch.Tensor | None) -> Iterator[None]:
-        """Within: the scaler's scale is ``scale * divisor`` (the factor its check and the step
-        divide the gradients by), restored before its update."""
-        scaler: Any = self.scaler
-        if divisor is None or scaler is None:
-            yield
-            return
-        scale = scaler._scale
-        scaler._scale = scale * divisor.to(scale.device, non_blocking=True)
-        try:
-            yield
-        finally:
-            scaler._scale = scale
-
     def _step(self) -> torch.Tensor | None:
         """unscale (+ clip), step, update; returns the device skip flag (None without a scaler)."""
         # torch's or ampfuse's: the calls only ampfuse's objects take are behind _fused_opt / _our_scaler
@@ -561,11 +547,10 @@ class GradAccumulator:
                 torch.nn.utils.clip_grad_norm_(self._params_with_grad(), self.max_grad_norm, self.norm_type)
                 opt.step()
         else:
-            with self._scale_times(divisor):
+            hand_off = ScalerHandOff(scaler)
+            with hand_off.scale_multiplied(divisor):  # the scale the check and the step divide by
                 self._unscale_and_step(opt, scaler, grads, empty)
-            found = list(scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values())
-            device = scaler._scale.device if scaler._scale is not None else None
-            flag = sum(f.to(device, non_blocking=True) for f in found).clone() if found else None
+            flag = hand_off.found_inf(opt)
             scaler.update()
         if self.lr_scheduler is not None:
             if counts_taken_steps(self.lr_scheduler):
@@ -593,13 +578,11 @@ class GradAccumulator:
         elif empty is not None:
             # The check now (the one the step would run), so that the empty flag joins its result.
             if self._our_scaler and self._fused_opt:
-                scaler._check_for_step(opt, grads)
+                scaler.check_for_step(opt, grads=grads)
             else:
                 scaler.unscale_(opt)
         if empty is not None:
-            state = scaler._per_optimizer_states[id(opt)]
-            state["found_inf_per_device"] = {d: f + empty.to(d, non_blocking=True)
-                                             for d, f in state["found_inf_per_device"].items()}
+            ScalerHandOff(scaler).add_found_inf(opt, empty)
         if grads is not None:
             scaler.step(opt, grads=grads)
         else:

@@ -10,10 +10,11 @@ has no host sync. The whole contract: the manual's GradScaler page (``docs/grad_
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal, cast
 
 import torch
@@ -24,7 +25,7 @@ from ampfuse._transfer import capturing, host_to_device
 from ampfuse._checks import check_grads_keys, engine_value
 from ampfuse.optim import FusedOptimizer, StepScaling
 
-__all__ = ["GradScaler", "OverflowReport"]
+__all__ = ["GradScaler", "OverflowReport", "ScalerHandOff"]
 
 OnMinScale = Literal["warn", "raise", "ignore"]
 _FLT_MIN = float(torch.finfo(torch.float32).tiny)
@@ -113,6 +114,68 @@ def _fresh_optimizer_state() -> dict[str, Any]:
 
 def _check_bounds(min_scale: Any, max_scale: Any) -> None:
     torch.ops.ampfuse.scale_bounds_check(engine_value(min_scale), engine_value(max_scale))
+
+
+class ScalerHandOff:
+    """What a gradient accumulator or a training framework's integration reads and changes of a
+    loss scaler's iteration, for ``torch.amp.GradScaler`` and ``ampfuse.GradScaler`` alike (both
+    keep torch's per-optimizer record of an iteration): the one place that knows that record.
+
+    Args:
+        scaler: the scaler (``torch.amp.GradScaler`` or a subclass).
+    """
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+
+    def _record(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return cast(Any, self.scaler)._per_optimizer_states[id(optimizer)]
+
+    def unscale_open(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether this iteration has not yet unscaled (or checked) ``optimizer``'s gradients."""
+        return self._record(optimizer)["stage"] is OptState.READY
+
+    def grads_still_scaled(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether this iteration checked ``optimizer``'s gradients without dividing them (the
+        fused step divides them, as after ``unscale_and_clip_``)."""
+        return bool(self._record(optimizer).get("grads_still_scaled", False))
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """This iteration's inf/NaN flag of ``optimizer``'s gradients, summed over its devices on
+        the scale's device (a new tensor; non-zero: the step is skipped), or None before a check."""
+        found = list(self._record(optimizer)["found_inf_per_device"].values())
+        if not found:
+            return None
+        scale = cast(Any, self.scaler)._scale
+        device = scale.device if scale is not None else found[0].device
+        return sum(f.to(device, non_blocking=True) for f in found).clone()
+
+    def add_found_inf(self, optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> None:
+        """Add ``flag`` (a 1-element tensor, non-zero to skip) to this iteration's check of
+        ``optimizer`` on each of its devices: the step (and the scale's update) count it."""
+        record = self._record(optimizer)
+        record["found_inf_per_device"] = {d: f + flag.to(d, non_blocking=True)
+                                          for d, f in record["found_inf_per_device"].items()}
+
+    def forget_iteration(self) -> None:
+        """Drop this iteration's records of every optimizer (after a step that failed), as the
+        scale's update does."""
+        cast(Any, self.scaler)._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+
+    @contextlib.contextmanager
+    def scale_multiplied(self, factor: torch.Tensor | None) -> Iterator[None]:
+        """Within: the scale the scaler's check and the step divide gradients by is ``scale *
+        factor`` (a 1-element tensor; None: unchanged); restored on leaving."""
+        scaler: Any = self.scaler
+        if factor is None:
+            yield
+            return
+        scale = scaler._scale
+        scaler._scale = scale * factor.to(scale.device, non_blocking=True)
+        try:
+            yield
+        finally:
+            scaler._scale = scale
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -329,9 +392,10 @@ class GradScaler(torch.amp.GradScaler):
                     ops.check_norm_(gs, f, scale=per_device_scale.get(device), norm_type=math.inf, overwrite_found_inf=True)
         return found
 
-    def _check_for_step(self, optimizer: FusedOptimizer, grads: Grads | None) -> None:
-        """The read-only check of the gradients a fused step will read (still scaled): this
-        iteration's ``unscale_`` for ``optimizer``."""
+    def check_for_step(self, optimizer: FusedOptimizer, *, grads: Grads | None = None) -> None:
+        """This iteration's ``unscale_`` for an ampfuse optimizer without writing: the gradients
+        its next step reads (``grads`` as for :meth:`unscale_`) are checked for inf/NaN and stay
+        scaled (the fused step divides them)."""
         optimizer_state = self._check_unscale_stage(optimizer, "step")
         optimizer_state["found_inf_per_device"] = self._unscale_from_scale_(optimizer, True, False, grads)
         optimizer_state["grads_still_scaled"] = True
@@ -510,7 +574,7 @@ class GradScaler(torch.amp.GradScaler):
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         if optimizer_state["stage"] is OptState.READY:
-            self._check_for_step(optimizer, kwargs.get("grads"))
+            self.check_for_step(optimizer, grads=kwargs.get("grads"))
         if len(optimizer_state["found_inf_per_device"]) == 0:
             # No gradient to step (as torch's scaler does for an optimizer with
             # _step_supports_amp_scaling): the step changes nothing, and update() raises
@@ -786,7 +850,7 @@ class GradScaler(torch.amp.GradScaler):
         return state
 
 
-def _init_scale_first(device: str, torch_class: type, module: str) -> type:
+def init_scale_first(device: str, torch_class: type, module: str) -> type:
     """The drop-in for a deprecated ``torch.<device>.amp.GradScaler``, whose first positional
     argument is ``init_scale``: ``ampfuse.GradScaler(device, ...)`` with that signature (and
     ``isinstance`` of the torch class)."""

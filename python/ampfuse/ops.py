@@ -8,28 +8,15 @@ their Meta kernels, registered in C++ with the very checks (and messages) of the
 from __future__ import annotations
 
 import enum
-import sys
 
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ampfuse._library import load_library
+from ampfuse._library import dtensor_support as _dtensor_support, load_library
 
 load_library()
-
-_dtensor_ready = False
-
-
-def _dtensor_support() -> None:
-    """Registers the DTensor handlers (ampfuse.distributed) once torch.distributed.tensor is in use."""
-    global _dtensor_ready
-    if not _dtensor_ready and "torch.distributed.tensor" in sys.modules:
-        from ampfuse import distributed
-
-        distributed.install()
-        _dtensor_ready = True
 
 
 __all__ = [

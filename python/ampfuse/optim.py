@@ -29,6 +29,7 @@ from torch.optim.optimizer import ParamsT
 
 from ampfuse import ops
 from ampfuse._checks import check_grads_keys
+from ampfuse._library import dtensor_support
 from ampfuse.ops import join_master, split_master
 
 __all__ = ["SGD", "Adam", "AdamW", "FusedOptimizer", "SourcedGrads", "StepScaling", "join_master", "split_master"]
@@ -528,7 +529,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         reconcile = [id(p) in self._reconcile for p, _ in todo]
         self._reconcile.difference_update(id(p) for p, _ in todo)
         mw = group["master_weights"]
-        ops._dtensor_support()
+        dtensor_support()
         out = torch.ops.ampfuse.optimizer_state_(
             [p.detach() for p, _ in todo], slots, list(keys), list(self._state_dtypes_for(group, keys)),
             "true" if mw is True else "false" if mw is False else mw, [c for _, c in todo], reconcile,
@@ -886,7 +887,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in sd["state"].items()}
         if keys:
             slots = [v if isinstance(v := out[k].get(name), torch.Tensor) else None for k in keys for name in names]
-            ops._dtensor_support()
+            dtensor_support()
             saved = torch.ops.ampfuse.optimizer_state_saved([params[k].detach() for k in keys], slots,
                                                             list(self._kind.states))
             for j, k in enumerate(keys):
@@ -946,7 +947,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"state '{name}' of param_groups[{gi}]['params'][{i}] must be a tensor, "
                                      f"got {type(st[name]).__name__}.")
             slots += [step, *(_saved_slot(st, name) for name in names[1:])]
-        ops._dtensor_support()
+        dtensor_support()
         out = torch.ops.ampfuse.optimizer_state_loaded(
             [p.detach() for *_, p in loaded], slots, list(self._kind.states), [gi for _, gi, _, _ in loaded],
             [i for *_, i, _ in loaded], "param_groups[{g}]['params'][{i}]", self._restart_on_create) if loaded else []

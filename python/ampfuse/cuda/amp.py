@@ -4,8 +4,8 @@ the device)."""
 
 import torch
 
-from ampfuse.grad_scaler import _init_scale_first
+from ampfuse.grad_scaler import init_scale_first
 
 __all__ = ["GradScaler"]
 
-GradScaler = _init_scale_first("cuda", torch.cuda.amp.GradScaler, __name__)
+GradScaler = init_scale_first("cuda", torch.cuda.amp.GradScaler, __name__)

@@ -13,6 +13,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 import ampfuse
+from ampfuse.grad_scaler import ScalerHandOff
 
 
 def require(module: str, pip_name: str, extra: str, integration: str) -> ModuleType:
@@ -59,9 +60,7 @@ def scaler_enabled(scaler: Any) -> bool:
 def unscale_stage_open(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``scaler`` has not yet unscaled (or checked) ``optimizer``'s gradients in this
     iteration, i.e. whether they are still multiplied by the scale."""
-    from torch.amp.grad_scaler import OptState
-
-    return scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY
+    return ScalerHandOff(scaler).unscale_open(optimizer)
 
 
 def norm_and_coef(optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:

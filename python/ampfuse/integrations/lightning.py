@@ -29,6 +29,7 @@ from ampfuse.integrations._common import (
     unscale_into_fp32_copies_,
     unscale_stage_open,
 )
+from ampfuse.grad_scaler import ScalerHandOff
 from ampfuse.optim import StepScaling
 
 require("lightning.pytorch", "lightning", "lightning", "lightning")
@@ -106,7 +107,7 @@ class MixedPrecision(_LightningMixedPrecision):
         if scaler is not None and not skip and _hook_overridden(model.trainer, model):
             if unscale_stage_open(scaler, optimizer):
                 self._unscale_for_hook(scaler, optimizer)
-            elif scaler._per_optimizer_states[id(optimizer)].get("grads_still_scaled"):
+            elif ScalerHandOff(scaler).grads_still_scaled(optimizer):
                 raise RuntimeError(
                     "ampfuse.integrations.lightning: clip_gradients() was called before optimizer.step() and "
                     "on_before_optimizer_step is overridden, but the fused clip keeps the gradients scaled, so the "
