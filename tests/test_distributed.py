@@ -391,6 +391,39 @@ def test_ddp_accumulator_ranks_agree_with_a_rank_only_branch_and_fp32_params():
         assert [c.split(":")[0] for c in window] == ["MAX", "SUM", "SUM"], window
 
 
+def _ddp_unfreeze_worker(rank: int, world: int):
+    import ampfuse
+
+    model = _Branchy(use_branch=rank == 0)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    for p in model.branch.parameters():
+        p.requires_grad_(False)  # frozen for the first windows
+    opt = ampfuse.optim.AdamW(ddp.parameters(), lr=1e-2)
+    acc = ampfuse.GradAccumulator(ddp, opt, ampfuse.GradScaler("cpu", init_scale=2.0**10), steps=2)
+    init_branch = model.branch.weight.detach().clone()
+    for w in range(4):
+        for k in range(2):
+            if (w, k) == (1, 1):  # unfrozen on every rank in the middle of a window
+                for p in model.branch.parameters():
+                    p.requires_grad_(True)
+            x, y = _batches(10 * w + k)
+            with acc.accumulate():
+                acc.backward(torch.nn.functional.mse_loss(ddp(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]))
+    return {"params": [p.detach().float().clone() for p in model.parameters()],
+            "branch_moved": not torch.equal(model.branch.weight.detach(), init_branch)}
+
+
+def test_ddp_accumulator_layer_unfrozen_mid_window_keeps_the_ranks_collectives_equal():
+    """A bf16 layer that only rank 0's micro-batches use, unfrozen on every rank in the middle of a
+    window: every rank sums it in fp32 from that micro-batch on (it requires a gradient, whether or
+    not its micro-batch gave one), so the window-end collectives have the same size on every rank
+    and the ranks stay equal."""
+    res = run_ranks(_ddp_unfreeze_worker, 2, timeout=120.0)
+    for x, y in zip(res[0]["params"], res[1]["params"]):
+        assert torch.equal(x, y)
+    assert res[0]["branch_moved"] and res[1]["branch_moved"]
+
+
 def _fsdp_acc_worker(rank: int, world: int, sync: str, flush: bool):
     import torch.distributed as dist
 

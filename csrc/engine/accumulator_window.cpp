@@ -170,11 +170,14 @@ void AccumulatorWindow::collect(const std::vector<at::Tensor>& params, bool allo
 
 void AccumulatorWindow::collect_validated(const std::vector<at::Tensor>& params) {
   if (fp32_accumulation_) {
-    // A param without a buffer that got a gradient (unfrozen inside the window): summed in fp32
-    // from this micro-batch on.
+    // A param without a buffer that requires a gradient now (unfrozen inside the window) or got
+    // one: summed in fp32 from this micro-batch on. Whether it requires one, not whether this
+    // rank's micro-batch gave one, decides: every rank widens its buffers at the same micro-batch,
+    // and the window-end collectives keep one size on every rank.
     std::vector<at::Tensor> low = low_;
     for (const auto& p : params) {
-      if (is_low(p.scalar_type()) && p.grad().defined() && index_.count(p.unsafeGetTensorImpl()) == 0) {
+      if (is_low(p.scalar_type()) && (p.requires_grad() || p.grad().defined()) &&
+          index_.count(p.unsafeGetTensorImpl()) == 0) {
         low.push_back(p);
       }
     }

@@ -24,6 +24,9 @@ namespace core = ops::core;
 
 namespace {
 
+// The dtypes the accumulator sums in fp32 buffers.
+bool low_precision(c10::ScalarType t) { return t == c10::kHalf || t == c10::kBFloat16; }
+
 // A 1-element scaling tensor as the kernels read it: fp32 on `device` (copied without a sync
 // when it is elsewhere, as the Python optimizers do).
 at::Tensor scalar_on(const at::Tensor& t, const c10::Device& device) {
@@ -755,8 +758,10 @@ bool AccumulatePlan::check(const Entry& e, const at::Tensor& g, size_t i, const 
 
 bool AccumulatePlan::collect() {
   TORCH_CHECK(finalized_, "AccumulatePlan.collect: the plan is not finalized.");
+  // A watched fp16/bf16 param that got a gradient or now requires one (unfrozen): the validated
+  // collect buffers it.
   for (const auto& p : watched_) {
-    if (p.grad().defined()) return false;
+    if (p.grad().defined() || (p.requires_grad() && low_precision(p.scalar_type()))) return false;
   }
   taken_.clear();
   size_t k = 0;
@@ -831,13 +836,12 @@ bool AccumulatePlan::no_grads() const {
 }
 
 bool AccumulatePlan::same_layout() const {
-  auto low = [](c10::ScalarType t) { return t == c10::kHalf || t == c10::kBFloat16; };
   for (const auto& p : params_) {
-    if (!p.requires_grad() || !low(p.scalar_type())) return false;
+    if (!p.requires_grad() || !low_precision(p.scalar_type())) return false;
   }
   for (size_t i = 0; i < watched_.size(); ++i) {
     const at::Tensor& p = watched_[i];
-    if (p.requires_grad() && low(p.scalar_type())) return false;
+    if (p.requires_grad() && low_precision(p.scalar_type())) return false;
     if (p.scalar_type() != watched_dtypes_[i]) return false;
   }
   for (size_t i = 0; i < free_.size(); ++i) {
