@@ -3,6 +3,8 @@
 #include "ampfuse/grad_scaler.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/optimizer.h>
@@ -17,11 +19,30 @@
 #include "api/internals.h"
 #include "engine/scaler_rules.h"
 
+#ifdef AMPFUSE_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#endif
+
 namespace ampfuse {
 namespace {
 
 using torch::serialize::InputArchive;
 using torch::serialize::OutputArchive;
+
+// Whether work queued now on `device` is being captured into a CUDA graph (then nothing may wait
+// for or read back the device).
+bool capturing(const c10::Device& device) {
+#ifdef AMPFUSE_WITH_CUDA
+  if (device.is_cuda()) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device.index()).stream(), &status));
+    return status != cudaStreamCaptureStatusNone;
+  }
+#endif
+  (void)device;
+  return false;
+}
 
 optim::FusedOptimizer* as_fused(torch::optim::Optimizer& optimizer) {
   return dynamic_cast<optim::FusedOptimizer*>(&optimizer);
@@ -144,6 +165,7 @@ GradScaler::GradScaler(GradScalerOptions options)
   TORCH_CHECK(options_.hysteresis() >= 1, "hysteresis must be an integer >= 1, got ",
               options_.hysteresis(), ".");
   check_bounds(options_.min_scale(), options_.max_scale());
+  engine::check_on_min_scale(c10::IValue(options_.on_min_scale()));
   if (options_.enabled()) {
     TORCH_CHECK(options_.growth_factor() > 1.0, "The growth factor must be > 1.0.");
     TORCH_CHECK(options_.backoff_factor() < 1.0, "The backoff factor must be < 1.0.");
@@ -431,6 +453,51 @@ void GradScaler::update() {
                 options_.backoff_factor(), options_.growth_interval(), o);
   last_found_inf_ = combined;
   per_optimizer_states_.clear();
+  if (options_.on_min_scale() != "ignore" && may_poll()) {
+    poll_min_scale(/*blocking=*/false);
+    if (pending_stats_.empty()) post_stats_copy();  // at most one copy in flight
+  }
+}
+
+// ---- floor detection --------------------------------------------------------------------------
+bool GradScaler::may_poll() const { return stats_.defined() && !capturing(stats_.device()); }
+
+void GradScaler::post_stats_copy() {
+  if (stats_.device().is_cpu()) {  // nothing to copy or wait for: read the counters
+    pending_stats_.push_back({stats_, nullptr});
+    poll_min_scale(/*blocking=*/false);
+    return;
+  }
+  const c10::Device device = stats_.device();
+  at::Tensor host = at::empty({kNumScaleStats}, at::TensorOptions().dtype(at::kLong).pinned_memory(device.is_cuda()));
+  host.copy_(stats_, /*non_blocking=*/device.is_cuda());
+  auto copied = std::make_shared<c10::Event>(device.type());
+  copied->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  pending_stats_.push_back({std::move(host), std::move(copied)});
+}
+
+void GradScaler::poll_min_scale(bool blocking) {
+  while (!pending_stats_.empty()) {
+    PendingStats& next = pending_stats_.front();
+    if (next.copied && !blocking && !next.copied->query()) break;
+    if (next.copied && blocking) next.copied->synchronize();
+    const int64_t hits = next.host[static_cast<int64_t>(ScaleStat::kFloorHits)].item<int64_t>();
+    pending_stats_.erase(pending_stats_.begin());
+    if (hits <= floor_hits_seen_) continue;
+    const int64_t fresh = hits - floor_hits_seen_;
+    floor_hits_seen_ = hits;
+    const double floor = options_.min_scale().value_or(0.0) > 0.0 ? *options_.min_scale()
+                                                                   : std::numeric_limits<float>::min();
+    const std::string message = engine::floor_hit_message(fresh, floor);
+    TORCH_CHECK(options_.on_min_scale() != "raise", message);
+    TORCH_WARN(message);
+  }
+}
+
+void GradScaler::check_min_scale() {
+  if (!options_.enabled() || !stats_.defined() || options_.on_min_scale() == "ignore") return;
+  if (pending_stats_.empty()) post_stats_copy();
+  poll_min_scale(/*blocking=*/true);
 }
 
 void GradScaler::update(double new_scale) {
@@ -543,6 +610,8 @@ void GradScaler::apply_checkpoint(const engine::ScalerCheckpoint& c) {
   init_growth_tracker_ = c.growth_tracker;
   init_hysteresis_tracker_ = c.hysteresis_tracker;
   init_stats_ = c.stats;
+  floor_hits_seen_ = c.stats[static_cast<size_t>(ScaleStat::kFloorHits)];  // reported before the save
+  pending_stats_.clear();
   if (scale_.defined()) scale_.fill_(init_scale_);
   if (growth_tracker_.defined()) growth_tracker_.fill_(c.growth_tracker);
   if (hysteresis_tracker_.defined()) hysteresis_tracker_.fill_(c.hysteresis_tracker);

@@ -5,6 +5,7 @@
 #include <c10/util/StringUtil.h>
 
 #include <charconv>
+#include <cstdio>
 #include <cmath>
 #include <limits>
 
@@ -240,6 +241,21 @@ void scaler_options_op(double init_scale, double growth_factor, double backoff_f
                        int64_t hysteresis) {
   check_init_scale(init_scale);
   check_update_options(growth_factor, backoff_factor, growth_interval, hysteresis);
+}
+
+void check_on_min_scale(const c10::IValue& on_min_scale) {
+  const bool ok = on_min_scale.isString() &&
+                  (on_min_scale.toStringRef() == "warn" || on_min_scale.toStringRef() == "raise" ||
+                   on_min_scale.toStringRef() == "ignore");
+  TORCH_CHECK_VALUE(ok, "on_min_scale must be 'warn', 'raise' or 'ignore', got ", repr(on_min_scale), ".");
+}
+
+std::string floor_hit_message(int64_t new_hits, double floor) {
+  char value[32];
+  std::snprintf(value, sizeof(value), "%g", floor);  // Python's format(floor, "g")
+  return c10::str("GradScaler: the loss scale hit its floor (", value, ") ", new_hits,
+                  " time(s): gradients keep overflowing even at the smallest scale. Training has probably diverged "
+                  "(check the learning rate, the data, and whether the model was pretrained in bf16).");
 }
 
 }  // namespace ampfuse::engine

@@ -63,6 +63,12 @@ struct ScalerCheckpoint {
 ScalerCheckpoint check_scaler_checkpoint(const c10::Dict<std::string, c10::IValue>& entries,
                                          const ScalerCheckpoint& current, const std::string& source);
 
+// What a scaler does when its scale hits its floor: "warn", "raise" or "ignore" (ValueError naming
+// the option otherwise), and the report of `new_hits` hits at `floor` (min_scale, or the smallest
+// normal float32) both surfaces warn or raise with.
+void check_on_min_scale(const c10::IValue& on_min_scale);
+std::string floor_hit_message(int64_t new_hits, double floor);
+
 // The two as ops (registration.cpp), for Python: the checked values by name.
 c10::Dict<std::string, c10::IValue> scaler_checkpoint_op(const c10::Dict<std::string, c10::IValue>& entries,
                                                           int64_t hysteresis, bool consecutive_hysteresis,

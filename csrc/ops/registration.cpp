@@ -147,6 +147,9 @@ TORCH_LIBRARY(ampfuse, m) {
   // The scale bounds' rules (None, or numbers: min_scale finite in [0, FLT_MAX], max_scale > 0 and
   // not below FLT_MIN, min <= max). Raises ValueError.
   m.def("scale_bounds_check(Any min_scale, Any max_scale) -> ()");
+  // What a scaler does at its floor ("warn", "raise", "ignore"), and its report of floor hits.
+  m.def("on_min_scale_check(Any on_min_scale) -> ()");
+  m.def("floor_hit_message(int new_hits, float floor) -> str");
   m.def("scaler_options_check(float init_scale, float growth_factor, float backoff_factor, int growth_interval, "
         "int hysteresis) -> ()");
   // The names of update_scale_'s counters in the order of the stats tensor (ampfuse/scale_stat.h):

@@ -235,8 +235,7 @@ class GradScaler(torch.amp.GradScaler):
         if not isinstance(hysteresis, int) or isinstance(hysteresis, bool) or hysteresis < 1:
             raise ValueError(f"hysteresis must be an integer >= 1, got {hysteresis!r}.")
         _check_bounds(min_scale, max_scale)
-        if on_min_scale not in ("warn", "raise", "ignore"):
-            raise ValueError(f"on_min_scale must be 'warn', 'raise' or 'ignore', got {on_min_scale!r}.")
+        torch.ops.ampfuse.on_min_scale_check(engine_value(on_min_scale))
 
         # torch's constructor, reproduced so that its warning points at the caller's line.
         self._device = device
@@ -679,12 +678,7 @@ class GradScaler(torch.amp.GradScaler):
             if hits > self._floor_hits_seen:
                 new = hits - self._floor_hits_seen
                 self._floor_hits_seen = hits
-                floor = self._min_scale if self._min_scale else _FLT_MIN
-                msg = (
-                    f"GradScaler: the loss scale hit its floor ({floor:g}) {new} time(s): gradients keep "
-                    "overflowing even at the smallest scale. Training has probably diverged (check the "
-                    "learning rate, the data, and whether the model was pretrained in bf16)."
-                )
+                msg = torch.ops.ampfuse.floor_hit_message(new, self._min_scale if self._min_scale else _FLT_MIN)
                 if self._on_min_scale == "raise":
                     raise RuntimeError(msg)
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)

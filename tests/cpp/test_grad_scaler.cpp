@@ -377,6 +377,55 @@ TEST(GradScaler, Bounds) {
   run_sequence(ampfuse::GradScalerOptions().init_scale(FLT_MIN * 8), decay);
 }
 
+// The warnings raised while it is alive, kept.
+struct KeptWarnings : c10::WarningHandler {
+  std::vector<std::string> messages;
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+};
+
+void overflow_loop(ampfuse::GradScaler& scaler, int steps) {
+  auto params = make_params(at::kFloat);
+  ampfuse::optim::SGD opt(params, ampfuse::optim::SGDOptions(0.1));
+  for (int k = 0; k < steps; ++k) {
+    zero_grad(params);
+    backward(scaler, params, k, /*overflow=*/true);
+    scaler.step(opt);
+    scaler.update();
+  }
+}
+
+TEST(GradScaler, OnMinScaleWarnsRaisesOrIgnoresFloorHits) {
+  const std::string report =
+      "GradScaler: the loss scale hit its floor (4) 1 time(s): gradients keep overflowing even at the smallest "
+      "scale. Training has probably diverged (check the learning rate, the data, and whether the model was "
+      "pretrained in bf16).";
+  {  // 16 -> 8 -> 4, then two backoffs clamped at the floor: each reported once, by the update after it
+    KeptWarnings kept;
+    c10::WarningUtils::WarningHandlerGuard guard(&kept);
+    ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(16.0).min_scale(4.0));
+    overflow_loop(scaler, 4);
+    EXPECT_EQ(kept.messages, (std::vector<std::string>{report, report}));
+    scaler.check_min_scale();  // nothing new
+    EXPECT_EQ(kept.messages.size(), 2u);
+    EXPECT_EQ(scaler.stats()[static_cast<int64_t>(ampfuse::ScaleStat::kFloorHits)].item<int64_t>(), 2);
+  }
+  {
+    ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(16.0).min_scale(4.0).on_min_scale("raise"));
+    EXPECT_TRUE(throws_with([&] { overflow_loop(scaler, 4); }, "hit its floor (4) 1 time(s)"));
+  }
+  {
+    KeptWarnings kept;
+    c10::WarningUtils::WarningHandlerGuard guard(&kept);
+    ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(16.0).min_scale(4.0).on_min_scale("ignore"));
+    overflow_loop(scaler, 4);
+    scaler.check_min_scale();
+    EXPECT_TRUE(kept.messages.empty());
+    EXPECT_EQ(scaler.get_scale(), 4.0);
+  }
+  EXPECT_TRUE(throws_with([] { ampfuse::GradScaler(ampfuse::GradScalerOptions().on_min_scale("loud")); },
+                          "on_min_scale must be 'warn', 'raise' or 'ignore', got 'loud'."));
+}
+
 TEST(GradScaler, UpdateWithANewScale) {
   auto params = make_params(at::kFloat);
   torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1));

@@ -21,7 +21,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -36,6 +38,10 @@ namespace torch::serialize {
 class OutputArchive;
 class InputArchive;
 }  // namespace torch::serialize
+
+namespace c10 {
+struct Event;
+}
 
 namespace ampfuse {
 
@@ -65,6 +71,11 @@ struct GradScalerOptions {
   // It never falls below the smallest normal float32 in any case.
   TORCH_ARG(std::optional<double>, min_scale) = std::nullopt;
   TORCH_ARG(std::optional<double>, max_scale) = std::nullopt;
+  // When an overflow takes the scale to its floor: "warn" (a warning naming the number of hits),
+  // "raise" (a c10::Error) or "ignore". update() looks at the device counters without waiting
+  // (a copy to the host that a later update() reads once it has arrived; not during CUDA-graph
+  // capture); check_min_scale() waits for them.
+  TORCH_ARG(std::string, on_min_scale) = "warn";
 };
 
 // Dynamic loss scaling. Not copyable (it tracks optimizers by address); movable.
@@ -123,6 +134,9 @@ class GradScaler {
   bool is_enabled() const;
   const GradScalerOptions& options() const;
 
+  // Reports the floor hits the device counters hold now, as on_min_scale says (a host sync).
+  void check_min_scale();
+
   // Device flag set by the last update(): > 0 if that iteration's steps were skipped. nullopt
   // before the first update().
   const std::optional<at::Tensor>& last_found_inf() const;
@@ -167,6 +181,11 @@ class GradScaler {
   };
 
   void lazy_init(const c10::Device& device);
+  // Floor detection: whether update() may look at the counters now, a copy of them on its way to
+  // the host, and the report of the copies that arrived (all of them when `blocking`).
+  bool may_poll() const;
+  void post_stats_copy();
+  void poll_min_scale(bool blocking);
   engine::ScalerCheckpoint check_checkpoint(torch::serialize::InputArchive& archive) const;
   void apply_checkpoint(const engine::ScalerCheckpoint& checkpoint);
   // `scale` within [min_scale, max_scale] (a warning when it was not).
@@ -188,6 +207,12 @@ class GradScaler {
   at::Tensor stats_;               // int64[kNumScaleStats]
   std::optional<at::Tensor> last_found_inf_;
   std::unordered_map<const torch::optim::Optimizer*, OptimizerState> per_optimizer_states_;
+  struct PendingStats {
+    at::Tensor host;                     // the counters, or their copy on its way to the host
+    std::shared_ptr<c10::Event> copied;  // recorded after the copy (none: already on the host)
+  };
+  std::vector<PendingStats> pending_stats_;
+  int64_t floor_hits_seen_ = 0;
 };
 
 // torch::save(scaler, path) / torch::load(scaler, path).
