@@ -566,6 +566,8 @@ def test_extension_arguments_are_validated():
         (dict(max_scale=0.0), "max_scale must be a number > 0"),
         (dict(min_scale=2.0, max_scale=1.0), r"min_scale \(2.0\) must not be greater than max_scale \(1.0\)"),
         (dict(on_min_scale="loud"), "on_min_scale must be"),
+        (dict(on_min_scale=["warn"]), r"on_min_scale must be 'warn', 'raise' or 'ignore', got \['warn'\]\."),
+        (dict(on_min_scale=b"warn"), r"got b'warn'\."),
     ]:
         with pytest.raises(ValueError, match=msg):
             OurScaler("cpu", **kw)

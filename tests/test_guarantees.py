@@ -231,20 +231,26 @@ def test_compiled_training_step_breaks_no_more_than_torchs_fused_adamw_and_equal
 
 def test_compiled_step_refuses_a_bad_group_value_before_any_group_steps():
     """A compiled step is traced for its groups' values: a value changed to one the step op refuses
-    (here the second group's lr) is refused when the step is traced again, before any group steps."""
+    (the second group's lr, its stochastic-rounding seed) is refused when the step is traced again,
+    before any group steps."""
     torch._dynamo.reset()
-    p, q = torch.randn(64, requires_grad=True), torch.randn(64, requires_grad=True)
-    opt = ampfuse.optim.AdamW([{"params": [p]}, {"params": [q]}], lr=0.1)
+    p = torch.randn(64, dtype=torch.bfloat16, requires_grad=True)
+    q = torch.randn(64, dtype=torch.bfloat16, requires_grad=True)
+    opt = ampfuse.optim.AdamW([{"params": [p]}, {"params": [q]}], lr=0.1, master_weights="stochastic")
     step = torch.compile(opt.step, backend="aot_eager")
     for _ in range(2):
-        p.grad, q.grad = torch.randn(64), torch.randn(64)
+        p.grad, q.grad = torch.randn(64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
         step()
-    opt.param_groups[1]["lr"] = -1.0
-    before = [p.detach().clone(), q.detach().clone(), *(t.clone() for t in opt.state[p].values())]
-    with pytest.raises(Exception, match="lr must be >= 0"):
-        step()
-    after = [p.detach(), q.detach(), *opt.state[p].values()]
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    for key, value, message in (("lr", -1.0, "lr must be >= 0"),
+                                 ("rounding_seed", -5, r"rounding_seed must be in \[0, 2\*\*53\)")):
+        good = opt.param_groups[1][key]
+        opt.param_groups[1][key] = value
+        before = [p.detach().clone(), q.detach().clone(), *(t.clone() for t in opt.state[p].values())]
+        with pytest.raises(Exception, match=message):
+            step()
+        after = [p.detach(), q.detach(), *opt.state[p].values()]
+        assert all(torch.equal(a, b) for a, b in zip(before, after))
+        opt.param_groups[1][key] = good
 
 
 # ------------------------------------------------------------------------------------------------

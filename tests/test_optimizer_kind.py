@@ -70,3 +70,34 @@ def test_state_keys_follow_their_gate_options():
 def test_an_unknown_kind_is_refused_naming_the_kinds():
     with pytest.raises(ValueError, match="unknown optimizer kind 'lamb'; the kinds are 'sgd', 'adam'"):
         torch.ops.ampfuse.optimizer_kind("lamb")
+
+
+def test_a_group_without_an_option_the_kind_reads_is_refused_naming_it_before_any_change():
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = ampfuse.optim.Adam([p], lr=0.1)
+    del opt.param_groups[0]["eps"]
+    p.grad = torch.ones(4)
+    with pytest.raises(KeyError, match="eps"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(4)) and not opt.state[p]
+    # an option groups saved by an older torch lack takes the kind's value for them
+    opt = ampfuse.optim.Adam([p], lr=0.1)
+    del opt.param_groups[0]["decoupled_weight_decay"]
+    opt.step()
+    assert torch.isfinite(p).all() and not torch.equal(p.detach(), torch.ones(4))
+
+
+def test_the_optimizers_base_class_is_not_an_optimizer_of_its_own():
+    class Mine(ampfuse.optim.FusedOptimizer):
+        pass
+
+    with pytest.raises(TypeError, match="subclass one of them"):
+        Mine([torch.nn.Parameter(torch.zeros(2))], dict(lr=0.1, master_weights="auto"))
+
+
+def test_the_step_op_refuses_a_stochastic_rounding_seed_out_of_range():
+    p = torch.zeros(8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"rounding_seed must be in \[0, 2\*\*53\), got -5"):
+        ampfuse.ops.sgd_step_([p], [torch.ones(8, dtype=torch.bfloat16)], [], [], [torch.zeros(())], lr=0.1,
+                              rounding_seed=-5)
+    assert not p.any()

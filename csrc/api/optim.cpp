@@ -483,6 +483,7 @@ std::vector<double> kind_values(const typename P::Options& o, const c10::Dict<st
     }
     auto it = values.find(h.option);
     if (it == values.end()) {
+      TORCH_CHECK(!std::isnan(h.fallback), "ampfuse::optim::", P::kName, ": the options have no '", h.option, "'.");
       out.push_back(h.fallback);
       continue;
     }

@@ -20,7 +20,9 @@ TORCH_LIBRARY_FRAGMENT(ampfuse, m) {
   m.impl("optimizer_kind", &ampfuse::engine::optimizer_kind_op);
   m.impl("scale_bounds_check", &ampfuse::engine::scale_bounds_op);
   m.impl("scaler_options_check", &ampfuse::engine::scaler_options_op);
-  m.impl("on_min_scale_check", [](const c10::IValue& v) { ampfuse::engine::check_on_min_scale(v); });
+  m.impl("on_min_scale_check", [](std::optional<std::string> v, std::optional<std::string> shown) {
+    ampfuse::engine::check_on_min_scale(v ? c10::IValue(*v) : c10::IValue(), shown);
+  });
   m.impl("floor_hit_message", [](int64_t n, double floor) { return ampfuse::engine::floor_hit_message(n, floor); });
 
   using ampfuse::engine::AccumulatePlan;

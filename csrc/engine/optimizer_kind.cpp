@@ -5,12 +5,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace ampfuse::engine {
 namespace {
 
 using T = HyperType;
 using B = HyperBound;
+
+// A hyper-parameter every group holds (no fallback): a group without it is refused, naming it.
+constexpr double R = std::numeric_limits<double>::quiet_NaN();
 
 // Every kind ends with these: bf16 params without a master rounded stochastically, with draws
 // of the seed (both from the group's master_weights and rounding_seed, as each surface holds them).
@@ -20,12 +24,12 @@ constexpr HyperSpec kSeed{"rounding_seed", "", -1, T::Seed, B::Any, false, 0.0};
 const OptimizerKind kSgd{
     "sgd",
     {"SGD"},
-    {{"lr", "lr", -1, T::Real, B::AtLeastZero, true, 0.0},
-     {"momentum", "momentum", -1, T::Real, B::AtLeastZero, true, 0.0},
-     {"dampening", "dampening", -1, T::Real, B::Any, false, 0.0},
-     {"weight_decay", "weight_decay", -1, T::Real, B::AtLeastZero, false, 0.0},
-     {"nesterov", "nesterov", -1, T::Flag, B::Any, false, 0.0},
-     {"maximize", "maximize", -1, T::Flag, B::Any, false, 0.0},
+    {{"lr", "lr", -1, T::Real, B::AtLeastZero, true, R},
+     {"momentum", "momentum", -1, T::Real, B::AtLeastZero, true, R},
+     {"dampening", "dampening", -1, T::Real, B::Any, false, R},
+     {"weight_decay", "weight_decay", -1, T::Real, B::AtLeastZero, false, R},
+     {"nesterov", "nesterov", -1, T::Flag, B::Any, false, R},
+     {"maximize", "maximize", -1, T::Flag, B::Any, false, R},
      kStochastic,
      kSeed},
     {{"momentum_buffer", "momentum_buffers", "momentum_absmax", "momentum", "state_dtype", false}},
@@ -35,13 +39,13 @@ const OptimizerKind kSgd{
 const OptimizerKind kAdam{
     "adam",
     {"Adam", "AdamW"},
-    {{"lr", "lr", -1, T::Real, B::AtLeastZero, true, 0.0},
-     {"beta1", "betas", 0, T::Real, B::UnitInterval, true, 0.0},
-     {"beta2", "betas", 1, T::Real, B::UnitInterval, false, 0.0},
-     {"eps", "eps", -1, T::Real, B::AtLeastZero, false, 0.0},
-     {"weight_decay", "weight_decay", -1, T::Real, B::AtLeastZero, false, 0.0},
-     {"amsgrad", "amsgrad", -1, T::Flag, B::Any, false, 0.0},
-     {"maximize", "maximize", -1, T::Flag, B::Any, false, 0.0},
+    {{"lr", "lr", -1, T::Real, B::AtLeastZero, true, R},
+     {"beta1", "betas", 0, T::Real, B::UnitInterval, true, R},
+     {"beta2", "betas", 1, T::Real, B::UnitInterval, false, R},
+     {"eps", "eps", -1, T::Real, B::AtLeastZero, false, R},
+     {"weight_decay", "weight_decay", -1, T::Real, B::AtLeastZero, false, R},
+     {"amsgrad", "amsgrad", -1, T::Flag, B::Any, false, R},
+     {"maximize", "maximize", -1, T::Flag, B::Any, false, R},
      {"decoupled_weight_decay", "decoupled_weight_decay", -1, T::Flag, B::Any, false, 0.0},
      kStochastic,
      kSeed},

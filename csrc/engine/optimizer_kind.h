@@ -38,7 +38,8 @@ struct HyperSpec {
   HyperType type;
   HyperBound bound;
   bool device;         // besides lr, the one value a 1-element device tensor may hold
-  double fallback;     // its value when a group lacks the option (a group saved by an older torch)
+  double fallback;     // its value when a group lacks the option (a group saved by an older torch);
+                       // NaN: every group holds it
 };
 
 struct StateSpec {

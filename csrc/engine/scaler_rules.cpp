@@ -243,11 +243,12 @@ void scaler_options_op(double init_scale, double growth_factor, double backoff_f
   check_update_options(growth_factor, backoff_factor, growth_interval, hysteresis);
 }
 
-void check_on_min_scale(const c10::IValue& on_min_scale) {
-  const bool ok = on_min_scale.isString() &&
+void check_on_min_scale(const c10::IValue& on_min_scale, const std::optional<std::string>& shown) {
+  const bool ok = !shown && on_min_scale.isString() &&
                   (on_min_scale.toStringRef() == "warn" || on_min_scale.toStringRef() == "raise" ||
                    on_min_scale.toStringRef() == "ignore");
-  TORCH_CHECK_VALUE(ok, "on_min_scale must be 'warn', 'raise' or 'ignore', got ", repr(on_min_scale), ".");
+  TORCH_CHECK_VALUE(ok, "on_min_scale must be 'warn', 'raise' or 'ignore', got ", shown ? *shown : repr(on_min_scale),
+                    ".");
 }
 
 std::string floor_hit_message(int64_t new_hits, double floor) {

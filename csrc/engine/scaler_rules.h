@@ -64,9 +64,10 @@ ScalerCheckpoint check_scaler_checkpoint(const c10::Dict<std::string, c10::IValu
                                          const ScalerCheckpoint& current, const std::string& source);
 
 // What a scaler does when its scale hits its floor: "warn", "raise" or "ignore" (ValueError naming
-// the option otherwise), and the report of `new_hits` hits at `floor` (min_scale, or the smallest
-// normal float32) both surfaces warn or raise with.
-void check_on_min_scale(const c10::IValue& on_min_scale);
+// the option otherwise; `shown`: a value the caller holds that is no string, as it prints it, and
+// refused), and the report of `new_hits` hits at `floor` (min_scale, or the smallest normal
+// float32) both surfaces warn or raise with.
+void check_on_min_scale(const c10::IValue& on_min_scale, const std::optional<std::string>& shown = std::nullopt);
 std::string floor_hit_message(int64_t new_hits, double floor);
 
 // The two as ops (registration.cpp), for Python: the checked values by name.

@@ -148,7 +148,7 @@ TORCH_LIBRARY(ampfuse, m) {
   // not below FLT_MIN, min <= max). Raises ValueError.
   m.def("scale_bounds_check(Any min_scale, Any max_scale) -> ()");
   // What a scaler does at its floor ("warn", "raise", "ignore"), and its report of floor hits.
-  m.def("on_min_scale_check(Any on_min_scale) -> ()");
+  m.def("on_min_scale_check(str? on_min_scale, str? shown) -> ()");
   m.def("floor_hit_message(int new_hits, float floor) -> str");
   m.def("scaler_options_check(float init_scale, float growth_factor, float backoff_factor, int growth_interval, "
         "int hysteresis) -> ()");

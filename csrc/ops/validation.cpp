@@ -398,8 +398,17 @@ c10::Device check_optim_args(const OptimLists& l, const HyperTensors& hyper_tens
   return *device;
 }
 
+namespace {
+// The seed of stochastic rounding's draws: an integer in [0, 2**53) (a double holds it exactly).
+void check_rounding_seed(bool stochastic, int64_t seed) {
+  TORCH_CHECK(!stochastic || (seed >= 0 && seed < (int64_t{1} << 53)), "rounding_seed must be in [0, 2**53), got ",
+              seed, ".");
+}
+}  // namespace
+
 void check_sgd_hyper(const SgdHyper& h, const OptimLists& l, bool momentum_tensor) {
   TORCH_CHECK(h.lr >= 0.0, "lr must be >= 0, got ", h.lr, ".");
+  check_rounding_seed(h.stochastic_rounding, h.rounding_seed);
   TORCH_CHECK(h.momentum >= 0.0, "momentum must be >= 0, got ", h.momentum, ".");
   TORCH_CHECK(h.weight_decay >= 0.0, "weight_decay must be >= 0, got ", h.weight_decay, ".");
   const bool has_momentum = momentum_tensor || h.momentum != 0.0;
@@ -413,6 +422,7 @@ void check_sgd_hyper(const SgdHyper& h, const OptimLists& l, bool momentum_tenso
 
 void check_adam_hyper(const AdamHyper& h, const OptimLists& l) {
   TORCH_CHECK(h.lr >= 0.0, "lr must be >= 0, got ", h.lr, ".");
+  check_rounding_seed(h.stochastic_rounding, h.rounding_seed);
   TORCH_CHECK(h.eps >= 0.0, "eps must be >= 0, got ", h.eps, ".");
   TORCH_CHECK(h.beta1 >= 0.0 && h.beta1 < 1.0, "beta1 must be in [0, 1), got ", h.beta1, ".");
   TORCH_CHECK(h.beta2 >= 0.0 && h.beta2 < 1.0, "beta2 must be in [0, 1), got ", h.beta2, ".");

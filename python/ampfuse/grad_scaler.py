@@ -235,7 +235,8 @@ class GradScaler(torch.amp.GradScaler):
         if not isinstance(hysteresis, int) or isinstance(hysteresis, bool) or hysteresis < 1:
             raise ValueError(f"hysteresis must be an integer >= 1, got {hysteresis!r}.")
         _check_bounds(min_scale, max_scale)
-        torch.ops.ampfuse.on_min_scale_check(engine_value(on_min_scale))
+        text = isinstance(on_min_scale, str)  # anything else is refused, shown as Python prints it
+        torch.ops.ampfuse.on_min_scale_check(on_min_scale if text else None, None if text else repr(on_min_scale))
 
         # torch's constructor, reproduced so that its warning points at the caller's line.
         self._device = device

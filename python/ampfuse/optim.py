@@ -304,6 +304,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._param_dtypes: dict[int, torch.dtype] = {}
         self._plans: dict[int, _Plan] = {}
         self._native: _NativePlan | None = None
+        if not self._kind_name:
+            raise TypeError(f"{type(self).__name__}: ampfuse's optimizers are SGD, Adam and AdamW (subclass one of "
+                            "them); FusedOptimizer is their base, stepped by an engine kind they name.")
         self._kind = _kind(self._kind_name)
         # every step the validated way when AMPFUSE_STEP_PLAN=0 (debugging, A/B)
         self._native_kind = self._kind_name if os.environ.get("AMPFUSE_STEP_PLAN", "1") != "0" else ""
@@ -492,7 +495,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         values: dict[str, Any] = {}
         for h in self._kind.hyper:
             if h.option and h.option not in values:
-                v = group.get(h.option, h.fallback)
+                v = _option_value(group, h)
                 values[h.option] = bool(v) if h.type == "flag" else _hyper_value(v)
         return values
 
@@ -987,7 +990,7 @@ class _Hyper(NamedTuple):
     element: int  # its element of a pair option, else -1
     type: str  # "real", "flag" or "seed"
     device: bool  # may be a 1-element device tensor
-    fallback: float  # its value when the group lacks the option
+    fallback: float  # its value when the group lacks the option (NaN: every group holds it)
 
 
 class _Kind(NamedTuple):
@@ -1017,9 +1020,15 @@ def _kind(name: str) -> _Kind:
     return kind
 
 
+def _option_value(group: dict[str, Any], h: _Hyper) -> Any:
+    """The group's option hyper-parameter ``h`` is read from: KeyError when the group lacks it,
+    unless the kind gives it a value for groups that lack it (saved by an older torch)."""
+    return group[h.option] if math.isnan(h.fallback) else group.get(h.option, h.fallback)
+
+
 def _option_of(group: dict[str, Any], h: _Hyper) -> Any:
     """The value of hyper-parameter ``h`` in ``group`` (an element of a pair option)."""
-    v = group.get(h.option, h.fallback)
+    v = _option_value(group, h)
     return v[h.element] if h.element >= 0 else v
 
 
