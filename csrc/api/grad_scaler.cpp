@@ -225,11 +225,11 @@ GradScaler::PerDevice GradScaler::unscale_grads(torch::optim::Optimizer& optimiz
   // (allow_fp16, an inv_scale of exactly 1: read only). The plan divides by the scale it is
   // given (float(1 / double(scale)), the same value as inv_scale()).
   auto* fused = as_fused(optimizer);
-  if (fused != nullptr && (allow_fp16 || !detail::plan_reads_fp16(*fused))) {
+  if (fused != nullptr) {
     const bool check_only = allow_fp16;
     at::NoGradGuard no_grad;
     if (auto out = detail::plan_check(*fused, check_only ? inv_scale : scale_, !check_only, false, 2.0,
-                                     std::nullopt)) {
+                                     std::nullopt, allow_fp16)) {
       PerDevice found;
       for (auto& f : *out) found.emplace_back(f.device(), f);
       return found;
@@ -286,10 +286,9 @@ at::Tensor GradScaler::unscale_and_clip_(torch::optim::Optimizer& optimizer, dou
   if (fused != nullptr) {
     // Through the optimizer's step plan when current: read only, the optimizer's step applies
     // 1/scale and the clip coefficient.
-    const bool single = detail::plan_devices(*fused) <= 1;
     at::NoGradGuard no_grad;
-    if (auto out = detail::plan_check(*fused, scale_, false, true, norm_type,
-                                     single ? std::optional<double>(max_norm) : std::nullopt)) {
+    if (auto out = detail::plan_check(*fused, scale_, false, true, norm_type, max_norm, /*allow_fp16=*/true)) {
+      const bool single = out->size() == 3;  // one device: the plan computed the clip coefficient
       PerDevice found;
       std::vector<at::Tensor> norms;
       for (size_t k = 0; k < out->size(); k += 3) {

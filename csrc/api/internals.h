@@ -54,16 +54,14 @@ struct OptimizerInternals {
 };
 
 // GradScaler's pass over the gradients the next step of `opt` reads, through its current step
-// plan: per device [found_inf] or [found_inf, total_norm, clip_coef] (see engine/step_plan.h);
-// nullopt when no plan is current or it saw a change (the caller then goes the validated way).
+// plan (one look at the optimizer's params): per device [found_inf] or [found_inf, total_norm,
+// clip_coef] (see engine/step_plan.h; clip_coef with `max_norm` on one device only); nullopt when
+// no plan is current, it saw a change, or it reads fp16 gradients and `allow_fp16` is false (the
+// caller then goes the validated way), as Python's FusedOptimizer.scaler_check.
 std::optional<std::vector<at::Tensor>> plan_check(optim::FusedOptimizer& opt,
                                                   const at::Tensor& scale, bool write,
                                                   bool with_norm, double norm_type,
-                                                  std::optional<double> max_norm);
-// How many devices the current plan's gradients are on (0 without a plan), and whether it reads
-// fp16 gradients.
-int plan_devices(const optim::FusedOptimizer& opt);
-bool plan_reads_fp16(const optim::FusedOptimizer& opt);
+                                                  std::optional<double> max_norm, bool allow_fp16);
 
 // torch::nn::utils::clip_grad_norm_ over the gradients the next step of `optimizer` reads (an
 // ampfuse optimizer's grad_of: a window's fp32 sums where the accumulator holds them), in place;

@@ -855,21 +855,15 @@ void build_plan(OptimizerInternals& in, const std::vector<StepPlanBucket>& bucke
 
 }  // namespace
 
-int plan_devices(const optim::FusedOptimizer& opt) {
-  return opt.has_step_plan() ? opt.internals().plan->devices : 0;
-}
-
-bool plan_reads_fp16(const optim::FusedOptimizer& opt) {
-  return opt.has_step_plan() && opt.internals().plan->fp16_grads;
-}
-
 std::optional<std::vector<at::Tensor>> plan_check(optim::FusedOptimizer& opt,
                                                   const at::Tensor& scale, bool write,
                                                   bool with_norm, double norm_type,
-                                                  std::optional<double> max_norm) {
+                                                  std::optional<double> max_norm, bool allow_fp16) {
   if (!opt.has_step_plan()) return std::nullopt;
+  const OptimizerPlan& plan = *opt.internals().plan;
+  if (plan.fp16_grads && !allow_fp16) return std::nullopt;
   std::vector<at::Tensor> out =
-      opt.internals().plan->plan->check(scale, write, with_norm, norm_type, max_norm);
+      plan.plan->check(scale, write, with_norm, norm_type, plan.devices <= 1 ? max_norm : std::nullopt);
   if (out.empty()) return std::nullopt;
   return out;
 }
