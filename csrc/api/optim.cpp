@@ -470,31 +470,6 @@ c10::Dict<std::string, c10::IValue> option_values(const typename P::Options& o) 
   return values;
 }
 
-// The kind's hyper-parameter values of options `values` (engine/optimizer_kind.h), stochastic
-// rounding and its seed from the master options.
-template <class P>
-std::vector<double> kind_values(const typename P::Options& o, const c10::Dict<std::string, c10::IValue>& values) {
-  std::vector<double> out;
-  for (const engine::HyperSpec& h : engine::kind_of_optimizer(P::kName).hyper) {
-    if (*h.option == '\0') {
-      out.push_back(h.type == engine::HyperType::Seed ? static_cast<double>(o.rounding_seed())
-                                                      : static_cast<double>(stochastic(o)));
-      continue;
-    }
-    auto it = values.find(h.option);
-    if (it == values.end()) {
-      TORCH_CHECK(!std::isnan(h.fallback), "ampfuse::optim::", P::kName, ": the options have no '", h.option, "'.");
-      out.push_back(h.fallback);
-      continue;
-    }
-    c10::IValue v = it->value();
-    if (h.element >= 0) v = v.toTupleRef().elements()[h.element];
-    out.push_back(v.isBool() ? static_cast<double>(v.toBool()) : v.isInt() ? static_cast<double>(v.toInt())
-                                                                           : v.toDouble());
-  }
-  return out;
-}
-
 template <typename O>
 const O& options_of(const OptimizerOptions& options, const char* optimizer) {
   const auto* o = dynamic_cast<const O*>(&options);
@@ -1035,8 +1010,9 @@ void Fused<P>::set_plan_hyper(detail::OptimizerPlan& plan) const {
   plan.options.clear();
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto& o = static_cast<const Options&>(groups[g].options());
-    plan.plan->set_packed(static_cast<int64_t>(g), plan.plan->kind_descriptor().pack(kind_values<P>(o, values[g])),
-                          std::nullopt);
+    plan.plan->set_options(static_cast<int64_t>(g), values[g],
+                           stochastic(o) ? std::optional<int64_t>(o.rounding_seed()) : std::nullopt, std::nullopt,
+                           std::nullopt);
     plan.options.push_back(std::make_unique<Options>(o));
   }
 }

@@ -70,6 +70,7 @@ TORCH_LIBRARY_FRAGMENT(ampfuse, m) {
   m.class_<StepPlan>("StepPlan")
       .def(torch::init<std::string>())
       .def("set_hyper", &StepPlan::set_hyper)
+      .def("set_options", &StepPlan::set_options)
       .def("hyper_names", &StepPlan::hyper_names)
       .def("add_bucket", &StepPlan::add_bucket, "",
            {torch::arg("group"), torch::arg("params"), torch::arg("masters"), torch::arg("state0"),

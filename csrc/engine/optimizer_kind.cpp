@@ -116,6 +116,32 @@ std::vector<double> OptimizerKind::values_by_name(const c10::Dict<std::string, d
   return v;
 }
 
+std::vector<double> OptimizerKind::values_of_options(const c10::Dict<std::string, c10::IValue>& options,
+                                                     std::optional<int64_t> rounding_seed,
+                                                     const std::string& who) const {
+  std::vector<double> out;
+  out.reserve(hyper.size());
+  for (const HyperSpec& h : hyper) {
+    if (*h.option == '\0') {  // from the master options
+      out.push_back(h.type == T::Seed ? static_cast<double>(rounding_seed.value_or(0))
+                                      : static_cast<double>(rounding_seed.has_value()));
+      continue;
+    }
+    auto it = options.find(h.option);
+    if (it == options.end()) {
+      TORCH_CHECK(!std::isnan(h.fallback), who, ": the options have no '", h.option, "'.");
+      out.push_back(h.fallback);
+      continue;
+    }
+    c10::IValue v = it->value();
+    if (h.element >= 0) v = v.isTuple() ? v.toTupleRef().elements()[h.element] : v.toListRef()[h.element];
+    out.push_back(v.isTensor() ? 0.0 : v.isBool() ? static_cast<double>(v.toBool())
+                                 : v.isInt()  ? static_cast<double>(v.toInt())
+                                              : v.toDouble());
+  }
+  return out;
+}
+
 PackedHyper OptimizerKind::pack(const std::vector<double>& v) const {
   TORCH_CHECK(v.size() == hyper.size(), "OptimizerKind.pack: a ", name, " kind takes ", hyper.size(),
               " values, got ", v.size(), ".");

@@ -85,6 +85,12 @@ struct OptimizerKind {
   // Values by name (each of `hyper`'s names exactly once, flags 0 or 1, the seed an integer) in
   // `hyper`'s order; `who` starts each message ("StepPlan.set_hyper").
   std::vector<double> values_by_name(const c10::Dict<std::string, double>& named, const char* who) const;
+  // The values in `hyper`'s order read from a group's options by option name, as both surfaces
+  // hold them (numbers, bools, a pair for betas; a device tensor as 0: the step reads it), with
+  // stochastic rounding on when `rounding_seed` is given. A required option missing is refused,
+  // `who` naming the options ("ampfuse::optim::AdamW").
+  std::vector<double> values_of_options(const c10::Dict<std::string, c10::IValue>& options,
+                                        std::optional<int64_t> rounding_seed, const std::string& who) const;
   std::vector<std::string> hyper_names() const;
 };
 

@@ -65,6 +65,13 @@ void StepPlan::set_hyper(int64_t group, const c10::Dict<std::string, double>& hy
              std::move(momentum));
 }
 
+void StepPlan::set_options(int64_t group, const c10::Dict<std::string, c10::IValue>& options,
+                           std::optional<int64_t> rounding_seed, std::optional<at::Tensor> lr,
+                           std::optional<at::Tensor> momentum) {
+  set_packed(group, kind_->pack(kind_->values_of_options(options, rounding_seed, "StepPlan.set_options")),
+             std::move(lr), std::move(momentum));
+}
+
 StepPlan::Span StepPlan::extent_of(c10::IntArrayRef sizes, c10::IntArrayRef strides,
                                     size_t item) {
   int64_t lo = 0, hi = 0;

@@ -54,6 +54,12 @@ class StepPlan : public torch::CustomClassHolder {
   void set_hyper(int64_t group, const c10::Dict<std::string, double>& hyper,
                  std::optional<at::Tensor> lr, std::optional<at::Tensor> momentum);
   std::vector<std::string> hyper_names() const;
+  // The hyper-parameters of group `group` read from its options by option name, as both surfaces
+  // hold them (OptimizerKind::values_of_options); stochastic rounding with `rounding_seed` when
+  // given.
+  void set_options(int64_t group, const c10::Dict<std::string, c10::IValue>& options,
+                   std::optional<int64_t> rounding_seed, std::optional<at::Tensor> lr,
+                   std::optional<at::Tensor> momentum);
 
   // One bucket of param group `group`: same device, param dtype, gradient dtype (the params' own,
   // or fp32 when `fp32_grads`) and master kind. masters and each state list empty or one tensor

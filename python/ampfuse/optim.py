@@ -839,7 +839,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _set_native_hyper(self, native: _NativePlan) -> None:
         """Every group's hyper-parameters, checked (as the validated way checks them), into the
-        plan by name; kept there while no value of any group was replaced (and none can change
+        plan by option name (the engine reads the kind's values from them); kept there while no value of any group was replaced (and none can change
         in place: the lr tensor's value the plan reads at every step)."""
         snapshots = [_hyper_snapshot(g) for g in self.param_groups]
         if native.hyper is not None and _same_snapshots(snapshots, native.hyper):
@@ -849,19 +849,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             lr = group["lr"]
             tensor_lr = isinstance(lr, torch.Tensor)
-            native.plan.set_hyper(gi, self._native_group_hyper(group), lr if tensor_lr else None,
-                                  self._momentum_tensor(group))
+            native.plan.set_options(gi, self._hyper_values(group), _rounding_seed(group), lr if tensor_lr else None,
+                                    self._momentum_tensor(group))
         native.hyper = snapshots if all(map(_immutable_hyper, self.param_groups)) else None
-
-    def _native_group_hyper(self, group: dict[str, Any]) -> dict[str, float]:
-        """A group's hyper-parameters by the plan's names (``StepPlan.hyper_names()``, the kind's);
-        a device value (lr, :meth:`_momentum_tensor`) as 0."""
-        out = _rounding_hyper(group)
-        for h in self._kind.hyper:
-            if h.option:
-                v = _option_of(group, h)
-                out[h.name] = float(bool(v)) if h.type == "flag" else 0.0 if isinstance(v, torch.Tensor) else float(v)
-        return out
 
     def _momentum_tensor(self, group: dict[str, Any]) -> torch.Tensor | None:
         """The kind's device value besides lr (SGD's momentum, Adam's beta1) when the group holds
@@ -1065,12 +1055,6 @@ def _group_hyper_check(optimizer: str, values: dict[str, Any], group: str) -> No
 def _rounding_seed(group: dict[str, Any]) -> int | None:
     """The step ops' ``rounding_seed``: the group's under ``master_weights="stochastic"``, else None."""
     return int(group.get("rounding_seed", 0)) if group["master_weights"] == "stochastic" else None
-
-
-def _rounding_hyper(group: dict[str, Any]) -> dict[str, float]:
-    """The step plan's stochastic rounding entries of a group."""
-    seed = _rounding_seed(group)
-    return {"stochastic_rounding": float(seed is not None), "rounding_seed": float(seed or 0)}
 
 
 def _slot_names(keys: Sequence[str]) -> tuple[str, ...]:
